@@ -1,0 +1,110 @@
+"""The database: schema, event log, sessions, leases, ACLs, boot log and child registry.
+
+This package is the contract the supervisor and the workers share; each process opens its
+own `Store` (its own connections) on the same database URL.
+"""
+
+from __future__ import annotations
+
+from types import TracebackType
+
+import peewee
+
+from supervisor.store import migrations
+from supervisor.store.boots import Boot, Boots, Child, Children
+from supervisor.store.db import backend, open_database, sqlite_path
+from supervisor.store.errors import (
+    BadStoreURL,
+    LeaseLost,
+    SchemaMissing,
+    SchemaTooNew,
+    SessionNotFound,
+    StoreBusy,
+    StoreError,
+)
+from supervisor.store.eventlog import EVENT_TYPES, EventLog, EventRecord
+from supervisor.store.models import MODELS
+from supervisor.store.sessions import KINDS, PERMISSIONS, Acl, Lease, Leases, SessionInfo, Sessions
+
+__all__ = [
+    "EVENT_TYPES",
+    "KINDS",
+    "PERMISSIONS",
+    "Acl",
+    "BadStoreURL",
+    "Boot",
+    "Boots",
+    "Child",
+    "Children",
+    "EventLog",
+    "EventRecord",
+    "Lease",
+    "LeaseLost",
+    "Leases",
+    "SchemaMissing",
+    "SchemaTooNew",
+    "SessionInfo",
+    "SessionNotFound",
+    "Sessions",
+    "Store",
+    "StoreBusy",
+    "StoreError",
+]
+
+
+class Store:
+    """One process's handle on the database.
+
+    `migrate=True` (the daemon, `turnkeeper db migrate`) creates or upgrades the schema;
+    `migrate=False` (read-only commands) refuses a missing or outdated one with a clear
+    error instead of creating a database by accident.
+    """
+
+    def __init__(self, url: str, synchronous: str = "full", *, migrate: bool = True) -> None:
+        path = sqlite_path(url)
+        if not migrate and path is not None and not path.exists():
+            raise SchemaMissing(
+                f"no database at {path}: start the daemon or run `turnkeeper db migrate`"
+            )
+        self.url = url
+        self.db: peewee.Database = open_database(url, synchronous)
+        self.db.bind(MODELS, bind_refs=False, bind_backrefs=False)
+        try:
+            self.db.connect(reuse_if_open=True)
+            if migrate:
+                self.schema_before, self.schema_version = migrations.migrate(self.db)
+            else:
+                self.schema_before = self.schema_version = migrations.check(self.db)
+        except peewee.OperationalError as exc:
+            self.db.close()
+            raise StoreError(f"cannot open the database ({backend(self.db)}): {exc}") from exc
+        except BaseException:
+            self.db.close()
+            raise
+        self.events = EventLog(self.db)
+        self.sessions = Sessions(self.db)
+        self.acl = Acl(self.db)
+        self.leases = Leases(self.db)
+        self.boots = Boots(self.db)
+        self.children = Children(self.db)
+
+    @property
+    def backend(self) -> str:
+        """`sqlite`, `postgresql` or `mysql`."""
+        return backend(self.db)
+
+    def close(self) -> None:
+        """Commit queued appends, stop the committer and close this thread's connection."""
+        self.events.close()
+        self.db.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

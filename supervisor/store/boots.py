@@ -1,0 +1,159 @@
+"""The boot log (one row per daemon start) and the child-process registry."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import peewee
+
+from supervisor.store.db import db_now, run_write
+from supervisor.store.models import AgentBootLog, ChildProcess
+
+OUTCOMES = ("clean", "unclean", "startup_failed")
+
+
+@dataclass(frozen=True)
+class Boot:
+    """One daemon start. `outcome` None means it never ended (yet, or ever)."""
+
+    boot_id: str
+    host: str
+    pid: int
+    version: str
+    started_at: float
+    ended_at: float | None
+    outcome: str | None
+    attempted: list[str]
+    breaker: dict[str, Any] | None
+
+
+class Boots:
+    """Begin and end boot rows; read recent ones."""
+
+    def __init__(self, db: peewee.Database) -> None:
+        self._db = db
+
+    def begin(self, host: str, pid: int, version: str) -> str:
+        """Write this boot's row first thing; returns its boot id."""
+        boot_id = uuid.uuid4().hex
+        started = db_now(self._db)
+        run_write(
+            self._db,
+            lambda: AgentBootLog.insert(
+                boot_id=boot_id, host=host, pid=pid, version=version, started_at=started
+            ).execute(),
+        )
+        return boot_id
+
+    def end(self, boot_id: str, outcome: str) -> None:
+        """Record how the boot ended."""
+        if outcome not in OUTCOMES:
+            raise ValueError(f"outcome must be one of {', '.join(OUTCOMES)}")
+        ended = db_now(self._db)
+        run_write(
+            self._db,
+            lambda: (
+                AgentBootLog.update(ended_at=ended, outcome=outcome)
+                .where(AgentBootLog.boot_id == boot_id)
+                .execute()
+            ),
+        )
+
+    def set_attempted(self, boot_id: str, session_ids: list[str]) -> None:
+        """Write the sessions this boot is about to continue, before it starts any."""
+        run_write(
+            self._db,
+            lambda: (
+                AgentBootLog.update(attempted=json.dumps(session_ids))
+                .where(AgentBootLog.boot_id == boot_id)
+                .execute()
+            ),
+        )
+
+    def recent(self, limit: int = 20) -> list[Boot]:
+        """The newest boots first."""
+        query = AgentBootLog.select().order_by(AgentBootLog.started_at.desc()).limit(limit)
+        return [
+            Boot(
+                boot_id=row.boot_id,
+                host=row.host,
+                pid=row.pid,
+                version=row.version,
+                started_at=row.started_at,
+                ended_at=row.ended_at,
+                outcome=row.outcome,
+                attempted=json.loads(row.attempted or "[]"),
+                breaker=json.loads(row.breaker) if row.breaker else None,
+            )
+            for row in query
+        ]
+
+
+@dataclass(frozen=True)
+class Child:
+    """A process turnkeeper started; (pid, create_time) identifies it despite pid reuse."""
+
+    id: int
+    boot: str
+    pid: int
+    create_time: float
+    pgid: int | None
+    kind: str
+    worker: str | None
+    name: str
+
+
+class Children:
+    """The registry of live workers and MCP children, for the boot-time sweep."""
+
+    def __init__(self, db: peewee.Database) -> None:
+        self._db = db
+
+    def record(
+        self,
+        boot: str,
+        pid: int,
+        create_time: float,
+        kind: str,
+        *,
+        pgid: int | None = None,
+        worker: str | None = None,
+        name: str = "",
+    ) -> int:
+        """Register a child right after it started; returns its row id."""
+        row_id: int = run_write(
+            self._db,
+            lambda: ChildProcess.insert(
+                boot=boot,
+                pid=pid,
+                create_time=create_time,
+                pgid=pgid,
+                kind=kind,
+                worker=worker,
+                name=name,
+                started_at=time.time(),
+            ).execute(),
+        )
+        return row_id
+
+    def forget(self, row_ids: list[int]) -> None:
+        """Remove rows of children that were reaped (or swept)."""
+        if row_ids:
+            run_write(
+                self._db,
+                lambda: ChildProcess.delete().where(ChildProcess.id.in_(row_ids)).execute(),
+            )
+
+    def of_other_boots(self, boot: str) -> list[Child]:
+        """Children recorded by earlier boots: candidates for the sweep."""
+        query = ChildProcess.select().where(ChildProcess.boot != boot).order_by(ChildProcess.id)
+        return [
+            Child(
+                row.id, row.boot, row.pid, row.create_time, row.pgid, row.kind, row.worker, row.name
+            )
+            for row in query
+        ]

@@ -1,0 +1,167 @@
+"""Opening the database from a URL, the database clock, and retried write transactions.
+
+SQLite is the embedded default: WAL, `synchronous=FULL` (or NORMAL), a busy timeout and
+`BEGIN IMMEDIATE` for every write transaction, so no writer ever upgrades a read lock and
+"database is locked" is only ever a wait, never an error a caller sees. PostgreSQL and
+MySQL/MariaDB serve several writers or hosts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+from urllib.parse import urlsplit
+
+import peewee
+from playhouse import db_url
+
+from supervisor.store.errors import BadStoreURL, StoreBusy
+
+T = TypeVar("T")
+
+# SQLite waits this long inside one attempt for the write lock; `run_write` retries on top.
+BUSY_TIMEOUT_S = 5.0
+# How long a write keeps retrying transient failures (locks, deadlocks, lost connections).
+WRITE_DEADLINE_S = 60.0
+
+SYNCHRONOUS = {"full": "FULL", "normal": "NORMAL"}
+
+# One portable type for JSON payloads: TEXT is 64 KiB on MySQL, so use LONGTEXT there.
+JSON_TEXT = "JSONTEXT"
+
+
+def sqlite_path(url: str) -> Path | None:
+    """The file of a `sqlite:///path` URL, or None for other backends and `:memory:`."""
+    parts = urlsplit(url)
+    if parts.scheme != "sqlite":
+        return None
+    path = parts.path[1:]
+    return Path(path) if path and path != ":memory:" else None
+
+
+def open_database(url: str, synchronous: str = "full") -> peewee.Database:
+    """A peewee database for `url` (sqlite:///, postgresql://, mysql://), not yet connected.
+
+    For SQLite the file is created 0600 (and its directory 0700) before SQLite touches it,
+    so the log never exists with wider permissions, even for an instant.
+    """
+    scheme = urlsplit(url).scheme
+    if scheme == "sqlite":
+        path = sqlite_path(url)
+        if path is not None:
+            _create_private_file(path)
+        return peewee.SqliteDatabase(
+            str(path) if path else ":memory:",
+            pragmas={
+                "journal_mode": "wal",
+                "synchronous": SYNCHRONOUS[synchronous],
+                "foreign_keys": 1,
+            },
+            timeout=BUSY_TIMEOUT_S,
+            lock_type="IMMEDIATE",
+            field_types={JSON_TEXT: "TEXT"},
+        )
+    kwargs = db_url.parse(url, unquote_password=True, unquote_user=True)
+    if scheme in ("postgres", "postgresql"):
+        return peewee.PostgresqlDatabase(field_types={JSON_TEXT: "TEXT"}, **kwargs)
+    if scheme == "mysql":
+        from pymysql.constants import CLIENT
+
+        kwargs.setdefault("charset", "utf8mb4")
+        # UPDATE must report rows matched, not rows changed: a lease renewal within the
+        # same microsecond changes nothing and must still count as renewed.
+        kwargs.setdefault("client_flag", CLIENT.FOUND_ROWS)
+        # Fewer gap locks between concurrent appenders than REPEATABLE READ.
+        kwargs.setdefault("init_command", "SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
+        return peewee.MySQLDatabase(field_types={JSON_TEXT: "LONGTEXT"}, **kwargs)
+    raise BadStoreURL(
+        f"store.url: unsupported scheme {scheme!r}; use sqlite:///PATH, "
+        "postgresql://USER@HOST/DB or mysql://USER@HOST/DB"
+    )
+
+
+def _create_private_file(path: Path) -> None:
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+
+
+def backend(db: peewee.Database) -> str:
+    """`sqlite`, `postgresql` or `mysql`."""
+    if isinstance(db, peewee.SqliteDatabase):
+        return "sqlite"
+    if isinstance(db, peewee.PostgresqlDatabase):
+        return "postgresql"
+    return "mysql"
+
+
+def now_sql(db: peewee.Database) -> peewee.SQL:
+    """An SQL expression for the database clock in epoch seconds (float).
+
+    Lease expiry is always judged by this clock, never by a writer's own clock, so hosts
+    with skewed clocks still agree on who holds a lease.
+    """
+    return peewee.SQL(
+        {
+            "sqlite": "((julianday('now') - 2440587.5) * 86400.0)",
+            "postgresql": "(extract(epoch from clock_timestamp())::float8)",
+            "mysql": "(UNIX_TIMESTAMP(NOW(6)) + 0.0)",
+        }[backend(db)]
+    )
+
+
+def db_now(db: peewee.Database) -> float:
+    """The database clock, in epoch seconds."""
+    row = db.execute_sql(f"SELECT {now_sql(db).sql}").fetchone()
+    return float(row[0])
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether retrying the whole transaction may succeed.
+
+    Locks and busy files (SQLite), deadlocks and serialization failures, and lost
+    connections. Unique-key races are handled by `run_write` with a few retries only.
+    """
+    return isinstance(exc, peewee.OperationalError | peewee.InterfaceError)
+
+
+def run_write(
+    db: peewee.Database,
+    work: Callable[[], T],
+    *,
+    deadline: float = WRITE_DEADLINE_S,
+    sleep: Callable[[float], None] = time.sleep,
+    clock: Callable[[], float] = time.monotonic,
+) -> T:
+    """Run `work` in one write transaction, retrying transient failures until `deadline`.
+
+    The transaction either commits as a whole or leaves nothing behind. Only after the
+    commit returned does this return, so "returned" means "durable". An IntegrityError is
+    retried twice (two idempotent inserts of one key raced; the retry finds the winner's
+    row), then raised.
+    """
+    give_up = clock() + deadline
+    delay = 0.005
+    integrity_retries = 2
+    while True:
+        try:
+            with db.atomic():
+                return work()
+        except peewee.IntegrityError:
+            if integrity_retries == 0:
+                raise
+            integrity_retries -= 1
+        except peewee.DatabaseError as exc:
+            if not is_transient(exc):
+                raise
+            if clock() >= give_up:
+                raise StoreBusy(f"database write failed for {deadline:.0f} s: {exc}") from exc
+            if backend(db) != "sqlite":
+                # A broken server connection is dropped so the retry opens a new one.
+                db.close()
+            sleep(delay)
+            delay = min(delay * 2, 0.5)

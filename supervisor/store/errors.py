@@ -1,0 +1,48 @@
+"""Errors the store raises to its callers."""
+
+from __future__ import annotations
+
+
+class StoreError(Exception):
+    """A database operation failed in a way the caller should report."""
+
+
+class BadStoreURL(StoreError):
+    """`store.url` names a database turnkeeper cannot use."""
+
+
+class SchemaTooNew(StoreError):
+    """The database was migrated by a newer turnkeeper than this one."""
+
+
+class SchemaMissing(StoreError):
+    """The database has no (or an older) turnkeeper schema and was opened without migrating."""
+
+
+class StoreBusy(StoreError):
+    """The database stayed locked or unreachable past the retry deadline."""
+
+
+class SessionNotFound(StoreError):
+    """No session has that id."""
+
+    def __init__(self, session_id: str) -> None:
+        super().__init__(f"no session {session_id!r}")
+        self.session_id = session_id
+
+
+class LeaseLost(StoreError):
+    """The writer's lease token is no longer the session's current token (fencing).
+
+    The writer must abandon the session: another owner holds it now, and nothing of the
+    rejected write was stored.
+    """
+
+    def __init__(self, session_id: str, token: int | None, current: int | None) -> None:
+        super().__init__(
+            f"lease lost on session {session_id!r}: writer holds token {token}, "
+            f"current token is {current}"
+        )
+        self.session_id = session_id
+        self.token = token
+        self.current = current

@@ -1,0 +1,98 @@
+"""Schema migrations.
+
+A fresh database gets every table from the current models and is stamped `LATEST`; an
+existing one runs the steps from its version up, in one transaction where the backend
+allows DDL in transactions. A database stamped newer than `LATEST` is refused: an older
+turnkeeper must not write rows it does not understand.
+
+To change the schema: change the models, add a step `STEPS[n]` that brings version n-1 to
+n (with `playhouse.migrate`), and bump `LATEST`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import peewee
+
+from supervisor.store.db import backend
+from supervisor.store.errors import SchemaMissing, SchemaTooNew
+from supervisor.store.models import MODELS, SchemaVersion
+
+LATEST = 1
+
+# version -> the step that migrates version-1 to version.
+STEPS: dict[int, Callable[[peewee.Database], None]] = {}
+
+_LOCK_NAME = "turnkeeper_migrate"
+_PG_LOCK_KEY = 0x7475726E  # "turn"
+
+
+def current_version(db: peewee.Database) -> int:
+    """The schema version stored in the database, 0 if it has none."""
+    if not SchemaVersion.table_exists():
+        return 0
+    row = SchemaVersion.get_or_none(SchemaVersion.id == 1)
+    return row.version if row else 0
+
+
+def check(db: peewee.Database) -> int:
+    """Raise unless the database is at `LATEST`; for commands that must not migrate."""
+    version = current_version(db)
+    if version > LATEST:
+        raise _too_new(version)
+    if version < LATEST:
+        raise SchemaMissing(
+            f"the database is at schema version {version}, this turnkeeper needs {LATEST}: "
+            "run `turnkeeper db migrate` (the daemon also migrates when it starts)"
+        )
+    return version
+
+
+def migrate(db: peewee.Database) -> tuple[int, int]:
+    """Bring the database to `LATEST`; returns (version before, version after)."""
+    with _migration_lock(db), db.atomic():
+        before = current_version(db)
+        if before > LATEST:
+            raise _too_new(before)
+        if before == 0:
+            db.create_tables(MODELS, safe=True)
+        else:
+            for version in range(before + 1, LATEST + 1):
+                STEPS[version](db)
+        if before != LATEST:
+            SchemaVersion.delete().execute()
+            SchemaVersion.insert(id=1, version=LATEST, updated_at=time.time()).execute()
+        return before, LATEST
+
+
+def _too_new(version: int) -> SchemaTooNew:
+    return SchemaTooNew(
+        f"the database is at schema version {version}, newer than this turnkeeper "
+        f"understands ({LATEST}): upgrade turnkeeper, or point store.url at another database"
+    )
+
+
+@contextmanager
+def _migration_lock(db: peewee.Database) -> Iterator[None]:
+    """Serialize migrators across processes and hosts.
+
+    SQLite's BEGIN IMMEDIATE already does; PostgreSQL takes a transaction advisory lock
+    inside the migration's transaction; MySQL's DDL commits implicitly, so it takes a
+    named lock for the connection's life.
+    """
+    kind = backend(db)
+    if kind == "mysql":
+        db.execute_sql("SELECT GET_LOCK(%s, 60)", (_LOCK_NAME,))
+        try:
+            yield
+        finally:
+            db.execute_sql("SELECT RELEASE_LOCK(%s)", (_LOCK_NAME,))
+    elif kind == "postgresql":
+        with db.atomic():
+            db.execute_sql("SELECT pg_advisory_xact_lock(%s)", (_PG_LOCK_KEY,))
+            yield
+    else:
+        yield

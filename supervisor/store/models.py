@@ -1,0 +1,144 @@
+"""The tables (DESIGN.md section 2), shared by the supervisor and the workers.
+
+Times are epoch seconds as floats, portable across SQLite, PostgreSQL and MySQL. Lease
+expiry is written from the database clock; `created_at`/`updated_at` are informational.
+The models are bound to a database by `Store`; one store is open per process.
+"""
+
+from __future__ import annotations
+
+import peewee
+
+from supervisor.store.db import JSON_TEXT
+
+ID_LEN = 64
+
+
+class JSONTextField(peewee.TextField):
+    """JSON stored as text: TEXT on SQLite and PostgreSQL, LONGTEXT on MySQL."""
+
+    field_type = JSON_TEXT
+
+
+class BaseModel(peewee.Model):
+    class Meta:
+        database = None
+        legacy_table_names = False
+
+
+class SchemaVersion(BaseModel):
+    """One row: the schema version this database was migrated to."""
+
+    id = peewee.IntegerField(primary_key=True)
+    version = peewee.IntegerField()
+    updated_at = peewee.DoubleField()
+
+    class Meta:
+        table_name = "schema_version"
+
+
+class Session(BaseModel):
+    """A conversation with an agent, and who may write it right now (the lease)."""
+
+    id = peewee.CharField(max_length=ID_LEN, primary_key=True)
+    kind = peewee.CharField(max_length=16)
+    parent = peewee.CharField(max_length=ID_LEN, null=True)
+    title = peewee.CharField(max_length=200, default="")
+    agent = peewee.CharField(max_length=200, default="")
+    status = peewee.CharField(max_length=16, default="open")
+    created_at = peewee.DoubleField()
+    updated_at = peewee.DoubleField()
+    last_seq = peewee.BigIntegerField(default=0)
+    # Lease: the token grows on every acquisition and is never reused (fencing).
+    owner = peewee.CharField(max_length=ID_LEN, null=True)
+    lease_token = peewee.BigIntegerField(default=0)
+    lease_expires_at = peewee.DoubleField(null=True)
+    # A turn in flight, set by `turn_started` and cleared by `turn_ended` in the same commit.
+    active_turn_id = peewee.CharField(max_length=ID_LEN, null=True)
+    # Turn attempts, charged before a turn starts and cleared when it completes.
+    attempt_turn_id = peewee.CharField(max_length=ID_LEN, null=True)
+    attempt_count = peewee.IntegerField(default=0)
+    quarantined_at = peewee.DoubleField(null=True)
+    quarantine_reason = peewee.TextField(null=True)
+
+    class Meta:
+        table_name = "session"
+        indexes = ((("status", "updated_at"), False),)
+
+
+class Event(BaseModel):
+    """One committed step of a session; `seq` is contiguous from 1 per session."""
+
+    id = peewee.BigAutoField()
+    session = peewee.ForeignKeyField(Session, column_name="session_id", on_delete="CASCADE")
+    seq = peewee.BigIntegerField()
+    type = peewee.CharField(max_length=32)
+    turn_id = peewee.CharField(max_length=ID_LEN, null=True)
+    payload = JSONTextField()
+    created_at = peewee.DoubleField()
+    writer = peewee.CharField(max_length=16)
+    lease_token = peewee.BigIntegerField(null=True)
+    idempotency_key = peewee.CharField(max_length=200, null=True)
+
+    class Meta:
+        table_name = "event"
+        indexes = (
+            (("session", "seq"), True),
+            (("session", "idempotency_key"), True),
+        )
+
+
+class SessionACL(BaseModel):
+    """A principal's permission on a session: read, write or admin."""
+
+    session = peewee.ForeignKeyField(Session, column_name="session_id", on_delete="CASCADE")
+    principal = peewee.CharField(max_length=100)
+    permission = peewee.CharField(max_length=8)
+
+    class Meta:
+        table_name = "session_acl"
+        primary_key = peewee.CompositeKey("session", "principal")
+
+
+class AgentBootLog(BaseModel):
+    """One row per daemon start; a row that never ended marks an unclean stop."""
+
+    boot_id = peewee.CharField(max_length=ID_LEN, primary_key=True)
+    host = peewee.CharField(max_length=255)
+    pid = peewee.IntegerField()
+    version = peewee.CharField(max_length=32)
+    started_at = peewee.DoubleField(index=True)
+    ended_at = peewee.DoubleField(null=True)
+    outcome = peewee.CharField(max_length=16, null=True)
+    attempted = JSONTextField(default="[]")
+    breaker = JSONTextField(null=True)
+
+    class Meta:
+        table_name = "agent_boot_log"
+
+
+class ChildProcess(BaseModel):
+    """A live worker or MCP child, identified safely against pid reuse by create_time."""
+
+    id = peewee.BigAutoField()
+    boot = peewee.CharField(max_length=ID_LEN, index=True)
+    pid = peewee.IntegerField()
+    create_time = peewee.DoubleField()
+    pgid = peewee.IntegerField(null=True)
+    kind = peewee.CharField(max_length=16)
+    worker = peewee.CharField(max_length=ID_LEN, null=True)
+    name = peewee.CharField(max_length=200, default="")
+    started_at = peewee.DoubleField()
+
+    class Meta:
+        table_name = "child_process"
+
+
+MODELS: list[type[BaseModel]] = [
+    SchemaVersion,
+    Session,
+    Event,
+    SessionACL,
+    AgentBootLog,
+    ChildProcess,
+]

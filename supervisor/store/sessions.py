@@ -1,0 +1,271 @@
+"""Sessions, their access control lists, and their leases."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import peewee
+
+from supervisor.store.db import db_now, now_sql, run_write
+from supervisor.store.errors import LeaseLost, SessionNotFound
+from supervisor.store.eventlog import make_request, write_events
+from supervisor.store.models import Session, SessionACL
+
+KINDS = ("attached", "channel", "autonomous", "subagent")
+PERMISSIONS = ("read", "write", "admin")  # each includes the ones before it
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    """A session row as the rest of turnkeeper sees it."""
+
+    id: str
+    kind: str
+    parent: str | None
+    title: str
+    agent: str
+    status: str
+    created_at: float
+    updated_at: float
+    last_seq: int
+    owner: str | None
+    lease_token: int
+    lease_expires_at: float | None
+    active_turn_id: str | None
+    quarantined_at: float | None
+    quarantine_reason: str | None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The API shape of a session."""
+        return {
+            "id": self.id,
+            "kind": self.kind,
+            "parent": self.parent,
+            "title": self.title,
+            "agent": self.agent,
+            "status": self.status,
+            "created_at": self.created_at,
+            "updated_at": self.updated_at,
+            "last_seq": self.last_seq,
+            "active_turn_id": self.active_turn_id,
+        }
+
+
+def _info(row: Session) -> SessionInfo:
+    return SessionInfo(**{name: getattr(row, name) for name in SessionInfo.__dataclass_fields__})
+
+
+class Sessions:
+    """Create, find and list sessions."""
+
+    def __init__(self, db: peewee.Database) -> None:
+        self._db = db
+
+    def create(
+        self,
+        principal: str,
+        *,
+        kind: str = "attached",
+        title: str = "",
+        agent: str = "",
+        parent: str | None = None,
+    ) -> SessionInfo:
+        """A new session and its creator's `admin` ACL row, in one transaction."""
+        if kind not in KINDS:
+            raise ValueError(f"kind must be one of {', '.join(KINDS)}, not {kind!r}")
+        if not principal:
+            raise ValueError("a session needs a principal to own it")
+        session_id = uuid.uuid4().hex
+        now = time.time()
+
+        def work() -> None:
+            Session.insert(
+                id=session_id,
+                kind=kind,
+                parent=parent,
+                title=title,
+                agent=agent,
+                created_at=now,
+                updated_at=now,
+            ).execute()
+            SessionACL.insert(session=session_id, principal=principal, permission="admin").execute()
+
+        run_write(self._db, work)
+        return self.get(session_id)
+
+    def get(self, session_id: str) -> SessionInfo:
+        """The session, or SessionNotFound."""
+        row = Session.get_or_none(Session.id == session_id)
+        if row is None:
+            raise SessionNotFound(session_id)
+        return _info(row)
+
+    def list(self, principal: str | None = None, limit: int = 100) -> list[SessionInfo]:
+        """Sessions, newest first; only those `principal` may read when it is given."""
+        query = Session.select().order_by(Session.created_at.desc(), Session.id).limit(limit)
+        if principal is not None:
+            query = query.join(SessionACL).where(SessionACL.principal == principal)
+        return [_info(row) for row in query]
+
+
+class Acl:
+    """Who may read, write or administer a session."""
+
+    def __init__(self, db: peewee.Database) -> None:
+        self._db = db
+
+    def grant(self, session_id: str, principal: str, permission: str, *, by: str = "") -> int:
+        """Set `principal`'s permission; records an `acl` event in the same transaction.
+
+        Returns the seq of that event.
+        """
+        if permission not in PERMISSIONS:
+            raise ValueError(f"permission must be one of {', '.join(PERMISSIONS)}")
+        return self._change(session_id, principal, permission, by)
+
+    def revoke(self, session_id: str, principal: str, *, by: str = "") -> int:
+        """Remove `principal`'s permission; records an `acl` event. Returns its seq."""
+        return self._change(session_id, principal, None, by)
+
+    def _change(self, session_id: str, principal: str, permission: str | None, by: str) -> int:
+        event = make_request(
+            session_id,
+            "acl",
+            {"principal": principal, "permission": permission, "by": by},
+            writer="supervisor",
+        )
+
+        def work() -> int:
+            if not Session.select().where(Session.id == session_id).exists():
+                raise SessionNotFound(session_id)
+            SessionACL.delete().where(
+                (SessionACL.session == session_id) & (SessionACL.principal == principal)
+            ).execute()
+            if permission is not None:
+                SessionACL.insert(
+                    session=session_id, principal=principal, permission=permission
+                ).execute()
+            (outcome,) = write_events([event])
+            if isinstance(outcome, Exception):
+                raise outcome
+            return outcome
+
+        return run_write(self._db, work)
+
+    def permission(self, session_id: str, principal: str) -> str | None:
+        """`principal`'s permission on the session, or None."""
+        value: str | None = (
+            SessionACL.select(SessionACL.permission)
+            .where((SessionACL.session == session_id) & (SessionACL.principal == principal))
+            .scalar()
+        )
+        return value
+
+    def allows(self, session_id: str, principal: str, needed: str) -> bool:
+        """Whether `principal` holds `needed` or a stronger permission."""
+        held = self.permission(session_id, principal)
+        return held is not None and PERMISSIONS.index(held) >= PERMISSIONS.index(needed)
+
+    def entries(self, session_id: str) -> dict[str, str]:
+        """Every principal's permission on the session."""
+        query = SessionACL.select().where(SessionACL.session == session_id)
+        return {row.principal: row.permission for row in query}
+
+
+@dataclass(frozen=True)
+class Lease:
+    """The right to write a session; `token` fences out every earlier holder."""
+
+    session_id: str
+    owner: str
+    token: int
+    expires_at: float
+
+
+class Leases:
+    """Acquire, renew and release session leases; expiry is judged by the database clock."""
+
+    def __init__(self, db: peewee.Database) -> None:
+        self._db = db
+
+    def acquire(
+        self, session_id: str, owner: str, ttl: float, *, force: bool = False
+    ) -> Lease | None:
+        """Take the lease if it is free or stale (or always, with `force`).
+
+        Every acquisition gets a larger token than any before it. Returns None when
+        another owner holds a live lease.
+        """
+        now = now_sql(self._db)
+
+        def work() -> Lease | None:
+            update = Session.update(
+                owner=owner, lease_token=Session.lease_token + 1, lease_expires_at=now + ttl
+            ).where(Session.id == session_id)
+            if not force:
+                update = update.where(
+                    Session.owner.is_null()
+                    | Session.lease_expires_at.is_null()
+                    | (Session.lease_expires_at < now)
+                )
+            if update.execute() == 0:
+                if not Session.select().where(Session.id == session_id).exists():
+                    raise SessionNotFound(session_id)
+                return None
+            row = Session.get(Session.id == session_id)
+            return Lease(session_id, owner, row.lease_token, float(row.lease_expires_at))
+
+        return run_write(self._db, work)
+
+    def renew(self, lease: Lease, ttl: float) -> Lease:
+        """Extend the lease; LeaseLost if its token is no longer current."""
+        now = now_sql(self._db)
+
+        def work() -> Lease:
+            updated = (
+                Session.update(lease_expires_at=now + ttl)
+                .where((Session.id == lease.session_id) & (Session.lease_token == lease.token))
+                .execute()
+            )
+            if updated == 0:
+                current = (
+                    Session.select(Session.lease_token)
+                    .where(Session.id == lease.session_id)
+                    .scalar()
+                )
+                raise LeaseLost(lease.session_id, lease.token, current)
+            expires = (
+                Session.select(Session.lease_expires_at)
+                .where(Session.id == lease.session_id)
+                .scalar()
+            )
+            return Lease(lease.session_id, lease.owner, lease.token, float(expires))
+
+        return run_write(self._db, work)
+
+    def release(self, lease: Lease) -> bool:
+        """Give the lease up; False if it was no longer ours. The token is never reused."""
+
+        def work() -> bool:
+            updated = (
+                Session.update(owner=None, lease_expires_at=None)
+                .where((Session.id == lease.session_id) & (Session.lease_token == lease.token))
+                .execute()
+            )
+            return bool(updated)
+
+        return run_write(self._db, work)
+
+    def holder(self, session_id: str) -> Lease | None:
+        """The live lease on the session, or None if it is free or stale."""
+        row = Session.get_or_none(Session.id == session_id)
+        if row is None:
+            raise SessionNotFound(session_id)
+        if row.owner is None or row.lease_expires_at is None:
+            return None
+        if row.lease_expires_at < db_now(self._db):
+            return None
+        return Lease(session_id, row.owner, row.lease_token, row.lease_expires_at)

@@ -1,0 +1,85 @@
+"""Shared fixtures: a store on each backend, each test in its own schema or database."""
+
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+BACKENDS = ("sqlite", "postgresql", "mysql")
+URL_VARS = {"postgresql": "TURNKEEPER_TEST_POSTGRES_URL", "mysql": "TURNKEEPER_TEST_MYSQL_URL"}
+
+
+def _with_path(url: str, path: str, query: str = "") -> str:
+    parts = urlsplit(url)
+    return urlunsplit((parts.scheme, parts.netloc, path, query, ""))
+
+
+@pytest.fixture
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """A database URL for the backend in `request.param`, private to this test."""
+    kind = getattr(request, "param", "sqlite")
+    if kind == "sqlite":
+        yield f"sqlite:///{tmp_path / 'state' / 'turnkeeper.db'}"
+        return
+    base = os.environ.get(URL_VARS[kind])
+    if not base:
+        pytest.skip(f"{URL_VARS[kind]} is not set; .ci/run sets it to the local {kind} server")
+    name = f"tk_{uuid.uuid4().hex[:12]}"
+    if kind == "postgresql":
+        import psycopg2
+
+        conn = psycopg2.connect(base)
+        conn.autocommit = True
+        conn.cursor().execute(f"CREATE SCHEMA {name}")
+        try:
+            yield _with_path(base, urlsplit(base).path, f"options=-csearch_path%3D{name}")
+        finally:
+            conn.cursor().execute(f"DROP SCHEMA {name} CASCADE")
+            conn.close()
+    else:
+        import pymysql
+
+        parts = urlsplit(base)
+        conn = pymysql.connect(
+            host=parts.hostname,
+            port=parts.port or 3306,
+            user=parts.username or "root",
+            password=parts.password or "",
+            autocommit=True,
+        )
+        conn.cursor().execute(f"CREATE DATABASE {name}")
+        try:
+            yield _with_path(base, f"/{name}")
+        finally:
+            conn.cursor().execute(f"DROP DATABASE {name}")
+            conn.close()
+
+
+@pytest.fixture
+def store(db_url: str) -> Iterator[object]:
+    from supervisor.store import Store
+
+    s = Store(db_url)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def python_env(**extra: str) -> dict[str, str]:
+    """The environment for a child Python process that imports this checkout."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
+PYTHON = sys.executable

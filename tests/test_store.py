@@ -1,0 +1,356 @@
+"""The store's contract, run alike on SQLite, PostgreSQL and MariaDB."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import peewee
+import pytest
+
+from supervisor.store import (
+    LeaseLost,
+    SchemaMissing,
+    SchemaTooNew,
+    SessionNotFound,
+    Store,
+    migrations,
+)
+from supervisor.store.db import run_write
+from supervisor.store.eventlog import make_request, write_events
+from supervisor.store.models import Event, SchemaVersion, Session
+from tests.conftest import BACKENDS
+
+pytestmark = pytest.mark.parametrize("db_url", BACKENDS, indirect=True)
+
+
+def contiguous(store: Store, session_id: str) -> list[int]:
+    seqs = [e.seq for e in store.events.read(session_id, limit=100_000)]
+    assert seqs == list(range(1, len(seqs) + 1))
+    assert store.sessions.get(session_id).last_seq == len(seqs)
+    return seqs
+
+
+# --- schema ---------------------------------------------------------------------------
+
+
+def test_migrate_is_idempotent_and_stamps_latest(db_url: str) -> None:
+    with Store(db_url) as first:
+        assert (first.schema_before, first.schema_version) == (0, migrations.LATEST)
+    with Store(db_url) as second:
+        assert second.schema_before == migrations.LATEST
+    with Store(db_url, migrate=False) as reader:
+        assert reader.schema_version == migrations.LATEST
+
+
+def test_a_newer_schema_is_refused(db_url: str) -> None:
+    with Store(db_url):
+        SchemaVersion.update(version=migrations.LATEST + 1).execute()
+    for migrate in (True, False):
+        with pytest.raises(SchemaTooNew, match="upgrade turnkeeper"):
+            Store(db_url, migrate=migrate)
+
+
+def test_an_unmigrated_database_is_refused_by_readers(db_url: str) -> None:
+    with Store(db_url):
+        SchemaVersion.delete().execute()
+    with pytest.raises(SchemaMissing, match="turnkeeper db migrate"):
+        Store(db_url, migrate=False)
+
+
+# --- sessions and ACL -----------------------------------------------------------------
+
+
+def test_create_gives_the_creator_admin(store: Store) -> None:
+    info = store.sessions.create("alice", kind="autonomous", title="nightly")
+    assert (info.kind, info.title, info.last_seq, info.status) == (
+        "autonomous",
+        "nightly",
+        0,
+        "open",
+    )
+    assert store.acl.entries(info.id) == {"alice": "admin"}
+    assert [s.id for s in store.sessions.list("alice")] == [info.id]
+    assert store.sessions.list("bob") == []
+
+
+def test_create_rejects_bad_input_and_writes_nothing(store: Store) -> None:
+    with pytest.raises(ValueError, match="kind"):
+        store.sessions.create("alice", kind="telepathic")
+    with pytest.raises(ValueError, match="principal"):
+        store.sessions.create("")
+    assert store.sessions.list() == []
+    with pytest.raises(SessionNotFound):
+        store.sessions.get("nope")
+
+
+def test_acl_grant_and_revoke_are_logged(store: Store) -> None:
+    sid = store.sessions.create("alice").id
+    assert not store.acl.allows(sid, "bob", "read")
+    store.acl.grant(sid, "bob", "read", by="alice")
+    assert store.acl.allows(sid, "bob", "read")
+    assert not store.acl.allows(sid, "bob", "write")
+    store.acl.grant(sid, "bob", "write", by="alice")
+    assert store.acl.allows(sid, "bob", "read") and store.acl.allows(sid, "bob", "write")
+    assert not store.acl.allows(sid, "bob", "admin")
+    store.acl.revoke(sid, "bob", by="alice")
+    assert store.acl.permission(sid, "bob") is None
+    events = store.events.read(sid)
+    assert [e.payload["permission"] for e in events] == ["read", "write", None]
+    assert {e.type for e in events} == {"acl"}
+    with pytest.raises(ValueError):
+        store.acl.grant(sid, "bob", "root")
+    with pytest.raises(SessionNotFound):
+        store.acl.grant("nope", "bob", "read")
+    contiguous(store, sid)
+
+
+# --- leases ---------------------------------------------------------------------------
+
+
+def test_a_live_lease_is_exclusive_and_tokens_only_grow(store: Store) -> None:
+    sid = store.sessions.create("alice").id
+    first = store.leases.acquire(sid, "w0.1", ttl=30)
+    assert first is not None and first.token == 1
+    assert store.leases.acquire(sid, "w1.1", ttl=30) is None
+    assert store.leases.holder(sid) == first
+    forced = store.leases.acquire(sid, "w1.1", ttl=30, force=True)
+    assert forced is not None and forced.token > first.token
+    with pytest.raises(LeaseLost):
+        store.leases.renew(first, ttl=30)
+    assert not store.leases.release(first)
+    assert store.leases.release(forced)
+    assert store.leases.holder(sid) is None
+    again = store.leases.acquire(sid, "w2.1", ttl=30)
+    assert again is not None and again.token > forced.token
+    with pytest.raises(SessionNotFound):
+        store.leases.acquire("nope", "w0.1", ttl=30)
+
+
+def test_a_stale_lease_is_taken_over_by_the_database_clock(store: Store) -> None:
+    sid = store.sessions.create("alice").id
+    old = store.leases.acquire(sid, "host-a", ttl=0.3)
+    assert old is not None
+    assert store.leases.acquire(sid, "host-b", ttl=30) is None
+    time.sleep(0.5)
+    assert store.leases.holder(sid) is None
+    new = store.leases.acquire(sid, "host-b", ttl=30)
+    assert new is not None and new.token > old.token and new.owner == "host-b"
+
+
+def test_renew_extends_the_lease(store: Store) -> None:
+    sid = store.sessions.create("alice").id
+    lease = store.leases.acquire(sid, "w0.1", ttl=0.5)
+    assert lease is not None
+    renewed = store.leases.renew(lease, ttl=30)
+    assert renewed.expires_at > lease.expires_at
+    time.sleep(0.7)
+    assert store.leases.holder(sid) == renewed
+
+
+# --- appends --------------------------------------------------------------------------
+
+
+def test_appends_are_contiguous_and_read_back(store: Store) -> None:
+    sid = store.sessions.create("alice").id
+    lease = store.leases.acquire(sid, "w0.1", ttl=30)
+    assert lease is not None
+    seqs = [store.events.append(sid, "notice", {"n": n}, token=lease.token) for n in range(25)]
+    assert seqs == list(range(1, 26))
+    assert [e.payload["n"] for e in store.events.read(sid, after=10, limit=5)] == [
+        10,
+        11,
+        12,
+        13,
+        14,
+    ]
+    assert [e.seq for e in store.events.tail(sid, 3)] == [23, 24, 25]
+    assert store.events.read(sid, after=25) == []
+    contiguous(store, sid)
+
+
+def test_fencing_rejects_the_old_holder_and_stores_nothing(store: Store) -> None:
+    sid = store.sessions.create("alice").id
+    old = store.leases.acquire(sid, "w0.1", ttl=30)
+    assert old is not None
+    store.events.append(sid, "turn_started", token=old.token, turn_id="t1")
+    new = store.leases.acquire(sid, "w1.1", ttl=30, force=True)
+    assert new is not None
+    with pytest.raises(LeaseLost) as caught:
+        store.events.append(sid, "model_response", {"text": "late"}, token=old.token, turn_id="t1")
+    assert (caught.value.token, caught.value.current) == (old.token, new.token)
+    assert store.sessions.get(sid).last_seq == 1
+    assert Event.select().where(Event.session == sid).count() == 1
+    assert store.events.append(sid, "turn_ended", token=new.token, turn_id="t1") == 2
+
+
+def test_fencing_inside_one_batch_rejects_only_the_stale_writer(store: Store) -> None:
+    a = store.sessions.create("alice").id
+    b = store.sessions.create("alice").id
+    lease_a = store.leases.acquire(a, "w0.1", ttl=30)
+    lease_b = store.leases.acquire(b, "w0.1", ttl=30)
+    assert lease_a and lease_b
+    store.leases.acquire(a, "w1.1", ttl=30, force=True)
+    batch = [
+        make_request(a, "notice", {"x": 1}, token=lease_a.token),
+        make_request(b, "notice", {"x": 2}, token=lease_b.token),
+        make_request(a, "user_message", {"text": "hi"}, writer="intake"),
+    ]
+    outcomes = run_write(store.db, lambda: write_events(batch))
+    assert isinstance(outcomes[0], LeaseLost)
+    assert outcomes[1:] == [1, 1]
+    assert [e.type for e in store.events.read(a)] == ["user_message"]
+
+
+def test_intake_appends_need_no_lease_and_idempotency_keys_dedupe(store: Store) -> None:
+    sid = store.sessions.create("alice").id
+    seqs = [
+        store.events.append(
+            sid, "user_message", {"text": "hi"}, writer="intake", idempotency_key="k-1"
+        )
+        for _ in range(5)
+    ]
+    assert seqs == [1] * 5
+    assert (
+        store.events.append(
+            sid, "user_message", {"text": "again"}, writer="intake", idempotency_key="k-2"
+        )
+        == 2
+    )
+    futures = [
+        store.events.submit(
+            sid, "user_message", {"text": "x"}, writer="intake", idempotency_key="k-3"
+        )
+        for _ in range(10)
+    ]
+    assert {f.result() for f in futures} == {3}
+    assert len(store.events.read(sid)) == 3
+    contiguous(store, sid)
+
+
+def test_turn_events_set_and_clear_the_active_turn(store: Store) -> None:
+    sid = store.sessions.create("alice").id
+    lease = store.leases.acquire(sid, "w0.1", ttl=30)
+    assert lease is not None
+    store.events.append(sid, "turn_started", token=lease.token, turn_id="t1")
+    assert store.sessions.get(sid).active_turn_id == "t1"
+    store.events.append(sid, "model_response", {"text": "hello"}, token=lease.token, turn_id="t1")
+    assert store.sessions.get(sid).active_turn_id == "t1"
+    store.events.append(
+        sid, "turn_ended", {"outcome": "completed"}, token=lease.token, turn_id="t1"
+    )
+    assert store.sessions.get(sid).active_turn_id is None
+
+
+def test_bad_appends_are_refused_before_they_reach_the_database(store: Store) -> None:
+    sid = store.sessions.create("alice").id
+    with pytest.raises(ValueError, match="event type"):
+        store.events.append(sid, "telepathy")
+    with pytest.raises(ValueError, match="JSON"):
+        store.events.append(sid, "notice", {"when": object()}, writer="intake")
+    with pytest.raises(ValueError, match="JSON object"):
+        store.events.append(sid, "notice", [1, 2], writer="intake")  # type: ignore[arg-type]
+    with pytest.raises(SessionNotFound):
+        store.events.append("nope", "notice", writer="intake")
+    assert store.sessions.get(sid).last_seq == 0
+
+
+def test_large_payloads_round_trip(store: Store) -> None:
+    sid = store.sessions.create("alice").id
+    text = "ü" * 300_000
+    store.events.append(sid, "tool_result", {"text": text}, writer="intake")
+    assert store.events.read(sid)[0].payload["text"] == text
+
+
+def test_concurrent_appends_are_group_committed(store: Store) -> None:
+    sessions = [store.sessions.create("alice").id for _ in range(32)]
+    leases = [store.leases.acquire(sid, "w0.1", ttl=60) for sid in sessions]
+    errors: list[BaseException] = []
+
+    def run(sid: str, token: int) -> None:
+        try:
+            for n in range(20):
+                store.events.append(sid, "notice", {"n": n}, token=token)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [
+        threading.Thread(target=run, args=(lease.session_id, lease.token))
+        for lease in leases
+        if lease is not None
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert store.events.committed == 32 * 20
+    # Group commit: many appends shared a transaction.
+    assert store.events.commits < store.events.committed / 2
+    for sid in sessions:
+        assert [e.payload["n"] for e in store.events.read(sid)] == list(range(20))
+        contiguous(store, sid)
+
+
+def test_async_append(store: Store) -> None:
+    sid = store.sessions.create("alice").id
+
+    async def main() -> list[int]:
+        return list(
+            await asyncio.gather(
+                *(
+                    store.events.append_async(sid, "notice", {"n": n}, writer="intake")
+                    for n in range(10)
+                )
+            )
+        )
+
+    assert sorted(asyncio.run(main())) == list(range(1, 11))
+
+
+def test_a_closed_log_refuses_appends(db_url: str) -> None:
+    s = Store(db_url)
+    sid = s.sessions.create("alice").id
+    future = s.events.submit(sid, "notice", writer="intake")
+    s.close()
+    assert future.result() == 1
+    with pytest.raises(Exception, match="closed"):
+        s.events.submit(sid, "notice", writer="intake")
+
+
+# --- boots and children ---------------------------------------------------------------
+
+
+def test_boot_rows(store: Store) -> None:
+    first = store.boots.begin("host-a", 100, "0.1.0")
+    store.boots.end(first, "clean")
+    second = store.boots.begin("host-a", 101, "0.1.0")
+    store.boots.set_attempted(second, ["s1", "s2"])
+    boots = store.boots.recent()
+    assert [b.boot_id for b in boots] == [second, first]
+    assert boots[0].outcome is None and boots[0].attempted == ["s1", "s2"]
+    assert boots[1].outcome == "clean" and boots[1].ended_at is not None
+    with pytest.raises(ValueError):
+        store.boots.end(second, "exploded")
+
+
+def test_child_registry(store: Store) -> None:
+    old = store.children.record(
+        "boot-1", 4242, 1700000000.5, "mcp", pgid=4242, worker="w0.1", name="files"
+    )
+    store.children.record("boot-2", 4343, 1700000001.5, "worker")
+    left = store.children.of_other_boots("boot-2")
+    assert [(c.pid, c.create_time, c.kind, c.name) for c in left] == [
+        (4242, 1700000000.5, "mcp", "files")
+    ]
+    store.children.forget([old])
+    assert store.children.of_other_boots("boot-2") == []
+
+
+def test_session_rows_are_plain_data(store: Store) -> None:
+    sid = store.sessions.create("alice", title="t").id
+    data = store.sessions.get(sid).to_dict()
+    assert data["id"] == sid and data["title"] == "t" and data["last_seq"] == 0
+    assert Session.select().count() == 1
+    assert isinstance(store.db, peewee.Database)

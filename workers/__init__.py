@@ -1,0 +1,1 @@
+"""The worker process: runs agent turns and talks to MCP tool servers."""
