@@ -216,7 +216,8 @@ class Leases:
                     raise SessionNotFound(session_id)
                 return None
             row = Session.get(Session.id == session_id)
-            return Lease(session_id, owner, row.lease_token, float(row.lease_expires_at))
+            assert row.lease_expires_at is not None
+            return Lease(session_id, owner, row.lease_token, row.lease_expires_at)
 
         return run_write(self._db, work)
 
