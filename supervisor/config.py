@@ -1,0 +1,477 @@
+"""The configuration: built-in defaults < file < environment, checked once at start.
+
+One pydantic model per section holds its keys and defaults; `etc/turnkeeper.toml` shows
+every key with its default, and `turnkeeper config show` prints the effective values with
+secrets masked. A mistake is a `ConfigError` whose one-line message names the key, what is
+wrong and where the value came from; the command line turns it into exit code 78.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+import stat
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal, get_args, get_origin
+
+import tomli_w
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
+from pydantic.fields import FieldInfo
+from pydantic_core import ErrorDetails, PydanticCustomError
+
+DEFAULT_PATH = Path("/etc/turnkeeper/turnkeeper.toml")
+ENV_PREFIX = "TURNKEEPER_"
+MASK = "***"
+
+
+class ConfigError(Exception):
+    """A configuration mistake; the message is one line naming the key and its source."""
+
+
+_lower = BeforeValidator(lambda value: value.lower() if isinstance(value, str) else value)
+_upper = BeforeValidator(lambda value: value.upper() if isinstance(value, str) else value)
+Seconds = Annotated[float, Field(ge=0)]
+PositiveSeconds = Annotated[float, Field(gt=0)]
+
+
+class _Section(BaseModel):
+    # `model` is both a section and a key; pydantic reserves the `model_` prefix otherwise.
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+
+class DaemonConfig(_Section):
+    state_dir: str = ""
+    runtime_dir: str = ""
+
+
+class StoreConfig(_Section):
+    url: str = ""
+    synchronous: Annotated[Literal["full", "normal"], _lower] = "full"
+
+
+class HttpConfig(_Section):
+    listen: str = "127.0.0.1:8765"
+    max_body: Annotated[int, Field(gt=0)] = 1048576
+
+    @field_validator("listen")
+    @classmethod
+    def _check_listen(cls, value: str) -> str:
+        try:
+            parse_listen(value)
+        except ValueError as exc:
+            raise PydanticCustomError("listen", "{reason}", {"reason": str(exc)}) from None
+        return value
+
+
+class AuthConfig(_Section):
+    tokens_file: str = ""
+    metrics_public: bool = True
+
+
+class PoolConfig(_Section):
+    workers: Annotated[int, Field(ge=1)] = 2
+    spare: Annotated[int, Field(ge=0)] = 1
+    heartbeat_interval: PositiveSeconds = 1.0
+    hang_timeout: PositiveSeconds = Field(default=5.0, validate_default=True)
+
+    @field_validator("hang_timeout")
+    @classmethod
+    def _after_heartbeat(cls, value: float, info: ValidationInfo) -> float:
+        interval = info.data.get("heartbeat_interval")
+        if interval is not None and value <= interval:
+            raise PydanticCustomError(
+                "hang_timeout",
+                "must be greater than pool.heartbeat_interval ({interval})",
+                {"interval": interval},
+            )
+        return value
+
+
+class LeaseConfig(_Section):
+    stale_after: PositiveSeconds = 30.0
+
+
+class AgentConfig(_Section):
+    model_config = ConfigDict(validate_by_name=True, validate_by_alias=True)
+
+    # `class` is the key in the file; a Python attribute cannot be called that. Separate
+    # validation and serialization aliases keep `AgentConfig(class_=...)` well typed.
+    class_: str = Field(
+        default="workers.agents.tool_loop:ToolLoopAgent",
+        validation_alias="class",
+        serialization_alias="class",
+    )
+
+    @field_validator("class_")
+    @classmethod
+    def _check_class(cls, value: str) -> str:
+        if not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", value):
+            raise PydanticCustomError("agent_class", "expected 'package.module:Class'")
+        return value
+
+
+class ModelConfig(_Section):
+    provider: Annotated[Literal["echo", "openai"], _lower] = "echo"
+    delay: Seconds = 0.0
+    base_url: str = "http://127.0.0.1:11434/v1"
+    model: str = ""
+    api_key_env: str = ""
+    timeout: PositiveSeconds = 60.0
+    max_tokens: Annotated[int, Field(ge=1)] = 1024
+
+
+class McpServer(_Section):
+    name: Annotated[str, Field(min_length=1)]
+    command: Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
+    env: dict[str, str] = Field(default_factory=dict)
+    cwd: str = ""
+    start_timeout: PositiveSeconds = 10.0
+    call_timeout: PositiveSeconds = 60.0
+
+
+class McpConfig(_Section):
+    servers: list[McpServer] = Field(default_factory=list)
+
+    @field_validator("servers")
+    @classmethod
+    def _unique_names(cls, servers: list[McpServer]) -> list[McpServer]:
+        first: dict[str, int] = {}
+        for index, server in enumerate(servers):
+            if server.name in first:
+                raise PydanticCustomError(
+                    "duplicate_name",
+                    "duplicate server name '{name}', already used by mcp.servers[{first}]",
+                    {"name": server.name, "first": first[server.name], "at": (index, "name")},
+                )
+            first[server.name] = index
+        return servers
+
+
+class ShutdownConfig(_Section):
+    kill_grace: PositiveSeconds = 3.0
+    drain_budget: Seconds = 0.0
+
+
+class AttachConfig(_Section):
+    shutdown_timeout: PositiveSeconds = 5.0
+
+
+class RecoveryConfig(_Section):
+    auto_continue: bool = True
+    freshness: PositiveSeconds = 3600.0
+    max_per_boot: Annotated[int, Field(ge=0)] = 10
+    retry_interval: PositiveSeconds = 300.0
+    breaker_threshold: Annotated[int, Field(ge=1)] = 3
+    breaker_window: PositiveSeconds = 300.0
+
+
+class LogConfig(_Section):
+    format: Annotated[Literal["text", "json"], _lower] = "text"
+    level: Annotated[
+        Literal["TRACE", "DEBUG", "INFO", "SUCCESS", "WARNING", "ERROR", "CRITICAL"],
+        _upper,
+    ] = "INFO"
+
+
+class Config(_Section):
+    """The whole configuration; sections in the order of the documentation."""
+
+    daemon: DaemonConfig = Field(default_factory=DaemonConfig)
+    store: StoreConfig = Field(default_factory=StoreConfig)
+    http: HttpConfig = Field(default_factory=HttpConfig)
+    auth: AuthConfig = Field(default_factory=AuthConfig)
+    pool: PoolConfig = Field(default_factory=PoolConfig)
+    lease: LeaseConfig = Field(default_factory=LeaseConfig)
+    agent: AgentConfig = Field(default_factory=AgentConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    mcp: McpConfig = Field(default_factory=McpConfig)
+    shutdown: ShutdownConfig = Field(default_factory=ShutdownConfig)
+    attach: AttachConfig = Field(default_factory=AttachConfig)
+    recovery: RecoveryConfig = Field(default_factory=RecoveryConfig)
+    log: LogConfig = Field(default_factory=LogConfig)
+
+
+_HOST_PORT = re.compile(r"(?:\[(?P<v6>[^\]]+)\]|(?P<host>[A-Za-z0-9.-]+)):(?P<port>[0-9]{1,5})")
+
+
+def parse_listen(value: str) -> tuple[str, int] | Path:
+    """`http.listen` as (host, port), or as the socket path for `unix:/path`.
+
+    Raises ValueError saying what is expected.
+    """
+    if value.startswith("unix:"):
+        path = value.removeprefix("unix:")
+        if not path.startswith("/"):
+            raise ValueError("a unix socket path must be absolute, as in unix:/run/tk.sock")
+        return Path(path)
+    match = _HOST_PORT.fullmatch(value)
+    if match is None or not 1 <= int(match["port"]) <= 65535:
+        raise ValueError("expected HOST:PORT (port 1-65535), [IPv6]:PORT or unix:/absolute/path")
+    if match["v6"] is not None:
+        try:
+            ipaddress.IPv6Address(match["v6"])
+        except ValueError:
+            raise ValueError(f"{match['v6']!r} is not an IPv6 address") from None
+        return match["v6"], int(match["port"])
+    return match["host"], int(match["port"])
+
+
+def _section_models() -> dict[str, type[BaseModel]]:
+    models: dict[str, type[BaseModel]] = {}
+    for name, field in Config.model_fields.items():
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            models[name] = field.annotation
+    return models
+
+
+def _keys(model: type[BaseModel]) -> dict[str, FieldInfo]:
+    """The fields of a section model by the key that names them in the file."""
+    return {field.serialization_alias or name: field for name, field in model.model_fields.items()}
+
+
+def load_config(path: str | None = None, environ: Mapping[str, str] | None = None) -> Config:
+    """The effective configuration: built-in defaults < file < `TURNKEEPER_*` variables.
+
+    The file is `path`, else `$TURNKEEPER_CONFIG`, else /etc/turnkeeper/turnkeeper.toml if it
+    exists, else none. Raises ConfigError with a one-line message.
+    """
+    env = os.environ if environ is None else environ
+    file = _config_file(path, env)
+    from_file = _read_file(file) if file is not None else {}
+    merged = {name: dict(v) if isinstance(v, dict) else v for name, v in from_file.items()}
+    from_env, variables = _from_environ(env)
+    for section, values in from_env.items():
+        target = merged.setdefault(section, {})
+        if isinstance(target, dict):  # else the file's own error is reported below
+            target.update(values)
+    try:
+        return Config.model_validate(merged)
+    except ValidationError as exc:
+        error = exc.errors(include_url=False)[0]
+        origin = _origin(error["loc"], file, from_file, variables)
+        raise ConfigError(f"{_describe(error)} [{origin}]") from None
+
+
+def _config_file(path: str | None, env: Mapping[str, str]) -> Path | None:
+    if path is not None:
+        return Path(path)
+    if env.get("TURNKEEPER_CONFIG"):
+        return Path(env["TURNKEEPER_CONFIG"])
+    return DEFAULT_PATH if DEFAULT_PATH.exists() else None
+
+
+def _read_file(file: Path) -> dict[str, Any]:
+    try:
+        with file.open("rb") as stream:
+            return tomllib.load(stream)
+    except FileNotFoundError:
+        raise ConfigError(f"{file}: no such file") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{file}: is a directory, not a configuration file") from None
+    except tomllib.TOMLDecodeError as exc:
+        reason = " ".join(str(exc).split())
+        raise ConfigError(f"{file}: invalid TOML: {reason}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{file}: not UTF-8 text") from None
+    except OSError as exc:
+        raise ConfigError(f"{file}: cannot read: {exc.strerror}") from None
+
+
+def _from_environ(
+    env: Mapping[str, str],
+) -> tuple[dict[str, dict[str, Any]], dict[tuple[str, str], str]]:
+    """Values from `TURNKEEPER_<SECTION>__<KEY>` variables, and which variable set each."""
+    sections = _section_models()
+    values: dict[str, dict[str, Any]] = {}
+    variables: dict[tuple[str, str], str] = {}
+    for var in sorted(env):
+        if not var.startswith(ENV_PREFIX) or "__" not in var:
+            continue
+        section, _, key = var.removeprefix(ENV_PREFIX).lower().partition("__")
+        if not section or not key or "__" in key:
+            raise ConfigError(f"{var}: expected {ENV_PREFIX}<SECTION>__<KEY>")
+        if section not in sections:
+            raise ConfigError(f"{var}: unknown section {section}")
+        field = _keys(sections[section]).get(key)
+        if field is None:
+            raise ConfigError(f"{var}: unknown key {section}.{key}")
+        if section == "mcp":
+            raise ConfigError(
+                f"{var}: mcp.servers cannot be set from the environment; list them in the file"
+            )
+        values.setdefault(section, {})[key] = _env_value(env[var], field)
+        variables[section, key] = var
+    return values, variables
+
+
+def _env_value(text: str, field: FieldInfo) -> Any:
+    """`text` read as a TOML value if it is one, else as a plain string."""
+    try:
+        parsed = tomllib.loads(f"value = {text}")
+    except tomllib.TOMLDecodeError:
+        return text
+    if set(parsed) != {"value"}:
+        return text
+    value = parsed["value"]
+    # A string key keeps its text as written: `model = 7` means the model named "7".
+    wants_text = field.annotation is str or (
+        get_origin(field.annotation) is Literal
+        and all(isinstance(arg, str) for arg in get_args(field.annotation))
+    )
+    return text if wants_text and not isinstance(value, str) else value
+
+
+def _origin(
+    loc: tuple[int | str, ...],
+    file: Path | None,
+    from_file: dict[str, Any],
+    variables: dict[tuple[str, str], str],
+) -> str:
+    """Where the value at `loc` came from, for the error message."""
+    section, key = str(loc[0]), str(loc[1]) if len(loc) > 1 else ""
+    if (section, key) in variables:
+        return f"env {variables[section, key]}"
+    table = from_file.get(section)
+    if section in from_file and (not key or not isinstance(table, dict) or key in table):
+        return f"file {file}"
+    # A default made invalid by another key (hang_timeout by heartbeat_interval).
+    others = [var for (name, _), var in variables.items() if name == section]
+    if others:
+        return f"env {others[0]}"
+    return f"file {file}" if file is not None else "defaults"
+
+
+def _describe(error: ErrorDetails) -> str:
+    at = error.get("ctx", {}).get("at", ())
+    loc = (*error["loc"], *at)
+    key = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc)[1:]
+    if error["type"] == "extra_forbidden":
+        return f"{key}: unknown key"
+    names = [part for part in loc if isinstance(part, str)]
+    hidden = _is_secret(names[-1]) or "env" in names[:-1]
+    if error["type"] == "missing" or hidden:
+        return f"{key}: {error['msg']}"
+    shown = repr(error["input"])
+    shown = shown if len(shown) <= 60 else shown[:57] + "..."
+    return f"{key}: {error['msg']} (got {shown})"
+
+
+_NOT_SECRET = frozenset({"api_key_env", "tokens_file", "max_tokens"})
+
+
+def _is_secret(key: str) -> bool:
+    name = key.lower()
+    if name in _NOT_SECRET:
+        return False
+    return any(word in name for word in ("token", "secret", "password", "key"))
+
+
+def render_config(cfg: Config) -> str:
+    """The configuration as TOML, loadable again, with every secret shown as `***`."""
+    data = cfg.model_dump(mode="json", by_alias=True)
+    data["store"]["url"] = _mask_url(data["store"]["url"])
+    if data["mcp"]["servers"]:
+        for server in data["mcp"]["servers"]:
+            server["env"] = dict.fromkeys(server["env"], MASK)
+    else:
+        del data["mcp"]
+    return tomli_w.dumps(_mask_keys(data))
+
+
+def _mask_keys(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {
+            key: MASK if _is_secret(key) and not isinstance(item, dict | list) else _mask_keys(item)
+            for key, item in value.items()
+        }
+    if isinstance(value, list):
+        return [_mask_keys(item) for item in value]
+    return value
+
+
+_URL = re.compile(r"(?P<scheme>[^:/?#]+://)(?P<authority>[^/?#]*)(?P<path>[^?#]*)(?P<rest>.*)")
+
+
+def _mask_url(url: str) -> str:
+    """`url` with the password of its user and any secret query parameter masked."""
+    match = _URL.fullmatch(url)
+    if match is None:
+        return url
+    authority = match["authority"]
+    userinfo, at, host = authority.rpartition("@")
+    if at and ":" in userinfo:
+        authority = f"{userinfo.partition(':')[0]}:{MASK}@{host}"
+    query, hash_, fragment = match["rest"].partition("#")
+    if query.startswith("?"):
+        params = (param.partition("=") for param in query[1:].split("&"))
+        query = "?" + "&".join(
+            f"{name}={MASK}" if _is_secret(name) else f"{name}{eq}{value}"
+            for name, eq, value in params
+        )
+    return f"{match['scheme']}{authority}{match['path']}{query}{hash_}{fragment}"
+
+
+@dataclass(frozen=True)
+class Paths:
+    """Where the daemon keeps its files, resolved from the configuration and environment."""
+
+    state_dir: Path
+    runtime_dir: Path
+    db_url: str
+    admin_token_file: Path
+
+
+def resolve_paths(cfg: Config, environ: Mapping[str, str] | None = None) -> Paths:
+    """The absolute state and runtime directories, database URL and admin token file.
+
+    Reads no files: systemd's $STATE_DIRECTORY and $RUNTIME_DIRECTORY, then
+    $XDG_RUNTIME_DIR and ~/.local/state fill in what the configuration leaves empty.
+    """
+    env = os.environ if environ is None else environ
+    state_dir = _absolute(
+        cfg.daemon.state_dir
+        or _first(env.get("STATE_DIRECTORY", ""))
+        or "~/.local/state/turnkeeper",
+        env,
+    )
+    runtime = cfg.daemon.runtime_dir or _first(env.get("RUNTIME_DIRECTORY", ""))
+    if runtime:
+        runtime_dir = _absolute(runtime, env)
+    elif env.get("XDG_RUNTIME_DIR"):
+        runtime_dir = _absolute(env["XDG_RUNTIME_DIR"], env) / "turnkeeper"
+    else:
+        runtime_dir = state_dir / "run"
+    db_url = cfg.store.url or f"sqlite:///{state_dir / 'turnkeeper.db'}"
+    return Paths(state_dir, runtime_dir, db_url, state_dir / "admin.token")
+
+
+def _first(paths: str) -> str:
+    # systemd joins several configured directories with colons.
+    return paths.split(":")[0]
+
+
+def _absolute(path: str, env: Mapping[str, str]) -> Path:
+    if path == "~" or path.startswith("~/"):
+        path = (env.get("HOME") or str(Path.home())) + path[1:]
+    return Path(os.path.abspath(os.path.expanduser(path)))
+
+
+def make_private_dir(path: Path) -> None:
+    """Create `path` and its missing parents as 0700; tighten it to 0700 if it is looser."""
+    missing = [p for p in (path, *path.parents) if not p.exists()]
+    for directory in reversed(missing):
+        directory.mkdir(mode=0o700, exist_ok=True)
+    if stat.S_IMODE(path.stat().st_mode) & 0o077:
+        path.chmod(0o700)
