@@ -1,0 +1,57 @@
+"""Logging: loguru to stderr, one line per record, with the subsystem that wrote it.
+
+Under systemd (`JOURNAL_STREAM` set) text lines carry `<N>` syslog priority prefixes and
+no timestamp, since journald adds its own. Each process (supervisor, every worker)
+configures its own logger; a loguru logger cannot be handed to a spawned child.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import TYPE_CHECKING
+
+from loguru import logger
+
+if TYPE_CHECKING:
+    from loguru import Logger, Record
+
+SUBSYSTEMS = ("daemon", "shutdown", "recovery", "pool", "intake", "store", "mcp", "worker")
+
+# loguru level -> syslog priority (sd-daemon(3)).
+_PRIORITY = {
+    "TRACE": 7,
+    "DEBUG": 7,
+    "INFO": 6,
+    "SUCCESS": 5,
+    "WARNING": 4,
+    "ERROR": 3,
+    "CRITICAL": 2,
+}
+
+_TEXT = "{time:YYYY-MM-DD HH:mm:ss.SSS} {level: <7} [{extra[subsystem]}]{extra[where]} {message}"
+_JOURNAL = "<{extra[priority]}>{level: <7} [{extra[subsystem]}]{extra[where]} {message}"
+
+
+def _patch(record: Record) -> None:
+    extra = record["extra"]
+    extra.setdefault("subsystem", "daemon")
+    session = extra.get("session")
+    extra["where"] = f" session={session}" if session else ""
+    extra["priority"] = _PRIORITY.get(record["level"].name, 6)
+
+
+def setup_logging(level: str = "INFO", fmt: str = "text", process: str = "supervisor") -> None:
+    """Send this process's log records to stderr in the configured format."""
+    logger.remove()
+    logger.configure(patcher=_patch, extra={"process": process})
+    if fmt == "json":
+        logger.add(sys.stderr, level=level, serialize=True, backtrace=False, diagnose=False)
+    else:
+        line = _JOURNAL if os.environ.get("JOURNAL_STREAM") else _TEXT
+        logger.add(sys.stderr, level=level, format=line, backtrace=False, diagnose=False)
+
+
+def log(subsystem: str, **context: object) -> Logger:
+    """A logger whose records name `subsystem` (and a session, when given)."""
+    return logger.bind(subsystem=subsystem, **context)
