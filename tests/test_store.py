@@ -197,7 +197,7 @@ def test_fencing_inside_one_batch_rejects_only_the_stale_writer(store: Store) ->
         make_request(b, "notice", {"x": 2}, token=lease_b.token),
         make_request(a, "user_message", {"text": "hi"}, writer="intake"),
     ]
-    outcomes = run_write(store.db, lambda: write_events(batch))
+    outcomes = run_write(store.db, lambda: write_events(store.db, batch))
     assert isinstance(outcomes[0], LeaseLost)
     assert outcomes[1:] == [1, 1]
     assert [e.type for e in store.events.read(a)] == ["user_message"]

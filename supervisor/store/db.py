@@ -120,12 +120,15 @@ def db_now(db: peewee.Database) -> float:
     return float(row[0])
 
 
-def is_transient(exc: BaseException) -> bool:
+def is_transient(exc: BaseException, kind: str) -> bool:
     """Whether retrying the whole transaction may succeed.
 
-    Locks and busy files (SQLite), deadlocks and serialization failures, and lost
-    connections. Unique-key races are handled by `run_write` with a few retries only.
+    SQLite: only a locked or busy database. PostgreSQL and MySQL: deadlocks, serialization
+    failures and lost connections. Unique-key races are handled by `run_write` apart.
     """
+    if kind == "sqlite":
+        text = str(exc).lower()
+        return isinstance(exc, peewee.OperationalError) and ("locked" in text or "busy" in text)
     return isinstance(exc, peewee.OperationalError | peewee.InterfaceError)
 
 
@@ -156,7 +159,7 @@ def run_write(
                 raise
             integrity_retries -= 1
         except peewee.DatabaseError as exc:
-            if not is_transient(exc):
+            if not is_transient(exc, backend(db)):
                 raise
             if clock() >= give_up:
                 raise StoreBusy(f"database write failed for {deadline:.0f} s: {exc}") from exc

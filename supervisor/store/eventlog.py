@@ -23,7 +23,7 @@ from typing import Any
 
 import peewee
 
-from supervisor.store.db import run_write
+from supervisor.store.db import backend, run_write
 from supervisor.store.errors import LeaseLost, SessionNotFound, StoreError
 from supervisor.store.models import Event, Session
 
@@ -82,6 +82,8 @@ class AppendRequest:
     writer: str
     idempotency_key: str | None
     created_at: float
+    # A continuation after a crash charges a turn attempt; a handoff (rolling restart) not.
+    charges_attempt: bool = False
     future: Future[int] = field(default_factory=Future)
 
 
@@ -110,6 +112,8 @@ def make_request(
         raise ValueError(f"event payload is not JSON-serializable: {exc}") from exc
     if idempotency_key is not None and not 0 < len(idempotency_key) <= 200:
         raise ValueError("idempotency key must be 1 to 200 characters")
+    if type in TURN_EVENTS and not turn_id:
+        raise ValueError(f"a {type} event needs a turn_id")
     return AppendRequest(
         session_id=session_id,
         type=type,
@@ -119,25 +123,147 @@ def make_request(
         writer=writer,
         idempotency_key=idempotency_key,
         created_at=time.time(),
+        charges_attempt=type == "continuation" and payload.get("cause") != "handoff",
     )
 
 
-_UNCHANGED = object()
+TURN_EVENTS = frozenset({"turn_started", "turn_ended", "continuation"})
 
 
-def _active_turn_after(requests: Sequence[AppendRequest]) -> object:
-    """`session.active_turn_id` after these events, or _UNCHANGED if none touches it."""
-    active: object = _UNCHANGED
-    for req in requests:
-        if req.type == "turn_started":
-            active = req.turn_id
-        elif req.type == "turn_ended":
-            active = None
-    return active
+@dataclass(frozen=True)
+class Effects:
+    """What a run of events does to its session row besides `last_seq` (pure data).
+
+    - `user_message` marks the session pending (it needs a turn);
+    - `turn_started` clears pending, makes the turn active and charges its first attempt;
+    - a charged `continuation` adds an attempt to its turn;
+    - `turn_ended` clears the active turn and its attempts.
+    """
+
+    pending: bool | None = None  # None: unchanged
+    set_active: bool = False
+    active_turn_id: str | None = None
+    attempts: str = "keep"  # keep | set (to attempt_n) | add (attempt_n) | clear
+    attempt_turn_id: str | None = None
+    attempt_n: int = 0
 
 
-def write_events(requests: Sequence[AppendRequest]) -> list[int | StoreError]:
-    """Append `requests` inside the caller's open write transaction.
+def effects_of(events: Sequence[AppendRequest]) -> Effects:
+    """The net effect of `events`, in order, on their session's row."""
+    pending: bool | None = None
+    set_active, active = False, None
+    mode, turn, n = "keep", None, 0
+    for event in events:
+        if event.type == "user_message":
+            pending = True
+        elif event.type == "turn_started":
+            pending, set_active, active = False, True, event.turn_id
+            mode, turn, n = "set", event.turn_id, 1
+        elif event.type == "turn_ended":
+            set_active, active = True, None
+            mode, turn, n = "clear", None, 0
+        elif event.charges_attempt:
+            if mode in ("set", "add") and turn == event.turn_id:
+                n += 1
+            else:
+                mode, turn, n = ("add" if mode == "keep" else "set"), event.turn_id, 1
+    return Effects(pending, set_active, active, mode, turn, n)
+
+
+class _Sql:
+    """The append statements for one database, built once (the hot path builds no query)."""
+
+    def __init__(self, db: peewee.Database) -> None:
+        self.kind = backend(db)
+        self.p = db.param
+        q = db.quote[0], db.quote[1]
+        self.session = f"{q[0]}session{q[1]}"
+        columns = (
+            "session_id",
+            "seq",
+            "type",
+            "turn_id",
+            "payload",
+            "created_at",
+            "writer",
+            "lease_token",
+            "idempotency_key",
+        )
+        self.insert = (
+            f"INSERT INTO {q[0]}event{q[1]} ({', '.join(columns)}) "
+            f"VALUES ({', '.join([self.p] * len(columns))})"
+        )
+        self.select_last = f"SELECT last_seq FROM {self.session} WHERE id = {self.p}"
+        self._updates: dict[tuple[bool, bool, bool, str], str] = {}
+
+    def update(self, fenced: bool, effects: Effects) -> str:
+        key = (fenced, effects.pending is not None, effects.set_active, effects.attempts)
+        sql = self._updates.get(key)
+        if sql is None:
+            sql = self._updates[key] = self._build_update(*key)
+        return sql
+
+    def _build_update(self, fenced: bool, pending: bool, active: bool, attempts: str) -> str:
+        p = self.p
+        sets = [f"last_seq = last_seq + {p}", f"updated_at = {p}"]
+        if pending:
+            sets.append(f"pending = {p}")
+        if active:
+            sets.append(f"active_turn_id = {p}")
+        if attempts == "set":
+            sets += [f"attempt_count = {p}", f"attempt_turn_id = {p}"]
+        elif attempts == "add":
+            # attempt_count first: MySQL reads columns already assigned in this statement.
+            sets += [
+                f"attempt_count = CASE WHEN attempt_turn_id = {p} THEN attempt_count + {p} "
+                f"ELSE {p} END",
+                f"attempt_turn_id = {p}",
+            ]
+        elif attempts == "clear":
+            sets += ["attempt_count = 0", "attempt_turn_id = NULL"]
+        sql = f"UPDATE {self.session} SET {', '.join(sets)} WHERE id = {p}"
+        if fenced:
+            sql += f" AND lease_token = {p}"
+        if self.kind != "mysql":
+            sql += " RETURNING last_seq"
+        return sql
+
+    @staticmethod
+    def update_params(
+        count: int, now: float, effects: Effects, session_id: str, token: int | None
+    ) -> list[Any]:
+        params: list[Any] = [count, now]
+        if effects.pending is not None:
+            params.append(effects.pending)
+        if effects.set_active:
+            params.append(effects.active_turn_id)
+        if effects.attempts == "set":
+            params += [effects.attempt_n, effects.attempt_turn_id]
+        elif effects.attempts == "add":
+            params += [
+                effects.attempt_turn_id,
+                effects.attempt_n,
+                effects.attempt_n,
+                effects.attempt_turn_id,
+            ]
+        params.append(session_id)
+        if token is not None:
+            params.append(token)
+        return params
+
+
+_statements: dict[int, _Sql] = {}
+
+
+def _sql_for(db: peewee.Database) -> _Sql:
+    sql = _statements.get(id(db))
+    if sql is None:
+        sql = _statements[id(db)] = _Sql(db)
+    return sql
+
+
+def write_events(db: peewee.Database, requests: Sequence[AppendRequest]) -> list[int | StoreError]:
+    """Append `requests` inside the caller's open write transaction on `db`.
 
     Returns, for each request, its seq or the error that rejected it (the others still
     commit). Pure with respect to Python state, so a retried transaction can call it again.
@@ -166,56 +292,54 @@ def write_events(requests: Sequence[AppendRequest]) -> list[int | StoreError]:
     groups: dict[tuple[str, int | None], list[int]] = {}
     for i in pending:
         groups.setdefault((requests[i].session_id, requests[i].token), []).append(i)
+    sql = _sql_for(db)
+    rows: list[tuple[Any, ...]] = []
+    now = time.time()
     # Sessions are locked in id order, so two processes' batches cannot deadlock.
     for (session_id, token), indexes in sorted(groups.items(), key=lambda item: item[0][0]):
         group = [requests[i] for i in indexes]
-        for i, result in zip(indexes, _append_group(session_id, token, group), strict=True):
-            outcomes[i] = result
-    for i, first in duplicate_of.items():
-        outcomes[i] = outcomes[first]
+        effects = effects_of(group)
+        cursor = db.execute_sql(
+            sql.update(token is not None, effects),
+            sql.update_params(len(group), now, effects, session_id, token),
+        )
+        if sql.kind == "mysql":
+            found = cursor.rowcount > 0
+            if found:
+                cursor = db.execute_sql(sql.select_last, (session_id,))
+        result = cursor.fetchall()
+        if not result:
+            for i in indexes:
+                outcomes[i] = _rejection(session_id, token)
+            continue
+        first = int(result[0][0]) - len(group) + 1
+        for n, (i, req) in enumerate(zip(indexes, group, strict=True)):
+            outcomes[i] = first + n
+            rows.append(
+                (
+                    session_id,
+                    first + n,
+                    req.type,
+                    req.turn_id,
+                    req.payload_json,
+                    req.created_at,
+                    req.writer,
+                    token,
+                    req.idempotency_key,
+                )
+            )
+    if rows:
+        db.cursor().executemany(sql.insert, rows)
+    for i, first_index in duplicate_of.items():
+        outcomes[i] = outcomes[first_index]
     done = [o for o in outcomes if o is not None]
     assert len(done) == len(requests), "every append has an outcome"
     return done
 
 
-def _append_group(
-    session_id: str, token: int | None, group: list[AppendRequest]
-) -> list[int | StoreError]:
-    changes: dict[Any, Any] = {
-        Session.last_seq: Session.last_seq + len(group),
-        Session.updated_at: time.time(),
-    }
-    active = _active_turn_after(group)
-    if active is not _UNCHANGED:
-        changes[Session.active_turn_id] = active
-    update = Session.update(changes).where(Session.id == session_id)
-    if token is not None:
-        update = update.where(Session.lease_token == token)
-    if update.execute() == 0:
-        row = Session.select(Session.lease_token).where(Session.id == session_id).tuples().first()
-        error: StoreError = (
-            SessionNotFound(session_id) if row is None else LeaseLost(session_id, token, row[0])
-        )
-        return [error] * len(group)
-    last = Session.select(Session.last_seq).where(Session.id == session_id).scalar()
-    first = int(last) - len(group) + 1
-    Event.insert_many(
-        [
-            {
-                Event.session: session_id,
-                Event.seq: first + n,
-                Event.type: req.type,
-                Event.turn_id: req.turn_id,
-                Event.payload: req.payload_json,
-                Event.created_at: req.created_at,
-                Event.writer: req.writer,
-                Event.lease_token: token,
-                Event.idempotency_key: req.idempotency_key,
-            }
-            for n, req in enumerate(group)
-        ]
-    ).execute()
-    return list(range(first, first + len(group)))
+def _rejection(session_id: str, token: int | None) -> StoreError:
+    row = Session.select(Session.lease_token).where(Session.id == session_id).tuples().first()
+    return SessionNotFound(session_id) if row is None else LeaseLost(session_id, token, row[0])
 
 
 _STOP = object()
@@ -319,7 +443,7 @@ class EventLog:
 
     def _commit(self, batch: list[AppendRequest]) -> None:
         try:
-            outcomes = run_write(self._db, lambda: write_events(batch))
+            outcomes = run_write(self._db, lambda: write_events(self._db, batch))
         except Exception as exc:
             error = exc if isinstance(exc, StoreError) else StoreError(f"append failed: {exc}")
             for req in batch:

@@ -53,9 +53,13 @@ class Session(BaseModel):
     owner = peewee.CharField(max_length=ID_LEN, null=True)
     lease_token = peewee.BigIntegerField(default=0)
     lease_expires_at = peewee.DoubleField(null=True)
+    # Set by a `user_message`, cleared by the `turn_started` that will read it: the
+    # session needs a turn. Kept by the event log in the same commit as the event.
+    pending = peewee.BooleanField(default=False, index=True)
     # A turn in flight, set by `turn_started` and cleared by `turn_ended` in the same commit.
-    active_turn_id = peewee.CharField(max_length=ID_LEN, null=True)
-    # Turn attempts, charged before a turn starts and cleared when it completes.
+    active_turn_id = peewee.CharField(max_length=ID_LEN, null=True, index=True)
+    # Turn attempts, charged by `turn_started`/`continuation` before the turn runs and
+    # cleared by `turn_ended`.
     attempt_turn_id = peewee.CharField(max_length=ID_LEN, null=True)
     attempt_count = peewee.IntegerField(default=0)
     quarantined_at = peewee.DoubleField(null=True)
@@ -63,7 +67,6 @@ class Session(BaseModel):
 
     class Meta:
         table_name = "session"
-        indexes = ((("status", "updated_at"), False),)
 
 
 class Event(BaseModel):

@@ -34,7 +34,10 @@ class SessionInfo:
     owner: str | None
     lease_token: int
     lease_expires_at: float | None
+    pending: bool
     active_turn_id: str | None
+    attempt_turn_id: str | None
+    attempt_count: int
     quarantined_at: float | None
     quarantine_reason: str | None
 
@@ -50,12 +53,15 @@ class SessionInfo:
             "created_at": self.created_at,
             "updated_at": self.updated_at,
             "last_seq": self.last_seq,
+            "pending": self.pending,
             "active_turn_id": self.active_turn_id,
         }
 
 
 def _info(row: Session) -> SessionInfo:
-    return SessionInfo(**{name: getattr(row, name) for name in SessionInfo.__dataclass_fields__})
+    values = {name: getattr(row, name) for name in SessionInfo.__dataclass_fields__}
+    values["pending"] = bool(values["pending"])
+    return SessionInfo(**values)
 
 
 class Sessions:
@@ -148,7 +154,7 @@ class Acl:
                 SessionACL.insert(
                     session=session_id, principal=principal, permission=permission
                 ).execute()
-            (outcome,) = write_events([event])
+            (outcome,) = write_events(self._db, [event])
             if isinstance(outcome, Exception):
                 raise outcome
             return outcome

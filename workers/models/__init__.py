@@ -1,0 +1,56 @@
+"""Model providers the agents call: `echo` (deterministic, no network) and `openai`."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+from supervisor.config import ModelConfig
+from workers.models.base import (
+    Message,
+    Model,
+    ModelError,
+    ModelResponse,
+    ToolCall,
+    ToolSpec,
+)
+from workers.models.echo import EchoModel
+from workers.models.openai import OpenAIModel
+
+__all__ = [
+    "EchoModel",
+    "Message",
+    "Model",
+    "ModelError",
+    "ModelResponse",
+    "OpenAIModel",
+    "ToolCall",
+    "ToolSpec",
+    "make_model",
+]
+
+
+def make_model(cfg: ModelConfig, environ: Mapping[str, str] | None = None) -> Model:
+    """The provider `cfg` names; the API key is read from `environ[cfg.api_key_env]`.
+
+    Raises `ModelError` (not transient) when `api_key_env` names a variable that is
+    unset or empty in `environ` (default: the process environment).
+    """
+    if cfg.provider == "echo":
+        return EchoModel(delay=cfg.delay, max_tokens=cfg.max_tokens)
+    environ = os.environ if environ is None else environ
+    api_key: str | None = None
+    if cfg.api_key_env:
+        api_key = environ.get(cfg.api_key_env)
+        if not api_key:
+            raise ModelError(
+                f"model.api_key_env names the environment variable {cfg.api_key_env}, "
+                "which is not set; set it to the model server's API key"
+            )
+    return OpenAIModel(
+        base_url=cfg.base_url,
+        model=cfg.model,
+        api_key=api_key,
+        timeout=cfg.timeout,
+        max_tokens=cfg.max_tokens,
+    )

@@ -1,0 +1,91 @@
+"""The model interface the agents call: messages in, one response out.
+
+Plain data and one protocol, no I/O. A provider (`echo`, `openai`) turns a conversation
+and the tools on offer into a `ModelResponse`, or raises `ModelError` with a one-line
+message fit for a human and the event log.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
+
+Role = Literal["system", "user", "assistant", "tool"]
+FinishReason = Literal["stop", "tool_calls", "length"]
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One call of a tool the model asked for; `arguments` is already decoded."""
+
+    id: str
+    name: str
+    arguments: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    """A tool offered to the model; the hints are kept for recovery, not sent."""
+
+    name: str
+    description: str
+    input_schema: dict[str, Any]
+    read_only: bool = False
+    idempotent: bool = False
+
+
+@dataclass(frozen=True)
+class Message:
+    """One message of a conversation.
+
+    `tool_calls` is set on assistant messages that asked for tools; `tool_call_id` on
+    tool messages, naming the call they answer. `note=True` marks a framework note (a
+    continuation note after a crash, say): it is never a user message, whatever its role.
+    """
+
+    role: Role
+    content: str
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    tool_call_id: str | None = None
+    note: bool = False
+
+
+@dataclass(frozen=True)
+class ModelResponse:
+    """What one model call produced.
+
+    `finish_reason` is "stop" (a final answer), "tool_calls" (run the tools, then call
+    again) or "length" (cut by the token limit). `usage` holds token counts such as
+    `prompt_tokens` and `completion_tokens`, when the provider reports them.
+    """
+
+    text: str
+    tool_calls: list[ToolCall]
+    finish_reason: FinishReason
+    usage: dict[str, int]
+
+
+class ModelError(Exception):
+    """A model call failed: timeout, connection, HTTP error status or malformed answer.
+
+    The message is one line naming the server and what went wrong. `transient` says
+    whether the same call may succeed if tried again later (timeouts, refused
+    connections, 429 and 5xx) or not (other 4xx, malformed answers, missing settings).
+    """
+
+    def __init__(self, message: str, *, transient: bool = False) -> None:
+        super().__init__(message)
+        self.transient = transient
+
+
+@runtime_checkable
+class Model(Protocol):
+    """A model provider, as the agents see it."""
+
+    async def complete(self, messages: list[Message], tools: list[ToolSpec]) -> ModelResponse:
+        """Answer the conversation `messages`, offering `tools`; raise `ModelError`."""
+        ...
+
+    async def aclose(self) -> None:
+        """Release connections; the model may be used again afterwards."""
+        ...

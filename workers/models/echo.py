@@ -1,0 +1,143 @@
+"""The `echo` model: deterministic, no network, for demos and tests.
+
+It answers the most recent user message T (a framework note is not a user message):
+
+- `T` -> `echo: T`, finish "stop".
+- `/tool NAME {json args}` -> one call of NAME with those arguments (default `{}`), finish
+  "tool_calls"; once a tool message follows that user message, `echo: <its content>`.
+  Arguments that are not a JSON object -> `echo: invalid tool arguments: <error>`.
+- `/sleep SECONDS T` -> wait SECONDS, then `echo: T`.
+- `/long T` -> the first half of `echo: T`, finish "length".
+
+A malformed command (`/sleep soon`, `/tool` without a name) is echoed whole. An answer
+longer than `max_tokens` words is cut there with finish "length". Tokens are counted as
+whitespace-separated words.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from workers.models.base import FinishReason, Message, ModelResponse, ToolCall, ToolSpec
+
+_COMMAND = re.compile(r"/(tool|sleep|long)(?:\s+(.*))?", re.DOTALL)
+_WORD = re.compile(r"\S+")
+
+
+@dataclass(frozen=True)
+class _Answer:
+    text: str
+    finish_reason: FinishReason = "stop"
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    sleep: float = 0.0
+
+
+class EchoModel:
+    """The deterministic `echo` provider; `delay` seconds are added to every call."""
+
+    def __init__(self, delay: float = 0.0, max_tokens: int = 1024) -> None:
+        self.delay = delay
+        self.max_tokens = max_tokens
+
+    async def complete(self, messages: list[Message], tools: list[ToolSpec]) -> ModelResponse:
+        """Answer the most recent user message by the rules in the module docstring."""
+        if self.delay > 0:
+            await asyncio.sleep(self.delay)
+        answer = _plan(messages)
+        if answer.sleep > 0:
+            await asyncio.sleep(answer.sleep)
+        text, finish = answer.text, answer.finish_reason
+        if finish == "stop":
+            text, finish = _cut(text, self.max_tokens)
+        usage = {
+            "prompt_tokens": sum(_words(message.content) for message in messages),
+            "completion_tokens": _words(text),
+        }
+        return ModelResponse(text, list(answer.tool_calls), finish, usage)
+
+    async def aclose(self) -> None:
+        """Nothing to release."""
+
+
+def _plan(messages: list[Message]) -> _Answer:
+    """What echo answers to `messages`, before any waiting or cutting."""
+    index = _last_user_index(messages)
+    if index is None:
+        return _Answer("echo: ")
+    text = messages[index].content
+    match = _COMMAND.fullmatch(text)
+    if match is None:
+        return _Answer(f"echo: {text}")
+    command, rest = match.group(1), match.group(2) or ""
+    if command == "tool":
+        return _tool(messages, index, text, rest)
+    if command == "sleep":
+        return _sleep(text, rest)
+    full = f"echo: {rest}"
+    return _Answer(full[: max(1, len(full) // 2)], "length")
+
+
+def tool_call_id(index: int, name: str, arguments: dict[str, Any]) -> str:
+    """The id echo gives the call asked for by the user message at `index`."""
+    key = json.dumps([index, name, arguments], sort_keys=True, separators=(",", ":"))
+    return "call_" + hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+def _last_user_index(messages: list[Message]) -> int | None:
+    for index in range(len(messages) - 1, -1, -1):
+        message = messages[index]
+        if message.role == "user" and not message.note:
+            return index
+    return None
+
+
+def _tool(messages: list[Message], index: int, text: str, rest: str) -> _Answer:
+    parts = rest.split(None, 1)
+    if not parts:
+        return _Answer(f"echo: {text}")
+    name = parts[0]
+    arguments: Any = {}
+    if len(parts) > 1:
+        try:
+            arguments = json.loads(parts[1])
+        except json.JSONDecodeError as exc:
+            return _Answer(f"echo: invalid tool arguments: {exc}")
+        if not isinstance(arguments, dict):
+            kind = type(arguments).__name__
+            return _Answer(f"echo: invalid tool arguments: expected a JSON object, got {kind}")
+    call = ToolCall(tool_call_id(index, name, arguments), name, arguments)
+    results = [m for m in messages[index + 1 :] if m.role == "tool"]
+    if not results:
+        return _Answer("", "tool_calls", [call])
+    # Prefer the result that names our call; any later tool message still counts, so a
+    # history rewritten by another agent does not make echo ask for the tool forever.
+    answering = next((m for m in results if m.tool_call_id == call.id), results[0])
+    return _Answer(f"echo: {answering.content}")
+
+
+def _sleep(text: str, rest: str) -> _Answer:
+    parts = rest.split(None, 1)
+    try:
+        seconds = float(parts[0]) if parts else math.nan
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds >= 0):
+        return _Answer(f"echo: {text}")
+    return _Answer(f"echo: {parts[1] if len(parts) > 1 else ''}", sleep=seconds)
+
+
+def _cut(text: str, max_tokens: int) -> tuple[str, FinishReason]:
+    words = list(_WORD.finditer(text))
+    if len(words) <= max_tokens:
+        return text, "stop"
+    return text[: words[max_tokens - 1].end()], "length"
+
+
+def _words(text: str) -> int:
+    return len(text.split())

@@ -1,0 +1,224 @@
+"""The `openai` model: any OpenAI-compatible chat-completions server.
+
+Ollama, vLLM and the llama.cpp server all speak it. One POST to
+`{base_url}/chat/completions` per call, no streaming. Every failure becomes a
+`ModelError` whose one-line message names the server; the API key is never part of one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from typing import Any
+
+import httpx
+
+from workers.models.base import (
+    FinishReason,
+    Message,
+    ModelError,
+    ModelResponse,
+    ToolCall,
+    ToolSpec,
+)
+
+EXCERPT = 200
+_FINISH_REASONS: frozenset[str] = frozenset({"stop", "tool_calls", "length"})
+
+
+class OpenAIModel:
+    """A client of one OpenAI-compatible server; the HTTP client is opened on first use.
+
+    `timeout` bounds each whole call, in seconds. `transport` replaces the network, for
+    tests and embedding.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        api_key: str | None,
+        timeout: float,
+        max_tokens: int,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        self.timeout = timeout
+        self.max_tokens = max_tokens
+        self._api_key = api_key or None
+        self._transport = transport
+        self._client: httpx.AsyncClient | None = None
+
+    def __repr__(self) -> str:
+        return f"OpenAIModel(base_url={self.base_url!r}, model={self.model!r})"
+
+    async def complete(self, messages: list[Message], tools: list[ToolSpec]) -> ModelResponse:
+        """Send the conversation and the tools; parse the first choice of the answer."""
+        body = request_body(self.model, messages, tools, self.max_tokens)
+        headers = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
+        try:
+            async with asyncio.timeout(self.timeout):
+                answer = await self._http().post(
+                    f"{self.base_url}/chat/completions", json=body, headers=headers
+                )
+        except (TimeoutError, httpx.TimeoutException):
+            raise ModelError(
+                f"model server {self.base_url} did not answer within {self.timeout:g} s (timeout)",
+                transient=True,
+            ) from None
+        except (httpx.InvalidURL, httpx.UnsupportedProtocol) as exc:
+            raise ModelError(f"model server URL {self.base_url!r} is invalid: {exc}") from None
+        except httpx.TransportError as exc:
+            raise ModelError(
+                f"model server {self.base_url} could not be reached: {_describe(exc)}",
+                transient=True,
+            ) from None
+        if not answer.is_success:
+            status = answer.status_code
+            raise ModelError(
+                f"model server {self.base_url} answered {status}: {self._excerpt(answer)}",
+                transient=status == 429 or status >= 500,
+            )
+        try:
+            return parse_answer(answer.json())
+        except ValueError as exc:
+            raise ModelError(
+                f"model server {self.base_url} sent a malformed answer: {_one_line(str(exc))}"
+            ) from None
+
+    async def aclose(self) -> None:
+        """Close the HTTP client; the next call opens a new one."""
+        client, self._client = self._client, None
+        if client is not None:
+            await client.aclose()
+
+    def _http(self) -> httpx.AsyncClient:
+        if self._client is None:
+            # trust_env=False: the server is named by base_url; a process-wide proxy or
+            # .netrc must not silently reroute the conversation or the API key.
+            self._client = httpx.AsyncClient(
+                timeout=self.timeout, transport=self._transport, trust_env=False
+            )
+        return self._client
+
+    def _excerpt(self, answer: httpx.Response) -> str:
+        text = answer.text
+        try:
+            error = json.loads(text).get("error")
+            text = (error.get("message") if isinstance(error, dict) else error) or text
+        except (ValueError, AttributeError):
+            pass
+        text = _one_line(str(text))[:EXCERPT] or "(empty body)"
+        # A server may quote the rejected key back; it must not reach the event log.
+        return text.replace(self._api_key, "***") if self._api_key else text
+
+
+def request_body(
+    model: str, messages: list[Message], tools: list[ToolSpec], max_tokens: int
+) -> dict[str, Any]:
+    """The JSON body of a chat-completions request."""
+    body: dict[str, Any] = {
+        "model": model,
+        "messages": [_message(message) for message in messages],
+        "max_tokens": max_tokens,
+    }
+    if tools:
+        body["tools"] = [
+            {
+                "type": "function",
+                "function": {
+                    "name": tool.name,
+                    "description": tool.description,
+                    "parameters": tool.input_schema,
+                },
+            }
+            for tool in tools
+        ]
+    return body
+
+
+def parse_answer(data: Any) -> ModelResponse:
+    """The first choice of a chat-completions answer; ValueError if it is malformed."""
+    if not isinstance(data, dict):
+        raise ValueError(f"expected a JSON object, got {type(data).__name__}")
+    choices = data.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        raise ValueError("no choices")
+    choice = choices[0]
+    message = choice.get("message")
+    if not isinstance(message, dict):
+        raise ValueError("choices[0] has no message")
+    content = message.get("content")
+    if content is not None and not isinstance(content, str):
+        raise ValueError(f"message content is {type(content).__name__}, not a string")
+    calls = [_tool_call(raw) for raw in message.get("tool_calls") or []]
+    reason = choice.get("finish_reason")
+    finish: FinishReason = reason if reason in _FINISH_REASONS else "stop"
+    if calls:
+        finish = "tool_calls"
+    raw_usage = data.get("usage")
+    usage = {
+        key: value
+        for key, value in (raw_usage.items() if isinstance(raw_usage, dict) else ())
+        if isinstance(value, int) and not isinstance(value, bool)
+    }
+    return ModelResponse(content or "", calls, finish, usage)
+
+
+def _message(message: Message) -> dict[str, Any]:
+    if message.note:
+        # A note goes as a user message marked "[note] ": many local chat templates
+        # reject or drop a system message in mid-conversation, where notes land.
+        return {"role": "user", "content": f"[note] {message.content}"}
+    if message.role == "tool":
+        return {
+            "role": "tool",
+            "tool_call_id": message.tool_call_id or "",
+            "content": message.content,
+        }
+    out: dict[str, Any] = {"role": message.role, "content": message.content}
+    if message.role == "assistant" and message.tool_calls:
+        out["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {"name": call.name, "arguments": json.dumps(call.arguments)},
+            }
+            for call in message.tool_calls
+        ]
+    return out
+
+
+def _tool_call(raw: Any) -> ToolCall:
+    function = raw.get("function") if isinstance(raw, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise ValueError("a tool call has no function name")
+    name = function["name"]
+    arguments = function.get("arguments")
+    # Some servers (older Ollama) send the arguments as an object, not a JSON string.
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError as exc:
+            raise ValueError(
+                f"invalid JSON in the arguments of tool call {name!r}: {exc}"
+            ) from None
+    elif arguments is None:
+        arguments = {}
+    if not isinstance(arguments, dict):
+        raise ValueError(f"the arguments of tool call {name!r} are not a JSON object")
+    call_id = raw.get("id")
+    if not isinstance(call_id, str) or not call_id:
+        # Some servers omit ids; the tool result must still name its call.
+        call_id = "call_" + uuid.uuid4().hex[:12]
+    return ToolCall(call_id, name, arguments)
+
+
+def _describe(exc: Exception) -> str:
+    return _one_line(str(exc)) or type(exc).__name__
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
