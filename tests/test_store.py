@@ -181,7 +181,7 @@ def test_fencing_rejects_the_old_holder_and_stores_nothing(store: Store) -> None
         store.events.append(sid, "model_response", {"text": "late"}, token=old.token, turn_id="t1")
     assert (caught.value.token, caught.value.current) == (old.token, new.token)
     assert store.sessions.get(sid).last_seq == 1
-    assert Event.select().where(Event.session == sid).count() == 1
+    assert Event.select().where(Event.session_id == sid).count() == 1
     assert store.events.append(sid, "turn_ended", token=new.token, turn_id="t1") == 2
 
 

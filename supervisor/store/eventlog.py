@@ -12,20 +12,22 @@ transaction as the event, so "a turn is in flight" is always a durable fact.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import peewee
 
 from supervisor.store.db import backend, run_write
 from supervisor.store.errors import LeaseLost, SessionNotFound, StoreError
-from supervisor.store.models import Event, Session
+from supervisor.store.models import Event, IntakeKey
 
 EVENT_TYPES = frozenset(
     {
@@ -84,7 +86,9 @@ class AppendRequest:
     created_at: float
     # A continuation after a crash charges a turn attempt; a handoff (rolling restart) not.
     charges_attempt: bool = False
-    future: Future[int] = field(default_factory=Future)
+    # Resolved by the committer: a thread's Future, or an asyncio future of `loop`.
+    future: Any = None
+    loop: asyncio.AbstractEventLoop | None = None
 
 
 def make_request(
@@ -130,148 +134,119 @@ def make_request(
 TURN_EVENTS = frozenset({"turn_started", "turn_ended", "continuation"})
 
 
-@dataclass(frozen=True)
-class Effects:
-    """What a run of events does to its session row besides `last_seq` (pure data).
+@dataclass
+class SessionRow:
+    """The columns of a session row that appends maintain."""
 
+    last_seq: int
+    lease_token: int
+    pending: bool
+    active_turn_id: str | None
+    attempt_turn_id: str | None
+    attempt_count: int
+
+
+def advance(row: SessionRow, event: AppendRequest) -> None:
+    """Apply one appended event to its session row (pure; the rules of the event log).
+
+    - every event takes the next seq;
     - `user_message` marks the session pending (it needs a turn);
-    - `turn_started` clears pending, makes the turn active and charges its first attempt;
+    - `turn_started` clears pending, makes its turn active and charges its first attempt;
     - a charged `continuation` adds an attempt to its turn;
     - `turn_ended` clears the active turn and its attempts.
     """
+    row.last_seq += 1
+    if event.type == "user_message":
+        row.pending = True
+    elif event.type == "turn_started":
+        row.pending = False
+        row.active_turn_id = event.turn_id
+        row.attempt_turn_id, row.attempt_count = event.turn_id, 1
+    elif event.type == "turn_ended":
+        row.active_turn_id = None
+        row.attempt_turn_id, row.attempt_count = None, 0
+    elif event.charges_attempt:
+        same = row.attempt_turn_id == event.turn_id
+        row.attempt_turn_id = event.turn_id
+        row.attempt_count = row.attempt_count + 1 if same else 1
 
-    pending: bool | None = None  # None: unchanged
-    set_active: bool = False
-    active_turn_id: str | None = None
-    attempts: str = "keep"  # keep | set (to attempt_n) | add (attempt_n) | clear
-    attempt_turn_id: str | None = None
-    attempt_n: int = 0
 
-
-def effects_of(events: Sequence[AppendRequest]) -> Effects:
-    """The net effect of `events`, in order, on their session's row."""
-    pending: bool | None = None
-    set_active, active = False, None
-    mode, turn, n = "keep", None, 0
-    for event in events:
-        if event.type == "user_message":
-            pending = True
-        elif event.type == "turn_started":
-            pending, set_active, active = False, True, event.turn_id
-            mode, turn, n = "set", event.turn_id, 1
-        elif event.type == "turn_ended":
-            set_active, active = True, None
-            mode, turn, n = "clear", None, 0
-        elif event.charges_attempt:
-            if mode in ("set", "add") and turn == event.turn_id:
-                n += 1
-            else:
-                mode, turn, n = ("add" if mode == "keep" else "set"), event.turn_id, 1
-    return Effects(pending, set_active, active, mode, turn, n)
+_ROW_COLUMNS = (
+    "last_seq",
+    "lease_token",
+    "pending",
+    "active_turn_id",
+    "attempt_turn_id",
+    "attempt_count",
+)
+_EVENT_COLUMNS = (
+    "session_id",
+    "seq",
+    "type",
+    "turn_id",
+    "payload",
+    "created_at",
+    "writer",
+    "lease_token",
+)
 
 
 class _Sql:
-    """The append statements for one database, built once (the hot path builds no query)."""
+    """The append statements for one database, built once: the hot path builds no query."""
 
     def __init__(self, db: peewee.Database) -> None:
         self.kind = backend(db)
-        self.p = db.param
-        q = db.quote[0], db.quote[1]
+        p = self.p = db.param
+        q = db.quote
         self.session = f"{q[0]}session{q[1]}"
-        columns = (
-            "session_id",
-            "seq",
-            "type",
-            "turn_id",
-            "payload",
-            "created_at",
-            "writer",
-            "lease_token",
-            "idempotency_key",
-        )
         self.insert = (
-            f"INSERT INTO {q[0]}event{q[1]} ({', '.join(columns)}) "
-            f"VALUES ({', '.join([self.p] * len(columns))})"
+            f"INSERT INTO {q[0]}event{q[1]} ({', '.join(_EVENT_COLUMNS)}) "
+            f"VALUES ({', '.join([p] * len(_EVENT_COLUMNS))})"
         )
-        self.select_last = f"SELECT last_seq FROM {self.session} WHERE id = {self.p}"
-        self._updates: dict[tuple[bool, bool, bool, str], str] = {}
+        self.insert_key = (
+            f"INSERT INTO {q[0]}intake_key{q[1]} (session_id, {q[0]}key{q[1]}, seq) "
+            f"VALUES ({p}, {p}, {p})"
+        )
+        settable = [c for c in _ROW_COLUMNS if c != "lease_token"]
+        self.update = (
+            f"UPDATE {self.session} SET {', '.join(f'{c} = {p}' for c in settable)}, "
+            f"updated_at = {p} WHERE id = {p}"
+        )
 
-    def update(self, fenced: bool, effects: Effects) -> str:
-        key = (fenced, effects.pending is not None, effects.set_active, effects.attempts)
-        sql = self._updates.get(key)
-        if sql is None:
-            sql = self._updates[key] = self._build_update(*key)
-        return sql
-
-    def _build_update(self, fenced: bool, pending: bool, active: bool, attempts: str) -> str:
-        p = self.p
-        sets = [f"last_seq = last_seq + {p}", f"updated_at = {p}"]
-        if pending:
-            sets.append(f"pending = {p}")
-        if active:
-            sets.append(f"active_turn_id = {p}")
-        if attempts == "set":
-            sets += [f"attempt_count = {p}", f"attempt_turn_id = {p}"]
-        elif attempts == "add":
-            # attempt_count first: MySQL reads columns already assigned in this statement.
-            sets += [
-                f"attempt_count = CASE WHEN attempt_turn_id = {p} THEN attempt_count + {p} "
-                f"ELSE {p} END",
-                f"attempt_turn_id = {p}",
-            ]
-        elif attempts == "clear":
-            sets += ["attempt_count = 0", "attempt_turn_id = NULL"]
-        sql = f"UPDATE {self.session} SET {', '.join(sets)} WHERE id = {p}"
-        if fenced:
-            sql += f" AND lease_token = {p}"
-        if self.kind != "mysql":
-            sql += " RETURNING last_seq"
-        return sql
-
-    @staticmethod
-    def update_params(
-        count: int, now: float, effects: Effects, session_id: str, token: int | None
-    ) -> list[Any]:
-        params: list[Any] = [count, now]
-        if effects.pending is not None:
-            params.append(effects.pending)
-        if effects.set_active:
-            params.append(effects.active_turn_id)
-        if effects.attempts == "set":
-            params += [effects.attempt_n, effects.attempt_turn_id]
-        elif effects.attempts == "add":
-            params += [
-                effects.attempt_turn_id,
-                effects.attempt_n,
-                effects.attempt_n,
-                effects.attempt_turn_id,
-            ]
-        params.append(session_id)
-        if token is not None:
-            params.append(token)
-        return params
+    def lock_rows(self, count: int) -> str:
+        """Read (and on servers, lock in id order) the session rows a batch appends to."""
+        sql = (
+            f"SELECT id, {', '.join(_ROW_COLUMNS)} FROM {self.session} "
+            f"WHERE id IN ({', '.join([self.p] * count)}) ORDER BY id"
+        )
+        # SQLite's BEGIN IMMEDIATE already excludes every other writer.
+        return sql if self.kind == "sqlite" else sql + " FOR UPDATE"
 
 
-_statements: dict[int, _Sql] = {}
+# Keyed by the database object itself: an id() can be reused by a later database.
+_statements: weakref.WeakKeyDictionary[peewee.Database, _Sql] = weakref.WeakKeyDictionary()
 
 
 def _sql_for(db: peewee.Database) -> _Sql:
-    sql = _statements.get(id(db))
+    sql = _statements.get(db)
     if sql is None:
-        sql = _statements[id(db)] = _Sql(db)
+        sql = _statements[db] = _Sql(db)
     return sql
 
 
 def write_events(db: peewee.Database, requests: Sequence[AppendRequest]) -> list[int | StoreError]:
     """Append `requests` inside the caller's open write transaction on `db`.
 
-    Returns, for each request, its seq or the error that rejected it (the others still
-    commit). Pure with respect to Python state, so a retried transaction can call it again.
+    The session rows are read under the write lock, so fencing (the writer's token must be
+    the session's current token) and the seqs are decided on values nobody else can change
+    before the commit. Returns, for each request, its seq or the error that rejected it
+    (the others still commit). Pure with respect to Python state, so a retried transaction
+    can call it again.
     """
     outcomes: list[int | StoreError | None] = [None] * len(requests)
     duplicate_of: dict[int, int] = {}
     first_with_key: dict[tuple[str, str], int] = {}
-    pending: list[int] = []
+    todo: list[int] = []
     for i, req in enumerate(requests):
         if req.idempotency_key is not None:
             key = (req.session_id, req.idempotency_key)
@@ -279,67 +254,79 @@ def write_events(db: peewee.Database, requests: Sequence[AppendRequest]) -> list
                 duplicate_of[i] = first_with_key[key]
                 continue
             seen = (
-                Event.select(Event.seq)
-                .where((Event.session == req.session_id) & (Event.idempotency_key == key[1]))
+                IntakeKey.select(IntakeKey.seq)
+                .where((IntakeKey.session_id == req.session_id) & (IntakeKey.key == key[1]))
                 .scalar()
             )
             if seen is not None:
                 outcomes[i] = int(seen)
                 continue
             first_with_key[key] = i
-        pending.append(i)
+        todo.append(i)
 
-    groups: dict[tuple[str, int | None], list[int]] = {}
-    for i in pending:
-        groups.setdefault((requests[i].session_id, requests[i].token), []).append(i)
     sql = _sql_for(db)
-    rows: list[tuple[Any, ...]] = []
-    now = time.time()
-    # Sessions are locked in id order, so two processes' batches cannot deadlock.
-    for (session_id, token), indexes in sorted(groups.items(), key=lambda item: item[0][0]):
-        group = [requests[i] for i in indexes]
-        effects = effects_of(group)
-        cursor = db.execute_sql(
-            sql.update(token is not None, effects),
-            sql.update_params(len(group), now, effects, session_id, token),
-        )
-        if sql.kind == "mysql":
-            found = cursor.rowcount > 0
-            if found:
-                cursor = db.execute_sql(sql.select_last, (session_id,))
-        result = cursor.fetchall()
-        if not result:
-            for i in indexes:
-                outcomes[i] = _rejection(session_id, token)
-            continue
-        first = int(result[0][0]) - len(group) + 1
-        for n, (i, req) in enumerate(zip(indexes, group, strict=True)):
-            outcomes[i] = first + n
-            rows.append(
-                (
-                    session_id,
-                    first + n,
-                    req.type,
-                    req.turn_id,
-                    req.payload_json,
-                    req.created_at,
-                    req.writer,
-                    token,
-                    req.idempotency_key,
-                )
+    session_ids = sorted({requests[i].session_id for i in todo})
+    rows: dict[str, SessionRow] = {}
+    if session_ids:
+        cursor = db.execute_sql(sql.lock_rows(len(session_ids)), session_ids)
+        for sid, last, token, pending, active, attempt_turn, attempts in cursor.fetchall():
+            rows[sid] = SessionRow(
+                int(last), int(token), bool(pending), active, attempt_turn, int(attempts)
             )
-    if rows:
-        db.cursor().executemany(sql.insert, rows)
+    events: list[tuple[Any, ...]] = []
+    keys: list[tuple[str, str, int]] = []
+    for i in todo:
+        req = requests[i]
+        row = rows.get(req.session_id)
+        if row is None:
+            outcomes[i] = SessionNotFound(req.session_id)
+            continue
+        if req.token is not None and req.token != row.lease_token:
+            outcomes[i] = LeaseLost(req.session_id, req.token, row.lease_token)
+            continue
+        advance(row, req)
+        outcomes[i] = row.last_seq
+        events.append(
+            (
+                req.session_id,
+                row.last_seq,
+                req.type,
+                req.turn_id,
+                req.payload_json,
+                req.created_at,
+                req.writer,
+                req.token,
+            )
+        )
+        if req.idempotency_key is not None:
+            keys.append((req.session_id, req.idempotency_key, row.last_seq))
+    if events:
+        now = time.time()
+        touched = sorted({event[0] for event in events})
+        db.cursor().executemany(
+            sql.update,
+            [
+                (
+                    r.last_seq,
+                    r.pending,
+                    r.active_turn_id,
+                    r.attempt_turn_id,
+                    r.attempt_count,
+                    now,
+                    sid,
+                )
+                for sid in touched
+                for r in (rows[sid],)
+            ],
+        )
+        db.cursor().executemany(sql.insert, events)
+    if keys:
+        db.cursor().executemany(sql.insert_key, keys)
     for i, first_index in duplicate_of.items():
         outcomes[i] = outcomes[first_index]
     done = [o for o in outcomes if o is not None]
     assert len(done) == len(requests), "every append has an outcome"
     return done
-
-
-def _rejection(session_id: str, token: int | None) -> StoreError:
-    row = Session.select(Session.lease_token).where(Session.id == session_id).tuples().first()
-    return SessionNotFound(session_id) if row is None else LeaseLost(session_id, token, row[0])
 
 
 _STOP = object()
@@ -362,16 +349,10 @@ class EventLog:
     ) -> Future[int]:
         """Queue an append; the future resolves to its seq once committed, or to the error."""
         req = make_request(session_id, type, payload, **options)
-        with self._start_lock:
-            if self._closed:
-                raise StoreError("the event log is closed")
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name="turnkeeper-committer", daemon=True
-                )
-                self._thread.start()
-        self._queue.put(req)
-        return req.future
+        req.future = Future()
+        self._enqueue(req)
+        future: Future[int] = req.future
+        return future
 
     def append(
         self, session_id: str, type: str, payload: dict[str, Any] | None = None, **options: Any
@@ -388,14 +369,33 @@ class EventLog:
     async def append_async(
         self, session_id: str, type: str, payload: dict[str, Any] | None = None, **options: Any
     ) -> int:
-        """`append` for asyncio callers: awaits the commit without blocking the loop."""
-        return await asyncio.wrap_future(self.submit(session_id, type, payload, **options))
+        """`append` for asyncio callers: awaits the commit without blocking the loop.
+
+        A cancelled caller stops waiting; the append itself may still commit.
+        """
+        req = make_request(session_id, type, payload, **options)
+        req.loop = asyncio.get_running_loop()
+        req.future = req.loop.create_future()
+        self._enqueue(req)
+        seq: int = await req.future
+        return seq
+
+    def _enqueue(self, req: AppendRequest) -> None:
+        with self._start_lock:
+            if self._closed:
+                raise StoreError("the event log is closed")
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="turnkeeper-committer", daemon=True
+                )
+                self._thread.start()
+        self._queue.put(req)
 
     def read(self, session_id: str, after: int = 0, limit: int = 100) -> list[EventRecord]:
         """Events with seq > `after`, oldest first, at most `limit`."""
         query = (
             Event.select()
-            .where((Event.session == session_id) & (Event.seq > after))
+            .where((Event.session_id == session_id) & (Event.seq > after))
             .order_by(Event.seq)
             .limit(limit)
         )
@@ -405,7 +405,7 @@ class EventLog:
         """The last `count` events, oldest first; an index range scan, not a log scan."""
         query = (
             Event.select()
-            .where(Event.session == session_id)
+            .where(Event.session_id == session_id)
             .order_by(Event.seq.desc())
             .limit(count)
         )
@@ -442,25 +442,44 @@ class EventLog:
             self._db.close()
 
     def _commit(self, batch: list[AppendRequest]) -> None:
+        outcomes: list[int | StoreError]
         try:
             outcomes = run_write(self._db, lambda: write_events(self._db, batch))
+            self.commits += 1
         except Exception as exc:
             error = exc if isinstance(exc, StoreError) else StoreError(f"append failed: {exc}")
-            for req in batch:
-                req.future.set_exception(error)
-            return
-        self.commits += 1
+            outcomes = [error] * len(batch)
+        # One wake-up per event loop for the whole batch, not one per append.
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Any, int | StoreError]]] = {}
         for req, outcome in zip(batch, outcomes, strict=True):
-            if isinstance(outcome, StoreError):
-                req.future.set_exception(outcome)
-            else:
+            if not isinstance(outcome, StoreError):
                 self.committed += 1
-                req.future.set_result(outcome)
+            if req.loop is None:
+                _resolve(req.future, outcome)
+            else:
+                by_loop.setdefault(req.loop, []).append((req.future, outcome))
+        for loop, items in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # that loop is closed: nobody waits
+                loop.call_soon_threadsafe(_resolve_all, items)
+
+
+def _resolve(future: Any, outcome: int | StoreError) -> None:
+    if future.done():  # an asyncio caller that was cancelled
+        return
+    if isinstance(outcome, StoreError):
+        future.set_exception(outcome)
+    else:
+        future.set_result(outcome)
+
+
+def _resolve_all(items: list[tuple[Any, int | StoreError]]) -> None:
+    for future, outcome in items:
+        _resolve(future, outcome)
 
 
 def _record(row: Event) -> EventRecord:
     return EventRecord(
-        session_id=row.session_id,  # type: ignore[attr-defined]  # peewee's FK column
+        session_id=row.session_id,
         seq=row.seq,
         type=row.type,
         turn_id=row.turn_id,

@@ -58,7 +58,7 @@ def migrate(db: peewee.Database) -> tuple[int, int]:
         if before > LATEST:
             raise _too_new(before)
         if before == 0:
-            db.create_tables(MODELS, safe=True)
+            create_tables(db)
         else:
             for version in range(before + 1, LATEST + 1):
                 STEPS[version](db)
@@ -66,6 +66,18 @@ def migrate(db: peewee.Database) -> tuple[int, int]:
             SchemaVersion.delete().execute()
             SchemaVersion.insert(id=1, version=LATEST, updated_at=time.time()).execute()
         return before, LATEST
+
+
+def create_tables(db: peewee.Database) -> None:
+    """Every table of the current models; WITHOUT ROWID applies to SQLite alone."""
+    sqlite = backend(db) == "sqlite"
+    for model in MODELS:
+        wanted = model._meta.without_rowid
+        model._meta.without_rowid = wanted and sqlite
+        try:
+            db.create_tables([model], safe=True)
+        finally:
+            model._meta.without_rowid = wanted
 
 
 def _too_new(version: int) -> SchemaTooNew:

@@ -70,10 +70,17 @@ class Session(BaseModel):
 
 
 class Event(BaseModel):
-    """One committed step of a session; `seq` is contiguous from 1 per session."""
+    """One committed step of a session; `seq` is contiguous from 1 per session.
+
+    Rows are stored in append order (rowid) with a unique (session, seq) index: a group
+    commit then writes few table pages, where a table clustered by session would dirty a
+    page per session in the batch.
+    """
 
     id = peewee.BigAutoField()
-    session = peewee.ForeignKeyField(Session, column_name="session_id", on_delete="CASCADE")
+    # No foreign key: the append path reads the session row under the write lock before
+    # it inserts, so a per-row constraint check would only repeat that, on every event.
+    session_id = peewee.CharField(max_length=ID_LEN)
     seq = peewee.BigIntegerField()
     type = peewee.CharField(max_length=32)
     turn_id = peewee.CharField(max_length=ID_LEN, null=True)
@@ -81,14 +88,27 @@ class Event(BaseModel):
     created_at = peewee.DoubleField()
     writer = peewee.CharField(max_length=16)
     lease_token = peewee.BigIntegerField(null=True)
-    idempotency_key = peewee.CharField(max_length=200, null=True)
 
     class Meta:
         table_name = "event"
-        indexes = (
-            (("session", "seq"), True),
-            (("session", "idempotency_key"), True),
-        )
+        indexes = ((("session_id", "seq"), True),)
+
+
+class IntakeKey(BaseModel):
+    """The idempotency key of an intake append, and the seq it got.
+
+    Kept apart from `event` so that the appends which carry no key (all a worker writes)
+    do not pay for an index of keys.
+    """
+
+    session_id = peewee.CharField(max_length=ID_LEN)
+    key = peewee.CharField(max_length=200)
+    seq = peewee.BigIntegerField()
+
+    class Meta:
+        table_name = "intake_key"
+        primary_key = peewee.CompositeKey("session_id", "key")
+        without_rowid = True
 
 
 class SessionACL(BaseModel):
@@ -141,6 +161,7 @@ MODELS: list[type[BaseModel]] = [
     SchemaVersion,
     Session,
     Event,
+    IntakeKey,
     SessionACL,
     AgentBootLog,
     ChildProcess,
