@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import sys
+import time
 from datetime import datetime
 from typing import NoReturn
 
 import click
 
-from supervisor import __version__
+from supervisor import __version__, locks
 from supervisor.config import (
     Config,
     ConfigError,
@@ -19,7 +22,6 @@ from supervisor.config import (
     render_config,
     resolve_paths,
 )
-from supervisor.daemon import Daemon
 from supervisor.logs import log, setup_logging
 from supervisor.store import BadStoreURL, SessionNotFound, Store, StoreError
 
@@ -115,16 +117,29 @@ def table(headers: list[str], rows: list[list[str]]) -> str:
 @click.pass_context
 def run(ctx: click.Context) -> None:
     """Run the daemon in the foreground until SIGTERM or SIGINT."""
+    from supervisor.daemon import Daemon, StartupError  # the daemon's imports are heavy
+
     cfg = load(ctx)
     setup_logging(cfg.log.level, cfg.log.format)
     try:
         code = asyncio.run(Daemon(cfg).run())
     except BadStoreURL as exc:
         config_error(str(exc))
-    except (StoreError, OSError) as exc:
+    except (StartupError, StoreError, OSError) as exc:
         log("daemon").error("cannot start: {}", exc)
         sys.exit(1)
     sys.exit(code)
+
+
+@main.command("reload")
+@click.pass_context
+def reload(ctx: click.Context) -> None:
+    """Rolling restart of the workers (sends SIGHUP to the daemon): no turn is lost."""
+    pid = locks.holder(resolve_paths(load(ctx)).state_dir / locks.LEADER_LOCK)
+    if pid is None:
+        fail("the daemon is not running (no process holds its lock)")
+    os.kill(pid, signal.SIGHUP)
+    click.echo(f"rolling restart requested (pid {pid})")
 
 
 @main.group("db")
@@ -178,6 +193,77 @@ def sessions_list(ctx: click.Context, limit: int) -> None:
     click.echo(
         table(["ID", "KIND", "STATUS", "EVENTS", "ACTIVE TURN", "OWNER", "UPDATED", "TITLE"], rows)
     )
+
+
+@sessions_group.command("new")
+@click.option("--title", default="", help="A title to recognise the session by.")
+@click.option(
+    "--kind",
+    default="attached",
+    show_default=True,
+    type=click.Choice(["attached", "channel", "autonomous", "subagent"]),
+)
+@click.option("--principal", default="admin", show_default=True, help="Who owns it.")
+@click.pass_context
+def sessions_new(ctx: click.Context, title: str, kind: str, principal: str) -> None:
+    """Create a session in the database; prints its id."""
+    with open_store(ctx, migrate=False) as store:
+        click.echo(store.sessions.create(principal, kind=kind, title=title).id)
+
+
+@sessions_group.command("inject")
+@click.argument("session_id")
+@click.argument("text")
+@click.option("--key", default=None, help="Idempotency key: the same key appends only once.")
+@click.option("--wait", is_flag=True, help="Wait for the reply and print it.")
+@click.option("--timeout", default=120.0, show_default=True, help="Seconds to wait, with --wait.")
+@click.pass_context
+def sessions_inject(
+    ctx: click.Context, session_id: str, text: str, key: str | None, wait: bool, timeout: float
+) -> None:
+    """Append a user message (committed before this returns); the daemon picks it up."""
+    with open_store(ctx, migrate=False) as store:
+        try:
+            seq = store.events.append(
+                session_id, "user_message", {"text": text}, writer="cli", idempotency_key=key
+            )
+        except SessionNotFound as exc:
+            fail(str(exc))
+        click.echo(f"committed as seq {seq}", err=True)
+        if wait and not wait_for_reply(store, session_id, seq, timeout):
+            fail(f"no reply within {timeout:.0f} s; is the daemon running?")
+
+
+def wait_for_reply(store: Store, session_id: str, after: int, timeout: float) -> bool:
+    """Print the turn's answers after `after` until a turn ends; False on timeout."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for event in store.events.read(session_id, after=after):
+            after = event.seq
+            if event.type == "model_response" and event.payload.get("text"):
+                click.echo(event.payload["text"])
+            elif event.type == "notice":
+                click.echo(f"[notice] {event.payload.get('text', '')}")
+            elif event.type == "turn_ended":
+                outcome = event.payload.get("outcome")
+                if outcome != "completed":
+                    click.echo(f"[turn {outcome}] {event.payload.get('error', '')}".rstrip())
+                return True
+        time.sleep(0.1)
+    return False
+
+
+@sessions_group.command("release")
+@click.argument("session_id")
+@click.pass_context
+def sessions_release(ctx: click.Context, session_id: str) -> None:
+    """Lift a session's quarantine; the user can then send a message again."""
+    with open_store(ctx, migrate=False) as store:
+        try:
+            released = store.sessions.release(session_id)
+        except SessionNotFound as exc:
+            fail(str(exc))
+    click.echo("released" if released else "the session was not quarantined")
 
 
 @sessions_group.command("show")

@@ -1,22 +1,31 @@
 """`turnkeeper run`: the supervisor process.
 
-The main loop reads like a story: write the boot row, migrate, serve until a signal,
-stop, end the boot row. Signal handlers only enqueue; all work happens in the loop.
+The main loop reads like a story: take the leader lock, write the boot row, migrate,
+sweep what an earlier boot left running, start the pool, serve until a signal, stop,
+end the boot row. Signal handlers only enqueue; all work happens in the loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
+from collections.abc import Awaitable
 
-from supervisor import __version__
+from supervisor import __version__, locks
 from supervisor.config import Config, make_private_dir, resolve_paths
 from supervisor.logs import log
+from supervisor.pool import Pool
 from supervisor.store import Store
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+CONTROL_SOCKET = "control.sock"
+READY_TIMEOUT = 60.0
+
+
+class StartupError(Exception):
+    """The daemon cannot start; the message says why (one line)."""
 
 
 class Daemon:
@@ -25,38 +34,104 @@ class Daemon:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.paths = resolve_paths(config)
-        self.store: Store | None = None
-        self.boot_id: str | None = None
+        self.host = socket.gethostname()
         self._stop = asyncio.Event()
+        self._reloads: asyncio.Queue[None] = asyncio.Queue()
 
     async def run(self) -> int:
         """Start, serve until SIGTERM or SIGINT, stop; returns the exit code."""
         loop = asyncio.get_running_loop()
-        for signum in STOP_SIGNALS:
+        for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self._on_stop_signal, signum)
+        loop.add_signal_handler(signal.SIGHUP, self._reloads.put_nowait, None)
         make_private_dir(self.paths.state_dir)
         make_private_dir(self.paths.runtime_dir)
-        self.store = store = await asyncio.to_thread(
-            Store, self.paths.db_url, self.config.store.synchronous
-        )
         try:
-            self.boot_id = await asyncio.to_thread(
-                store.boots.begin, socket.gethostname(), os.getpid(), __version__
+            locks.acquire(self.paths.state_dir / locks.LEADER_LOCK)
+            locks.acquire(self.paths.runtime_dir / (CONTROL_SOCKET + ".lock"))
+        except locks.LockHeld as exc:
+            raise StartupError(str(exc)) from exc
+        store = await asyncio.to_thread(Store, self.paths.db_url, self.config.store.synchronous)
+        boot_id = await asyncio.to_thread(store.boots.begin, self.host, os.getpid(), __version__)
+        pool: Pool | None = None
+        try:
+            await self._sweep(store, boot_id)
+            socket_path = self.paths.runtime_dir / CONTROL_SOCKET
+            socket_path.unlink(missing_ok=True)  # stale; we hold its lock
+            pool = Pool(
+                self.config, store, boot_id, f"ipc://{socket_path}", f"{self.host}/{boot_id[:8]}"
             )
-            log("daemon").info(
-                "ready: boot {} pid {} database {} (schema {})",
-                self.boot_id,
-                os.getpid(),
-                store.backend,
-                store.schema_version,
+            await pool.start()
+            if not await self._until_stop(pool.wait_ready(READY_TIMEOUT)):
+                log("daemon").warning("stopped during start-up")
+            else:
+                log("daemon").info(
+                    "ready: boot {} pid {}, {} workers + {} spare, database {}",
+                    boot_id,
+                    os.getpid(),
+                    self.config.pool.workers,
+                    self.config.pool.spare,
+                    store.backend,
+                )
+                await self._serve(pool)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                if pool is not None:
+                    await pool.stop(self.config.shutdown.kill_grace)
+                await asyncio.to_thread(store.boots.end, boot_id, "startup_failed")
+                store.close()
+            raise
+        log("shutdown").info("stopping")
+        await pool.stop(self.config.shutdown.kill_grace)
+        failed = pool.fatal.is_set()
+        await asyncio.to_thread(store.boots.end, boot_id, "unclean" if failed else "clean")
+        store.close()
+        log("shutdown").info("stopped {}", "with every slot fatal" if failed else "cleanly")
+        return 1 if failed else 0
+
+    async def _serve(self, pool: Pool) -> None:
+        while not self._stop.is_set():
+            reload = asyncio.ensure_future(self._reloads.get())
+            stop = asyncio.ensure_future(self._stop.wait())
+            fatal = asyncio.ensure_future(pool.fatal.wait())
+            done, pending = await asyncio.wait(
+                {reload, stop, fatal}, return_when=asyncio.FIRST_COMPLETED
             )
-            await self._stop.wait()
-            log("shutdown").info("stopping")
-            await asyncio.to_thread(store.boots.end, self.boot_id, "clean")
-            log("shutdown").info("stopped cleanly")
-            return 0
-        finally:
-            store.close()
+            for task in pending:
+                task.cancel()
+            if fatal in done:
+                log("pool").critical("every worker slot is fatal: stopping")
+                return
+            if reload in done and not self._stop.is_set():
+                await self._until_stop(pool.rolling_restart())
+
+    async def _until_stop(self, work: Awaitable[object]) -> bool:
+        """Run `work` unless a stop signal comes first; True if it finished."""
+        task = asyncio.ensure_future(work)
+        stop = asyncio.ensure_future(self._stop.wait())
+        done, _ = await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+        stop.cancel()
+        if task in done:
+            return bool(task.result() is not False)
+        task.cancel()
+        return False
+
+    async def _sweep(self, store: Store, boot_id: str) -> None:
+        """Kill processes an earlier boot left running, unless their pid was reused."""
+        from supervisor.reaper import sweep
+
+        rows = await asyncio.to_thread(store.children.of_other_boots, boot_id)
+        if not rows:
+            return
+        report = await asyncio.to_thread(sweep, [(r.pid, r.create_time) for r in rows])
+        await asyncio.to_thread(store.children.forget, [r.id for r in rows])
+        log("recovery").info(
+            "swept {} processes of earlier boots: {} killed, {} gone, {} pid reused",
+            len(rows),
+            len(report.killed),
+            len(report.gone),
+            len(report.reused),
+        )
 
     def _on_stop_signal(self, signum: int) -> None:
         if not self._stop.is_set():

@@ -12,7 +12,7 @@ import peewee
 
 from supervisor.store import migrations
 from supervisor.store.boots import Boot, Boots, Child, Children
-from supervisor.store.db import backend, open_database, sqlite_path
+from supervisor.store.db import backend, db_now, open_database, sqlite_path
 from supervisor.store.errors import (
     BadStoreURL,
     LeaseLost,
@@ -87,6 +87,10 @@ class Store:
         self.leases = Leases(self.db)
         self.boots = Boots(self.db)
         self.children = Children(self.db)
+
+    def now(self) -> float:
+        """The database clock (epoch seconds): the only clock leases are judged by."""
+        return db_now(self.db)
 
     @property
     def backend(self) -> str:

@@ -15,6 +15,11 @@ from supervisor.store.eventlog import make_request, write_events
 from supervisor.store.models import Session, SessionACL
 
 KINDS = ("attached", "channel", "autonomous", "subagent")
+QUARANTINE_NOTICE = (
+    "This session is quarantined: its turn stopped its worker process 3 times in a row, so "
+    "it will not be run again by itself. An operator can lift this with "
+    "`turnkeeper sessions release ID`; then send your message again."
+)
 PERMISSIONS = ("read", "write", "admin")  # each includes the ones before it
 
 
@@ -108,6 +113,101 @@ class Sessions:
         if row is None:
             raise SessionNotFound(session_id)
         return _info(row)
+
+    def with_work(self, limit: int = 1000) -> list[SessionInfo]:
+        """Open sessions that need a turn (pending input) or have a turn in flight.
+
+        Both columns are indexed, so this costs what it returns, not the number of
+        sessions stored.
+        """
+        query = (
+            Session.select()
+            .where(Session.pending | Session.active_turn_id.is_null(False))
+            .where(Session.status == "open")
+            .order_by(Session.updated_at)
+            .limit(limit)
+        )
+        return [_info(row) for row in query]
+
+    def quarantine(self, session_id: str, reason: str) -> None:
+        """Stop a session that keeps killing its workers: not continued, not re-assigned.
+
+        Ends its turn as failed and tells the user with a `notice`, in one transaction,
+        and drops its lease so no worker writes to it any more.
+        """
+
+        def work() -> None:
+            row = Session.get_or_none(Session.id == session_id)
+            if row is None:
+                raise SessionNotFound(session_id)
+            events = [
+                make_request(
+                    session_id,
+                    "notice",
+                    {"text": QUARANTINE_NOTICE, "reason": reason},
+                    writer="supervisor",
+                )
+            ]
+            if row.active_turn_id:
+                events.append(
+                    make_request(
+                        session_id,
+                        "turn_ended",
+                        {"outcome": "failed", "reason": "quarantined"},
+                        turn_id=row.active_turn_id,
+                        writer="supervisor",
+                    )
+                )
+            for outcome in write_events(self._db, events):
+                if isinstance(outcome, Exception):
+                    raise outcome
+            Session.update(
+                status="quarantined",
+                quarantined_at=time.time(),
+                quarantine_reason=reason,
+                owner=None,
+                lease_expires_at=None,
+                lease_token=Session.lease_token + 1,
+            ).where(Session.id == session_id).execute()
+
+        run_write(self._db, work)
+
+    def release(self, session_id: str, by: str = "operator") -> bool:
+        """Lift a quarantine; False if the session was not quarantined."""
+
+        def work() -> bool:
+            updated = (
+                Session.update(
+                    status="open",
+                    quarantined_at=None,
+                    quarantine_reason=None,
+                    attempt_turn_id=None,
+                    attempt_count=0,
+                )
+                .where((Session.id == session_id) & (Session.status == "quarantined"))
+                .execute()
+            )
+            if not updated:
+                if not Session.select().where(Session.id == session_id).exists():
+                    raise SessionNotFound(session_id)
+                return False
+            write_events(
+                self._db,
+                [
+                    make_request(
+                        session_id,
+                        "notice",
+                        {
+                            "text": f"The quarantine was lifted by {by}. "
+                            "Send your message again to go on."
+                        },
+                        writer="supervisor",
+                    )
+                ],
+            )
+            return True
+
+        return run_write(self._db, work)
 
     def list(self, principal: str | None = None, limit: int = 100) -> list[SessionInfo]:
         """Sessions, newest first; only those `principal` may read when it is given."""
@@ -265,6 +365,16 @@ class Leases:
             return bool(updated)
 
         return run_write(self._db, work)
+
+    def renew_owner(self, owner: str, ttl: float) -> int:
+        """Extend every lease `owner` holds, in one statement; returns how many."""
+        now = now_sql(self._db)
+        return run_write(
+            self._db,
+            lambda: (
+                Session.update(lease_expires_at=now + ttl).where(Session.owner == owner).execute()
+            ),
+        )
 
     def holder(self, session_id: str) -> Lease | None:
         """The live lease on the session, or None if it is free or stale."""

@@ -1,0 +1,501 @@
+"""The worker pool: processes, the control plane, and who owns which session.
+
+The supervisor is the only one that decides ownership. It assigns each session with work
+to the least-loaded live worker under a new lease token; when a worker dies (its process
+sentinel fires at once, even for SIGKILL or an OOM kill) its sessions go to the hot spare
+first, and a replacement is started in the dead worker's slot, which then becomes the
+spare. A worker whose event loop stops sending heartbeats is hung: it gets SIGABRT (its
+traceback goes to the log) and, a second later, SIGKILL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+import multiprocess
+import psutil
+import zmq
+import zmq.asyncio
+
+from supervisor import control
+from supervisor.config import Config
+from supervisor.logs import log
+from supervisor.slots import Slot, SlotState, all_fatal
+from supervisor.store import SessionInfo, SessionNotFound, Store
+from workers.main import WorkerSpec, run_worker
+
+TICK = 0.1  # seconds between housekeeping rounds
+POLL = 0.25  # seconds between database polls for sessions with work
+START_TIMEOUT = 30.0  # a worker that has not said hello by then is hung
+ABORT_GRACE = 1.0  # between SIGABRT (traceback) and SIGKILL for a hung worker
+MAX_ATTEMPTS = 3  # a turn that died with its worker this often quarantines its session
+
+
+@dataclass(eq=False)
+class Worker:
+    """The supervisor's view of one worker process."""
+
+    slot: Slot
+    identity: str
+    process: Any  # multiprocess.Process
+    spare: bool
+    started: float
+    ready: bool = False
+    last_heartbeat: float = 0.0
+    sessions: set[str] = field(default_factory=set)
+    turns: int = 0
+    retiring: bool = False  # replaced by a rolling restart; exits on request
+    stop_requested: bool = False
+    aborted_at: float | None = None
+    child_row: int | None = None
+
+    @property
+    def pid(self) -> int:
+        return int(self.process.pid)
+
+    @property
+    def alive(self) -> bool:
+        return self.process.exitcode is None
+
+
+class Pool:
+    """The worker processes and the ROUTER they talk to."""
+
+    def __init__(
+        self,
+        config: Config,
+        store: Store,
+        boot_id: str,
+        address: str,
+        owner_prefix: str,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.store = store
+        self.boot_id = boot_id
+        self.address = address
+        self.owner_prefix = owner_prefix  # "<host>/<boot>": lease owners of this boot
+        self.host_prefix = owner_prefix.split("/", 1)[0] + "/"
+        self.clock = clock
+        self.slots = [Slot(i) for i in range(config.pool.workers + config.pool.spare)]
+        self.current: dict[int, Worker] = {}
+        self.workers: dict[str, Worker] = {}
+        self.assigned: dict[str, Worker] = {}
+        self.woken: dict[str, int] = {}
+        self.busy: set[str] = set()  # sessions being assigned right now
+        self.stopping = False
+        self.fatal = asyncio.Event()
+        self.restarts = 0
+        self.on_event: list[Callable[[str, dict[str, Any]], None]] = []
+        self.log = log("pool")
+        self._spawn_context = multiprocess.get_context("spawn")
+        self._tasks: list[asyncio.Task[None]] = []
+        self._pending: set[asyncio.Task[Any]] = set()
+
+    # --- lifecycle ------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Bind the control plane and start every worker."""
+        self.zmq = zmq.asyncio.Context()
+        self.router = self.zmq.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router.bind(self.address)
+        for slot in self.slots:
+            self._spawn(slot)
+        self._tasks = [
+            asyncio.create_task(self._receive(), name="pool-receive"),
+            asyncio.create_task(self._housekeeping(), name="pool-housekeeping"),
+        ]
+
+    async def wait_ready(self, timeout: float) -> bool:
+        """Wait until every slot has a ready worker (or is fatal)."""
+        deadline = self.clock() + timeout
+        while self.clock() < deadline:
+            if all(
+                (w := self.current.get(s.index)) is not None and w.ready
+                for s in self.slots
+                if s.state is not SlotState.FATAL
+            ):
+                return True
+            await asyncio.sleep(0.05)
+        return False
+
+    async def stop(self, grace: float) -> None:
+        """Stop every worker: SIGTERM to all at once, SIGKILL whoever is left after `grace`."""
+        from supervisor.reaper import terminate
+
+        self.stopping = True
+        for slot in self.slots:
+            slot.stop_requested()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        workers = [w for w in self.workers.values() if w.alive]
+        for worker in workers:
+            worker.stop_requested = True
+        procs = []
+        for worker in workers:
+            try:
+                procs.append(psutil.Process(worker.pid))
+                procs.extend(psutil.Process(worker.pid).children(recursive=True))
+            except psutil.NoSuchProcess:
+                pass
+        report = await asyncio.to_thread(terminate, procs, grace)
+        for worker in workers:
+            worker.process.join(timeout=0)
+        self.log.info(
+            "workers stopped in {:.2f} s: {} exited, {} killed",
+            report.seconds,
+            len(report.terminated),
+            len(report.killed),
+        )
+        self.router.close()
+        self.zmq.term()
+
+    def status(self) -> dict[str, Any]:
+        """The slots and workers, for /v1/status and `turnkeeper status`."""
+        return {
+            "slots": [
+                {
+                    "slot": s.index,
+                    "state": s.state.value,
+                    "worker": (w := self.current.get(s.index)) and w.identity,
+                    "pid": w.pid if w else None,
+                    "ready": bool(w and w.ready),
+                    "spare": bool(w and w.spare),
+                    "sessions": len(w.sessions) if w else 0,
+                    "turns": w.turns if w else 0,
+                }
+                for s in self.slots
+            ],
+            "restarts": self.restarts,
+        }
+
+    # --- processes ------------------------------------------------------------------
+
+    def _spawn(self, slot: Slot) -> None:
+        now = self.clock()
+        slot.start(now)
+        spare_now = sum(1 for w in self.current.values() if w.spare and w.alive)
+        spec = WorkerSpec(
+            identity=slot.identity,
+            owner=f"{self.owner_prefix}/{slot.identity}",
+            address=self.address,
+            parent_pid=os.getpid(),
+            db_url=self.store.url,
+            config=self.config.model_dump(mode="json", by_alias=True),
+        )
+        process = self._spawn_context.Process(
+            target=run_worker, args=(spec,), name=f"turnkeeper-{slot.identity}"
+        )
+        process.start()
+        worker = Worker(
+            slot,
+            slot.identity,
+            process,
+            spare=spare_now < self.config.pool.spare,
+            started=now,
+            last_heartbeat=now,
+        )
+        self.current[slot.index] = worker
+        self.workers[worker.identity] = worker
+        asyncio.get_running_loop().add_reader(process.sentinel, self._on_exit, worker)
+        self.log.info(
+            "started worker {} (pid {}{})",
+            worker.identity,
+            worker.pid,
+            ", spare" if worker.spare else "",
+        )
+        self._background(self._record_child(worker))
+
+    async def _record_child(self, worker: Worker) -> None:
+        try:
+            created = psutil.Process(worker.pid).create_time()
+            worker.child_row = await asyncio.to_thread(
+                self.store.children.record,
+                self.boot_id,
+                worker.pid,
+                created,
+                "worker",
+                pgid=None,
+                worker=worker.identity,
+            )
+        except (psutil.NoSuchProcess, Exception) as exc:
+            self.log.warning("could not record worker {}: {}", worker.identity, exc)
+
+    def _on_exit(self, worker: Worker) -> None:
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(worker.process.sentinel)
+        # The sentinel fires when the child closes its pipe, a moment before it can be reaped.
+        worker.process.join(timeout=1.0)
+        code = worker.process.exitcode
+        requested = worker.stop_requested or worker.retiring
+        self.workers.pop(worker.identity, None)
+        if worker.child_row is not None:
+            self._background(asyncio.to_thread(self.store.children.forget, [worker.child_row]))
+        if self.current.get(worker.slot.index) is worker:
+            del self.current[worker.slot.index]
+            transition = worker.slot.exited(self.clock(), requested=requested)
+            if not requested:
+                self.restarts += 1
+            self.log.log(
+                "INFO" if requested else "WARNING",
+                "worker {} (pid {}) exited with {}; slot {}",
+                worker.identity,
+                worker.pid,
+                _describe_exit(code),
+                transition.reason,
+            )
+            if transition.new is SlotState.FATAL:
+                self.log.critical(
+                    "slot {} is fatal: its worker cannot start (see above)", worker.slot.index
+                )
+        orphans = list(worker.sessions)
+        for session_id in orphans:
+            if self.assigned.get(session_id) is worker:
+                del self.assigned[session_id]
+        if orphans and not self.stopping:
+            self._background(self._adopt(orphans))
+        if all_fatal(self.slots):
+            self.fatal.set()
+
+    async def _housekeeping(self) -> None:
+        next_poll = 0.0
+        while True:
+            now = self.clock()
+            if not self.stopping:
+                for slot in self.slots:
+                    if slot.due(now):
+                        self._spawn(slot)
+            self._check_hangs(now)
+            if now >= next_poll:
+                next_poll = now + POLL
+                try:
+                    await self.dispatch()
+                except Exception:
+                    self.log.exception("dispatch failed; trying again")
+            await asyncio.sleep(TICK)
+
+    def _check_hangs(self, now: float) -> None:
+        limit = self.config.pool.hang_timeout
+        for worker in list(self.workers.values()):
+            if not worker.alive or worker.stop_requested:
+                continue
+            silent = now - worker.last_heartbeat
+            if worker.aborted_at is not None:
+                if now - worker.aborted_at >= ABORT_GRACE:
+                    self._signal(worker, signal.SIGKILL)
+            elif silent > (limit if worker.ready else max(limit, START_TIMEOUT)):
+                self.log.error(
+                    "worker {} sent no heartbeat for {:.1f} s: hung; aborting it",
+                    worker.identity,
+                    silent,
+                )
+                worker.aborted_at = now
+                self._signal(worker, signal.SIGABRT)
+
+    def _signal(self, worker: Worker, signum: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(worker.pid, signum)
+
+    def _background(self, work: Coroutine[Any, Any, Any]) -> None:
+        task = asyncio.create_task(work)
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    # --- control plane --------------------------------------------------------------
+
+    async def _receive(self) -> None:
+        while True:
+            identity, frame = await self.router.recv_multipart()
+            try:
+                message = control.decode(frame, control.FROM_WORKER)
+            except control.ProtocolError as exc:
+                self.log.error("control plane: {}", exc)
+                continue
+            worker = self.workers.get(identity.decode(errors="replace"))
+            if worker is None:
+                continue  # a worker we already buried
+            self._handle(worker, message)
+
+    def _handle(self, worker: Worker, message: dict[str, Any]) -> None:
+        kind = message["type"]
+        worker.last_heartbeat = self.clock()
+        if kind == "hello":
+            worker.ready = True
+            worker.slot.ready(self.clock())
+            self.log.info("worker {} is ready", worker.identity)
+        elif kind == "heartbeat":
+            worker.turns = int(message.get("turns", 0))
+        elif kind == "committed":
+            for callback in self.on_event:
+                callback(str(message["session"]), dict(message["event"]))
+        elif kind in ("released", "lease_lost"):
+            session_id = str(message["session"])
+            worker.sessions.discard(session_id)
+            if self.assigned.get(session_id) is worker:
+                del self.assigned[session_id]
+                if kind == "released" and not self.stopping:
+                    self._background(self._adopt([session_id], reason="handoff"))
+
+    def send(self, worker: Worker, type: str, **fields: Any) -> bool:
+        """Send a control message; False if the worker is not connected (any more)."""
+        try:
+            self.router.send_multipart(
+                [worker.identity.encode(), control.encode(type, **fields)], flags=zmq.NOBLOCK
+            )
+            return True
+        except zmq.ZMQError as exc:
+            self.log.warning("control plane: cannot send {} to {}: {}", type, worker.identity, exc)
+            return False
+
+    # --- ownership ------------------------------------------------------------------
+
+    async def dispatch(self) -> None:
+        """Give every session with work an owner, and wake owners of new input.
+
+        A session whose owner stopped renewing its lease (a frozen process, say) is given
+        to another worker under a new token: the old owner is fenced out.
+        """
+        now, sessions = await asyncio.to_thread(self._sessions_with_work)
+        for info in sessions:
+            owner = self.assigned.get(info.id)
+            lease_live = info.lease_expires_at is not None and info.lease_expires_at >= now
+            if owner is not None and owner.alive and lease_live:
+                if info.pending and self.woken.get(info.id) != info.last_seq:
+                    self.woken[info.id] = info.last_seq
+                    self.send(owner, "wake", session=info.id)
+                continue
+            if owner is not None:
+                owner.sessions.discard(info.id)
+                del self.assigned[info.id]
+                self.log.warning(
+                    "{} stopped renewing the lease of session {}; moving it",
+                    owner.identity,
+                    info.id,
+                )
+            # Free, stale, or held by this host (a dead worker of ours, an earlier boot).
+            # A live lease of another host is that host's to keep.
+            ours = info.owner is None or info.owner.startswith(self.host_prefix)
+            if info.id not in self.busy and (ours or not lease_live):
+                await self._assign(info, "restart" if info.active_turn_id else "new")
+
+    def _sessions_with_work(self) -> tuple[float, list[SessionInfo]]:
+        return self.store.now(), self.store.sessions.with_work()
+
+    async def _adopt(self, session_ids: list[str], reason: str = "adopt") -> None:
+        for session_id in session_ids:
+            try:
+                info = await asyncio.to_thread(self.store.sessions.get, session_id)
+            except SessionNotFound:
+                continue
+            if info.status == "open" and (info.active_turn_id or info.pending):
+                await self._assign(info, reason)
+
+    async def _assign(self, info: SessionInfo, reason: str) -> None:
+        if info.id in self.busy or self.stopping:
+            return
+        if (
+            info.active_turn_id
+            and info.attempt_turn_id == info.active_turn_id
+            and info.attempt_count >= MAX_ATTEMPTS
+        ):
+            self.log.error(
+                "session {} quarantined: turn {} stopped its worker {} times in a row",
+                info.id,
+                info.active_turn_id,
+                info.attempt_count,
+            )
+            await asyncio.to_thread(
+                self.store.sessions.quarantine,
+                info.id,
+                f"turn {info.active_turn_id} stopped its worker {info.attempt_count} times",
+            )
+            return
+        target = self._pick(prefer_spare=reason == "adopt")
+        if target is None:
+            return  # no ready worker now; the next dispatch tries again
+        self.busy.add(info.id)
+        try:
+            lease = await asyncio.to_thread(
+                self.store.leases.acquire,
+                info.id,
+                f"{self.owner_prefix}/{target.identity}",
+                self.config.lease.stale_after,
+                force=True,
+            )
+        finally:
+            self.busy.discard(info.id)
+        if lease is None or not target.alive:
+            return
+        target.sessions.add(info.id)
+        target.spare = False
+        self.assigned[info.id] = target
+        self.woken[info.id] = info.last_seq
+        self.send(target, "assign", session=info.id, token=lease.token, reason=reason)
+        log("pool", session=info.id).info(
+            "assigned to {} ({}, token {})", target.identity, reason, lease.token
+        )
+
+    def _pick(self, prefer_spare: bool) -> Worker | None:
+        candidates = [
+            w
+            for w in self.workers.values()
+            if w.ready
+            and w.alive
+            and not w.retiring
+            and not w.stop_requested
+            and w.aborted_at is None
+        ]
+        if not candidates:
+            return None
+        return min(candidates, key=lambda w: (w.spare != prefer_spare, len(w.sessions)))
+
+    # --- rolling restart ------------------------------------------------------------
+
+    async def rolling_restart(self, timeout: float = 60.0) -> None:
+        """Replace every worker: new one first, sessions handed over at event boundaries."""
+        self.log.info("rolling restart of {} workers", len(self.current))
+        for slot in self.slots:
+            old = self.current.get(slot.index)
+            if old is None or self.stopping:
+                continue
+            old.retiring = True
+            slot.exited(self.clock(), requested=True)
+            self._spawn(slot)
+            new = self.current[slot.index]
+            deadline = self.clock() + timeout
+            while not new.ready and new.alive and self.clock() < deadline:
+                await asyncio.sleep(0.05)
+            for session_id in list(old.sessions):
+                self.send(old, "release", session=session_id)
+            while old.sessions and old.alive and self.clock() < deadline:
+                await asyncio.sleep(0.05)
+            old.stop_requested = True
+            self.send(old, "stop")
+            while old.alive and self.clock() < deadline:
+                await asyncio.sleep(0.05)
+            if old.alive:
+                self._signal(old, signal.SIGKILL)
+        self.log.info("rolling restart done")
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "an unknown status"
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"code {code}"

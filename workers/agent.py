@@ -1,0 +1,80 @@
+"""The agent plug-in API.
+
+An agent is any class with `async def run_turn(self, turn: Turn) -> str`, named in the
+configuration as `package.module:Class` and built with no arguments, once per session.
+The `Turn` it is handed commits every model call and tool call as an event by itself, so
+an agent gets per-event durability without writing any storage code. `run_turn` returns
+the outcome: "completed", or "truncated" when the model was cut by its token limit.
+
+An agent may be asked to continue a turn that a crash interrupted: `turn.messages` then
+holds everything committed so far, with a note saying what happened.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Protocol, runtime_checkable
+
+from workers.models import Message, ModelResponse, ToolCall, ToolSpec
+from workers.tools import ToolOutcome
+
+OUTCOMES = ("completed", "truncated")
+
+
+class Turn(Protocol):
+    """What an agent can do in a turn; every call below commits its events."""
+
+    session_id: str
+    turn_id: str
+
+    @property
+    def messages(self) -> list[Message]:
+        """The conversation so far, this turn included."""
+        ...
+
+    @property
+    def tools(self) -> list[ToolSpec]:
+        """The tools on offer."""
+        ...
+
+    async def call_model(self) -> ModelResponse:
+        """Ask the model to answer `messages`; commits a `model_response` event."""
+        ...
+
+    async def call_tool(self, call: ToolCall) -> ToolOutcome:
+        """Run one tool call: commits `tool_call` before it runs and `tool_result` after."""
+        ...
+
+    async def notice(self, text: str) -> None:
+        """Tell the user something outside the conversation; commits a `notice` event."""
+        ...
+
+
+@runtime_checkable
+class Agent(Protocol):
+    """An agent plug-in."""
+
+    async def run_turn(self, turn: Turn) -> str:
+        """Run one turn to its end; returns "completed" or "truncated"."""
+        ...
+
+
+class AgentLoadError(Exception):
+    """`agent.class` does not name a usable agent class."""
+
+
+def load_agent_class(spec: str) -> type[Agent]:
+    """Import `package.module:Class`; AgentLoadError with what to fix if it fails."""
+    module_name, _, class_name = spec.partition(":")
+    if not module_name or not class_name:
+        raise AgentLoadError(f"agent.class must look like package.module:Class, not {spec!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:
+        raise AgentLoadError(f"agent.class {spec!r}: cannot import {module_name}: {exc}") from exc
+    cls = getattr(module, class_name, None)
+    if not isinstance(cls, type) or not callable(getattr(cls, "run_turn", None)):
+        raise AgentLoadError(
+            f"agent.class {spec!r}: {class_name} is not a class with an async run_turn(turn)"
+        )
+    return cls

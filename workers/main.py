@@ -1,0 +1,175 @@
+"""The worker process: owns the sessions the supervisor assigns to it and runs their turns.
+
+Started by the supervisor with the `spawn` context of `multiprocess`. It dies with the
+supervisor (PR_SET_PDEATHSIG), makes its own logger, zmq context and database
+connections, says `hello` when it is ready, and sends a heartbeat from its event loop
+(a hung loop therefore goes silent, and the supervisor replaces the process).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import faulthandler
+import os
+import signal
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+import zmq.asyncio
+from loguru import logger
+
+from supervisor import control
+from supervisor.config import Config
+from supervisor.logs import setup_logging
+from supervisor.reaper import exit_if_orphaned, set_pdeathsig
+from supervisor.store import Store
+from workers.agent import load_agent_class
+from workers.models import make_model
+from workers.runner import SessionRunner
+from workers.tools import BuiltinTools
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a worker needs, passed to the spawned process (plain data)."""
+
+    identity: str  # w<slot>.<generation>
+    owner: str  # the lease owner it writes as
+    address: str  # the supervisor's ROUTER
+    parent_pid: int
+    db_url: str
+    config: dict[str, Any]
+
+
+def run_worker(spec: WorkerSpec) -> None:
+    """The worker process's entry point."""
+    set_pdeathsig(signal.SIGKILL)
+    exit_if_orphaned(spec.parent_pid)
+    os.environ.pop("NOTIFY_SOCKET", None)
+    faulthandler.enable(all_threads=True)  # SIGABRT (a hang) prints every thread's stack
+    config = Config.model_validate(spec.config)
+    setup_logging(config.log.level, config.log.format, process=spec.identity)
+    sys.exit(asyncio.run(Worker(spec, config).run()))
+
+
+class Worker:
+    """One worker's event loop: control messages in, turns run, heartbeats out."""
+
+    def __init__(self, spec: WorkerSpec, config: Config) -> None:
+        self.spec = spec
+        self.config = config
+        self.runners: dict[str, SessionRunner] = {}
+        self._stop = asyncio.Event()
+        self.log = logger.bind(subsystem="worker")
+
+    async def run(self) -> int:
+        """Serve until `stop` (or the supervisor's SIGTERM); returns the exit code."""
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, self._stop.set)
+        loop.add_signal_handler(signal.SIGINT, lambda: None)  # the supervisor decides
+        self.store = await asyncio.to_thread(
+            Store, self.spec.db_url, self.config.store.synchronous, migrate=False
+        )
+        self.agent_class = load_agent_class(self.config.agent.class_)
+        self.model = make_model(self.config.model)
+        self.toolbox = BuiltinTools()
+        self.zmq = zmq.asyncio.Context()
+        self.socket = self.zmq.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.IDENTITY, self.spec.identity.encode())
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.connect(self.spec.address)
+        tasks = [
+            asyncio.create_task(self._receive()),
+            asyncio.create_task(self._heartbeat()),
+            asyncio.create_task(self._renew_leases()),
+        ]
+        await self.send("hello", pid=os.getpid())
+        self.log.info("ready as {} (pid {})", self.spec.identity, os.getpid())
+        try:
+            await self._stop.wait()
+        finally:
+            for task in tasks:
+                task.cancel()
+            for runner in self.runners.values():
+                if runner.task:
+                    runner.task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self.model.aclose()
+            self.socket.close()
+            self.zmq.term()
+            await asyncio.to_thread(self.store.close)
+        return 0
+
+    async def send(self, type: str, **fields: Any) -> None:
+        """Tell the supervisor something; never blocks the loop for long."""
+        try:
+            await self.socket.send(control.encode(type, worker=self.spec.identity, **fields))
+        except zmq.ZMQError as exc:
+            self.log.warning("control plane: cannot send {}: {}", type, exc)
+
+    async def _receive(self) -> None:
+        while True:
+            frame = await self.socket.recv()
+            try:
+                message = control.decode(frame, control.FROM_SUPERVISOR)
+            except control.ProtocolError as exc:
+                self.log.error("control plane: {}", exc)
+                continue
+            self._handle(message)
+
+    def _handle(self, message: dict[str, Any]) -> None:
+        kind = message["type"]
+        if kind == "stop":
+            self._stop.set()
+            return
+        session_id = str(message.get("session", ""))
+        runner = self.runners.get(session_id)
+        if kind == "assign":
+            token, reason = int(message["token"]), str(message.get("reason", "new"))
+            if runner is None or runner.task is None or runner.task.done():
+                runner = SessionRunner(
+                    session_id,
+                    token,
+                    reason,
+                    store=self.store,
+                    agent=self.agent_class(),
+                    model=self.model,
+                    toolbox=self.toolbox,
+                    notify=self.send,
+                )
+                self.runners[session_id] = runner
+                runner.start()
+            else:
+                runner.reassign(token, reason)
+        elif runner is None:
+            return
+        elif kind == "wake":
+            runner.kick()
+        elif kind == "release":
+            runner.release()
+
+    async def _heartbeat(self) -> None:
+        while True:
+            self._forget_finished()
+            await self.send(
+                "heartbeat",
+                sessions=len(self.runners),
+                turns=sum(1 for r in self.runners.values() if r.in_turn),
+            )
+            await asyncio.sleep(self.config.pool.heartbeat_interval)
+
+    def _forget_finished(self) -> None:
+        for session_id, runner in list(self.runners.items()):
+            if runner.task is not None and runner.task.done():
+                del self.runners[session_id]
+
+    async def _renew_leases(self) -> None:
+        ttl = self.config.lease.stale_after
+        while True:
+            await asyncio.sleep(ttl / 3)
+            try:
+                await asyncio.to_thread(self.store.leases.renew_owner, self.spec.owner, ttl)
+            except Exception as exc:  # a busy database: the next round tries again
+                self.log.warning("lease renewal failed: {}", exc)

@@ -1,0 +1,149 @@
+"""One session inside a worker: run its turns while the worker owns it.
+
+The runner re-reads the session row whenever it is kicked (assign, wake, the end of a
+turn) and does what the row says: continue an interrupted turn, start a turn for pending
+input, or wait. It writes with the lease token of its latest assignment; a token that is
+no longer current makes every write fail with LeaseLost, and the runner gives up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from loguru import logger
+
+from supervisor.control import CONTINUATION_CAUSE
+from supervisor.store import EventRecord, Lease, LeaseLost, Store
+from workers import turns
+from workers.agent import Agent
+from workers.models import Message, Model
+from workers.tools import Toolbox
+
+Notify = Callable[..., Awaitable[None]]
+
+
+class SessionRunner:
+    """Runs the turns of one session, one at a time."""
+
+    def __init__(
+        self,
+        session_id: str,
+        token: int,
+        reason: str,
+        *,
+        store: Store,
+        agent: Agent,
+        model: Model,
+        toolbox: Toolbox,
+        notify: Notify,
+    ) -> None:
+        self.session_id = session_id
+        self.token = token
+        self.reason = reason
+        self._store = store
+        self._agent = agent
+        self._model = model
+        self._toolbox = toolbox
+        self._notify = notify
+        self._kicked = asyncio.Event()
+        self.released = asyncio.Event()
+        self.in_turn = False
+        self.task: asyncio.Task[None] | None = None
+        self.log = logger.bind(subsystem="worker", session=session_id)
+
+    def start(self) -> None:
+        """Start the runner's task and look for work at once."""
+        self.task = asyncio.create_task(self._loop(), name=f"session-{self.session_id}")
+        self.kick()
+
+    def reassign(self, token: int, reason: str) -> None:
+        """A newer assignment: write with its token from now on."""
+        self.token, self.reason = token, reason
+        self.kick()
+
+    def kick(self) -> None:
+        """Re-read the session: there may be work."""
+        self._kicked.set()
+
+    def release(self) -> None:
+        """Stop at the next event boundary and give the session back."""
+        self.released.set()
+        self._kicked.set()
+
+    async def _loop(self) -> None:
+        try:
+            while not self.released.is_set():
+                await self._kicked.wait()
+                self._kicked.clear()
+                if self.released.is_set():
+                    break
+                await self._run_available()
+        except turns.TurnReleased:
+            pass
+        except LeaseLost as exc:
+            self.log.warning("fenced out: {}", exc)
+            await self._notify("lease_lost", session=self.session_id)
+            return
+        except Exception:
+            self.log.exception("session runner failed")
+            return
+        if self.released.is_set():
+            await asyncio.to_thread(self._release_lease)
+            await self._notify("released", session=self.session_id)
+
+    def _release_lease(self) -> None:
+        self._store.leases.release(Lease(self.session_id, "", self.token, 0.0))
+
+    async def _run_available(self) -> None:
+        while not self.released.is_set():
+            info = await asyncio.to_thread(self._store.sessions.get, self.session_id)
+            if info.lease_token != self.token:
+                raise LeaseLost(self.session_id, self.token, info.lease_token)
+            if info.status != "open" or not (info.active_turn_id or info.pending):
+                return
+            self.in_turn = True
+            try:
+                if info.active_turn_id:
+                    cause = CONTINUATION_CAUSE.get(self.reason, "interrupted")
+                    self.log.info("continuing turn {} ({})", info.active_turn_id, cause)
+                    turn_id = info.active_turn_id
+                    outcome = await turns.resume_turn(
+                        turn_id, await self._read(), cause, self._commit, self._run
+                    )
+                else:
+                    turn_id, outcome = await turns.start_turn(self._commit, self._read, self._run)
+            finally:
+                self.in_turn = False
+            # Whatever comes next is a fresh turn or another continuation of ours.
+            self.reason = "new"
+            await self._notify(
+                "turn_done", session=self.session_id, turn_id=turn_id, outcome=outcome
+            )
+
+    async def _read(self) -> list[EventRecord]:
+        return await asyncio.to_thread(self._store.events.read, self.session_id, 0, 1_000_000)
+
+    async def _run(self, turn_id: str, messages: list[Message]) -> str:
+        context = turns.TurnContext(
+            self.session_id,
+            turn_id,
+            messages,
+            self._model,
+            self._toolbox,
+            self._commit,
+            self.released,
+        )
+        return await turns.run_agent(self._agent, context, self._commit)
+
+    async def _commit(self, type: str, payload: dict[str, Any], turn_id: str | None) -> int:
+        seq = await self._store.events.append_async(
+            self.session_id, type, payload, token=self.token, turn_id=turn_id
+        )
+        await self._notify(
+            "committed",
+            session=self.session_id,
+            event={"seq": seq, "type": type, "turn_id": turn_id, "payload": payload},
+        )
+        return seq

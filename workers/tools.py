@@ -1,0 +1,79 @@
+"""Tools the worker offers to agents.
+
+`Toolbox` is the seam: the built-in tools below today, MCP servers' tools next to them.
+A tool never raises into a turn: failures come back as an error result the model reads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from workers.models import ToolSpec
+
+
+@dataclass(frozen=True)
+class ToolOutcome:
+    """What a tool call returned: text for the model, and whether it is an error."""
+
+    content: str
+    is_error: bool = False
+
+
+class Toolbox(Protocol):
+    """The tools on offer in a worker."""
+
+    def specs(self) -> list[ToolSpec]:
+        """The tools, with their MCP hints."""
+        ...
+
+    async def call(self, name: str, arguments: dict[str, Any]) -> ToolOutcome:
+        """Run one tool; errors are outcomes, not exceptions."""
+        ...
+
+
+class BuiltinTools:
+    """Two small tools that need nothing outside the worker, for demos and tests.
+
+    `echo` returns its arguments as JSON; `sleep` waits `seconds` (at most 300).
+    """
+
+    SPECS = [
+        ToolSpec(
+            "echo",
+            "Return the arguments, as JSON.",
+            {"type": "object", "additionalProperties": True},
+            read_only=True,
+            idempotent=True,
+        ),
+        ToolSpec(
+            "sleep",
+            "Wait for `seconds` seconds, then say so.",
+            {
+                "type": "object",
+                "properties": {"seconds": {"type": "number"}},
+                "required": ["seconds"],
+            },
+            read_only=True,
+            idempotent=True,
+        ),
+    ]
+
+    def specs(self) -> list[ToolSpec]:
+        """The built-in tools."""
+        return list(self.SPECS)
+
+    async def call(self, name: str, arguments: dict[str, Any]) -> ToolOutcome:
+        """Run a built-in tool."""
+        if name == "echo":
+            return ToolOutcome(json.dumps(arguments, sort_keys=True, ensure_ascii=False))
+        if name == "sleep":
+            seconds = arguments.get("seconds")
+            if not isinstance(seconds, int | float) or not 0 <= seconds <= 300:
+                return ToolOutcome("seconds must be a number from 0 to 300", is_error=True)
+            await asyncio.sleep(seconds)
+            return ToolOutcome(f"slept {seconds} s")
+        known = ", ".join(spec.name for spec in self.SPECS)
+        return ToolOutcome(f"unknown tool {name!r}; known: {known}", is_error=True)

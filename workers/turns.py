@@ -1,0 +1,219 @@
+"""Running one turn: the context handed to the agent, and how a turn starts or resumes.
+
+Every step commits its event before the next begins, so a crash loses at most the step
+in flight. A release (rolling restart) stops the turn at the next event boundary, and an
+in-flight model call is abandoned at once (it has no side effects); a tool call in flight
+is let finish, so its result is recorded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
+from typing import Any
+
+from loguru import logger
+
+from supervisor.store import EventRecord, LeaseLost
+from workers import history
+from workers.agent import OUTCOMES, Agent
+from workers.history import Tail
+from workers.models import Message, Model, ModelError, ModelResponse, ToolCall, ToolSpec
+from workers.tools import Toolbox, ToolOutcome
+
+Commit = Callable[[str, dict[str, Any], str | None], Awaitable[int]]
+
+CONTINUATION_NOTES = {
+    "worker_crash": "the worker process running it stopped unexpectedly",
+    "daemon_restart": "the turnkeeper daemon restarted",
+    "handoff": "the session moved to another worker during a rolling restart",
+    "interrupted": "its previous owner stopped",
+}
+
+
+class TurnReleased(Exception):
+    """The supervisor asked for the session back; stop at this event boundary."""
+
+
+class TurnContext:
+    """The `Turn` an agent is handed (see workers.agent)."""
+
+    def __init__(
+        self,
+        session_id: str,
+        turn_id: str,
+        messages: list[Message],
+        model: Model,
+        toolbox: Toolbox,
+        commit: Commit,
+        released: asyncio.Event,
+    ) -> None:
+        self.session_id = session_id
+        self.turn_id = turn_id
+        self._messages = messages
+        self._model = model
+        self._toolbox = toolbox
+        self._commit = commit
+        self._released = released
+
+    @property
+    def messages(self) -> list[Message]:
+        """The conversation so far, this turn included."""
+        return list(self._messages)
+
+    @property
+    def tools(self) -> list[ToolSpec]:
+        """The tools on offer."""
+        return self._toolbox.specs()
+
+    def _boundary(self) -> None:
+        if self._released.is_set():
+            raise TurnReleased
+
+    async def call_model(self) -> ModelResponse:
+        """Ask the model; commits `model_response`. A release abandons the call."""
+        self._boundary()
+        call = asyncio.ensure_future(self._model.complete(list(self._messages), self.tools))
+        release = asyncio.ensure_future(self._released.wait())
+        try:
+            await asyncio.wait({call, release}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            release.cancel()
+        if not call.done():
+            call.cancel()
+            raise TurnReleased
+        response = call.result()
+        await self._commit(
+            "model_response",
+            {
+                "text": response.text,
+                "tool_calls": [
+                    {"id": c.id, "name": c.name, "arguments": c.arguments}
+                    for c in response.tool_calls
+                ],
+                "finish_reason": response.finish_reason,
+                "usage": response.usage,
+            },
+            self.turn_id,
+        )
+        self._messages.append(
+            Message("assistant", response.text, tool_calls=list(response.tool_calls))
+        )
+        return response
+
+    async def call_tool(self, call: ToolCall) -> ToolOutcome:
+        """Commit `tool_call`, run it to the end, commit `tool_result`."""
+        self._boundary()
+        await self._commit(
+            "tool_call",
+            {"call_id": call.id, "name": call.name, "arguments": call.arguments},
+            self.turn_id,
+        )
+        try:
+            outcome = await self._toolbox.call(call.name, call.arguments)
+        except Exception as exc:  # a toolbox bug must not crash the turn
+            logger.bind(subsystem="worker").exception("tool {} raised", call.name)
+            outcome = ToolOutcome(f"the tool failed: {exc}", is_error=True)
+        await self._commit(
+            "tool_result",
+            {
+                "call_id": call.id,
+                "name": call.name,
+                "content": outcome.content,
+                "is_error": outcome.is_error,
+            },
+            self.turn_id,
+        )
+        self._messages.append(Message("tool", outcome.content, tool_call_id=call.id))
+        return outcome
+
+    async def notice(self, text: str) -> None:
+        """Commit a `notice` for the user."""
+        await self._commit("notice", {"text": text}, self.turn_id)
+
+
+async def start_turn(
+    commit: Commit,
+    read: Callable[[], Awaitable[list[EventRecord]]],
+    run: Callable[[str, list[Message]], Awaitable[str]],
+) -> tuple[str, str]:
+    """A new turn for pending input; returns (turn id, outcome).
+
+    `turn_started` (which clears the pending mark and charges the first attempt) is
+    committed before the history is read, so a message that lands in between is either
+    read by this turn or marks the session pending again for the next one.
+    """
+    turn_id = uuid.uuid4().hex
+    await commit("turn_started", {}, turn_id)
+    return turn_id, await run(turn_id, history.to_messages(await read()))
+
+
+async def resume_turn(
+    turn_id: str,
+    events: list[EventRecord],
+    cause: str,
+    commit: Commit,
+    run: Callable[[str, list[Message]], Awaitable[str]],
+) -> str:
+    """Go on with an interrupted turn, after repairing calls that lost their results.
+
+    A turn whose final answer was already committed is only ended, so the user never
+    gets the same reply twice.
+    """
+    this_turn = history.turn_events(events, turn_id)
+    repairs = history.missing_results(this_turn)
+    for missing in repairs:
+        await commit("tool_result", missing.payload(), turn_id)
+    tail = history.classify_tail(this_turn) if not repairs else Tail.RUN
+    if tail is Tail.ANSWERED:
+        await commit("turn_ended", {"outcome": "completed", "recovered": True}, turn_id)
+        return "completed"
+    if tail is Tail.TRUNCATED:
+        await commit("turn_ended", {"outcome": "truncated", "recovered": True}, turn_id)
+        return "truncated"
+    last_at = events[-1].created_at if events else time.time()
+    when = datetime.fromtimestamp(last_at, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    note = (
+        f"[turnkeeper] This turn was interrupted because "
+        f"{CONTINUATION_NOTES.get(cause, 'it stopped')}; the last event was recorded at "
+        f"{when}. Everything above was recorded before that. Continue the turn from there."
+    )
+    await commit("continuation", {"cause": cause, "text": note, "last_event_at": last_at}, turn_id)
+    messages = history.to_messages(events)
+    messages += [Message("tool", m.payload()["content"], tool_call_id=m.call_id) for m in repairs]
+    messages.append(Message("user", note, note=True))
+    return await run(turn_id, messages)
+
+
+async def run_agent(agent: Agent, context: TurnContext, commit: Commit) -> str:
+    """Run the agent to the end of the turn and commit `turn_ended` with its outcome.
+
+    A model error or an agent bug ends the turn as failed, with the error in the event;
+    a release or a lost lease ends nothing (the next owner goes on).
+    """
+    try:
+        outcome = await agent.run_turn(context)
+        if outcome not in OUTCOMES:
+            raise ValueError(f"run_turn returned {outcome!r}, not one of {OUTCOMES}")
+    except ModelError as exc:
+        await commit(
+            "turn_ended",
+            {"outcome": "failed", "error": str(exc), "transient": exc.transient},
+            context.turn_id,
+        )
+        return "failed"
+    except (TurnReleased, asyncio.CancelledError):
+        raise
+    except LeaseLost:
+        raise
+    except Exception as exc:
+        logger.bind(subsystem="worker", session=context.session_id).exception("agent failed")
+        await commit(
+            "turn_ended", {"outcome": "failed", "error": f"agent error: {exc}"}, context.turn_id
+        )
+        return "failed"
+    await commit("turn_ended", {"outcome": outcome}, context.turn_id)
+    return outcome
