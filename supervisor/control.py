@@ -15,6 +15,7 @@ worker -> supervisor:
 supervisor -> worker:
     assign      {session, token, reason}       own this session with this lease token;
                                                reason: new | adopt | handoff | restart
+                                               | stale
     release     {session}                      stop at the next event boundary, release
     wake        {session}                      re-read the session: there may be work
     interrupt   {session}                      cancel the turn in flight (operator)
@@ -28,13 +29,14 @@ from typing import Any
 
 FROM_WORKER = frozenset({"hello", "heartbeat", "committed", "turn_done", "released", "lease_lost"})
 FROM_SUPERVISOR = frozenset({"assign", "release", "wake", "interrupt", "stop"})
-ASSIGN_REASONS = frozenset({"new", "adopt", "handoff", "restart"})
+ASSIGN_REASONS = frozenset({"new", "adopt", "handoff", "restart", "stale"})
 
 # What a continuation note says about the cause, by assignment reason.
 CONTINUATION_CAUSE = {
     "adopt": "worker_crash",
     "restart": "daemon_restart",
     "handoff": "handoff",
+    "stale": "lease_expired",
     "new": "interrupted",
 }
 

@@ -376,19 +376,25 @@ class Pool:
                     self.woken[info.id] = info.last_seq
                     self.send(owner, "wake", session=info.id)
                 continue
+            reason = "restart" if info.active_turn_id else "new"
             if owner is not None:
                 owner.sessions.discard(info.id)
                 del self.assigned[info.id]
+                reason = "stale"
                 self.log.warning(
                     "{} stopped renewing the lease of session {}; moving it",
                     owner.identity,
                     info.id,
                 )
+            elif info.owner and info.owner.startswith(self.owner_prefix + "/"):
+                reason = "adopt"  # a worker of this boot died with it
+            elif info.owner and not info.owner.startswith(self.host_prefix):
+                reason = "stale"  # another host's lease ran out
             # Free, stale, or held by this host (a dead worker of ours, an earlier boot).
             # A live lease of another host is that host's to keep.
             ours = info.owner is None or info.owner.startswith(self.host_prefix)
             if info.id not in self.busy and (ours or not lease_live):
-                await self._assign(info, "restart" if info.active_turn_id else "new")
+                await self._assign(info, reason if info.active_turn_id else "new")
 
     def _sessions_with_work(self) -> tuple[float, list[SessionInfo]]:
         return self.store.now(), self.store.sessions.with_work()
@@ -448,6 +454,8 @@ class Pool:
         )
 
     def _pick(self, prefer_spare: bool) -> Worker | None:
+        # A worker that missed 3 heartbeats (frozen, swapping, hung) gets no new sessions.
+        fresh = self.clock() - 3 * self.config.pool.heartbeat_interval
         candidates = [
             w
             for w in self.workers.values()
@@ -456,6 +464,7 @@ class Pool:
             and not w.retiring
             and not w.stop_requested
             and w.aborted_at is None
+            and w.last_heartbeat >= fresh
         ]
         if not candidates:
             return None

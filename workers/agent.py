@@ -13,6 +13,7 @@ holds everything committed so far, with a note saying what happened.
 from __future__ import annotations
 
 import importlib
+import inspect
 from typing import Protocol, runtime_checkable
 
 from workers.models import Message, ModelResponse, ToolCall, ToolSpec
@@ -73,7 +74,7 @@ def load_agent_class(spec: str) -> type[Agent]:
     except Exception as exc:
         raise AgentLoadError(f"agent.class {spec!r}: cannot import {module_name}: {exc}") from exc
     cls = getattr(module, class_name, None)
-    if not isinstance(cls, type) or not callable(getattr(cls, "run_turn", None)):
+    if not isinstance(cls, type) or not inspect.iscoroutinefunction(getattr(cls, "run_turn", None)):
         raise AgentLoadError(
             f"agent.class {spec!r}: {class_name} is not a class with an async run_turn(turn)"
         )

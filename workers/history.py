@@ -43,8 +43,28 @@ def calls_of(payload: dict[str, Any]) -> list[ToolCall]:
 
 
 def to_messages(events: Iterable[EventRecord]) -> list[Message]:
-    """The conversation, oldest first."""
-    return [m for m in map(message_of, events) if m is not None]
+    """The conversation, oldest first, in an order chat models accept.
+
+    A user message can be committed while a tool runs (intake needs no lease); it is
+    placed after the results of the calls still open then, so that an assistant message
+    asking for tools is always followed by their results.
+    """
+    messages: list[Message] = []
+    open_calls: set[str] = set()
+    held: list[Message] = []
+    for message in filter(None, map(message_of, events)):
+        if message.role == "user" and open_calls:
+            held.append(message)
+            continue
+        messages.append(message)
+        if message.role == "assistant":
+            open_calls = {call.id for call in message.tool_calls}
+        elif message.role == "tool":
+            open_calls.discard(message.tool_call_id or "")
+        if not open_calls and held:
+            messages += held
+            held = []
+    return messages + held
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ CONTINUATION_NOTES = {
     "worker_crash": "the worker process running it stopped unexpectedly",
     "daemon_restart": "the turnkeeper daemon restarted",
     "handoff": "the session moved to another worker during a rolling restart",
+    "lease_expired": "the worker running it stopped responding and lost the session",
     "interrupted": "its previous owner stopped",
 }
 
@@ -80,6 +81,9 @@ class TurnContext:
         release = asyncio.ensure_future(self._released.wait())
         try:
             await asyncio.wait({call, release}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            call.cancel()  # the turn itself was cancelled: the call must not outlive it
+            raise
         finally:
             release.cancel()
         if not call.done():
@@ -182,8 +186,20 @@ async def resume_turn(
         f"{when}. Everything above was recorded before that. Continue the turn from there."
     )
     await commit("continuation", {"cause": cause, "text": note, "last_event_at": last_at}, turn_id)
-    messages = history.to_messages(events)
-    messages += [Message("tool", m.payload()["content"], tool_call_id=m.call_id) for m in repairs]
+    # The repaired results go right after the calls they answer, as the log now has them.
+    repaired = [
+        EventRecord(
+            session_id="",
+            seq=0,
+            type="tool_result",
+            turn_id=turn_id,
+            payload=m.payload(),
+            created_at=last_at,
+            writer="worker",
+        )
+        for m in repairs
+    ]
+    messages = history.to_messages([*events, *repaired])
     messages.append(Message("user", note, note=True))
     return await run(turn_id, messages)
 

@@ -60,6 +60,7 @@ class EventRecord:
     payload: dict[str, Any]
     created_at: float
     writer: str
+    lease_token: int | None = None  # the token the writer held; None for intake
 
     def to_dict(self) -> dict[str, Any]:
         """The API shape of an event."""
@@ -486,4 +487,5 @@ def _record(row: Event) -> EventRecord:
         payload=json.loads(row.payload),
         created_at=row.created_at,
         writer=row.writer,
+        lease_token=row.lease_token,
     )

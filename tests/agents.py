@@ -1,0 +1,31 @@
+"""An agent plug-in for tests: the tool-loop agent, plus commands aimed at its own worker.
+
+/crash              SIGKILL the worker process running the turn (every time)
+/hang-once PATH     block the worker's event loop for good, unless PATH exists
+                    (it is created first, so a continuation of the turn goes on)
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+from workers.agent import Turn
+from workers.agents.tool_loop import ToolLoopAgent
+
+
+class ChaosAgent(ToolLoopAgent):
+    async def run_turn(self, turn: Turn) -> str:
+        users = [m.content for m in turn.messages if m.role == "user" and not m.note]
+        last = users[-1] if users else ""
+        if last == "/crash":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if last.startswith("/hang-once "):
+            marker = Path(last.split(maxsplit=1)[1])
+            if not marker.exists():
+                marker.touch()
+                while True:
+                    time.sleep(3600)  # blocks the loop: no more heartbeats
+        return await super().run_turn(turn)
