@@ -117,13 +117,13 @@ def table(headers: list[str], rows: list[list[str]]) -> str:
 @click.pass_context
 def run(ctx: click.Context) -> None:
     """Run the daemon in the foreground until SIGTERM or SIGINT."""
-    from supervisor.daemon import Daemon, StartupError  # the daemon's imports are heavy
+    from supervisor.daemon import Daemon, PluginError, StartupError  # heavy imports
 
     cfg = load(ctx)
     setup_logging(cfg.log.level, cfg.log.format)
     try:
         code = asyncio.run(Daemon(cfg).run())
-    except BadStoreURL as exc:
+    except (BadStoreURL, PluginError) as exc:
         config_error(str(exc))
     except (StartupError, StoreError, OSError) as exc:
         log("daemon").error("cannot start: {}", exc)

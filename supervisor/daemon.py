@@ -28,6 +28,22 @@ class StartupError(Exception):
     """The daemon cannot start; the message says why (one line)."""
 
 
+class PluginError(Exception):
+    """`agent.class` or the `[model]` settings cannot work; a configuration error."""
+
+
+def check_plugins(config: Config) -> None:
+    """Fail before anything starts if the agent plug-in or the model cannot be loaded."""
+    from workers.agent import AgentLoadError, load_agent_class
+    from workers.models import ModelError, make_model
+
+    try:
+        load_agent_class(config.agent.class_)
+        make_model(config.model)
+    except (AgentLoadError, ModelError) as exc:
+        raise PluginError(str(exc)) from exc
+
+
 class Daemon:
     """One boot of the supervisor."""
 
@@ -44,6 +60,7 @@ class Daemon:
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self._on_stop_signal, signum)
         loop.add_signal_handler(signal.SIGHUP, self._reloads.put_nowait, None)
+        check_plugins(self.config)
         make_private_dir(self.paths.state_dir)
         make_private_dir(self.paths.runtime_dir)
         try:
@@ -62,7 +79,10 @@ class Daemon:
                 self.config, store, boot_id, f"ipc://{socket_path}", f"{self.host}/{boot_id[:8]}"
             )
             await pool.start()
-            if not await self._until_stop(pool.wait_ready(READY_TIMEOUT)):
+            ready = await self._until_stop(pool.wait_ready(READY_TIMEOUT))
+            if pool.fatal.is_set():
+                raise StartupError("no worker could start: every slot is fatal (see above)")
+            if not ready:
                 log("daemon").warning("stopped during start-up")
             else:
                 log("daemon").info(

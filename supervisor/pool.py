@@ -118,15 +118,16 @@ class Pool:
         ]
 
     async def wait_ready(self, timeout: float) -> bool:
-        """Wait until every slot has a ready worker (or is fatal)."""
+        """Wait until every slot has a ready worker or is fatal; True if any is ready."""
         deadline = self.clock() + timeout
         while self.clock() < deadline:
-            if all(
-                (w := self.current.get(s.index)) is not None and w.ready
+            settled = [
+                s.state is SlotState.FATAL
+                or ((w := self.current.get(s.index)) is not None and w.ready)
                 for s in self.slots
-                if s.state is not SlotState.FATAL
-            ):
-                return True
+            ]
+            if all(settled):
+                return not self.fatal.is_set()
             await asyncio.sleep(0.05)
         return False
 

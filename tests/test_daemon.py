@@ -290,3 +290,26 @@ def test_a_turn_that_keeps_killing_its_worker_is_quarantined(daemons: Daemons) -
             20,
             "the released session to answer",
         )
+
+
+def test_a_plugin_that_cannot_load_is_a_configuration_error(daemons: Daemons) -> None:
+    daemon = daemons(agent={"class": "no_such_module:Agent"})
+    daemon.start(wait=False)
+    assert daemon.wait(30) == 78
+    lines = [line for line in daemon.log().splitlines() if line and not line.startswith("---")]
+    assert len(lines) == 1 and "agent.class" in lines[0] and "no_such_module" in lines[0]
+
+
+@pytest.mark.timeout(120)
+def test_the_daemon_exits_non_zero_when_no_worker_can_start(daemons: Daemons) -> None:
+    daemon = daemons(
+        pool={"workers": 1, "spare": 0}, agent={"class": "tests.agents_broken:BrokenAgent"}
+    )
+    daemon.start(wait=False)
+    assert daemon.wait(90) == 1
+    log = daemon.log()
+    assert log.count("slot 0 is fatal") == 1
+    assert "every slot is fatal" in log
+    assert "[daemon] ready" not in log
+    with Store(daemon.url, migrate=False) as store:
+        assert store.boots.recent(1)[0].outcome == "startup_failed"
