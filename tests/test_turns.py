@@ -604,8 +604,9 @@ def test_resume_of_a_finished_turn_only_ends_it(tail: list[EventRecord], outcome
     assert runs.seen == []  # no second reply
 
 
-def test_resume_reads_only_its_own_turn() -> None:
-    # An earlier turn's dangling call is not this turn's business.
+def test_resume_decides_on_its_own_turn_but_repairs_all() -> None:
+    # An earlier turn's dangling call gets its result (chat APIs reject it anywhere), but
+    # this turn's answer is committed: it is only ended, never answered twice.
     events = [
         user("a"),
         ev("turn_started", turn_id="t0"),
@@ -613,8 +614,10 @@ def test_resume_reads_only_its_own_turn() -> None:
         ev("turn_started"),
         answer("echo: a"),
     ]
-    _, log, _ = resume(events)
-    assert log.types == ["turn_ended"]
+    _, log, runs = resume(events)
+    assert log.types == ["tool_result", "turn_ended"]
+    assert log.payloads("tool_result")[0]["call_id"] == "old"
+    assert runs.seen == []
 
 
 @pytest.mark.parametrize("cause", [*CONTINUATION_NOTES, "something-new"])

@@ -149,6 +149,8 @@ class Worker:
             runner.kick()
         elif kind == "release":
             runner.release()
+        elif kind == "interrupt":
+            runner.interrupt()
 
     async def _heartbeat(self) -> None:
         while True:

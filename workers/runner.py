@@ -67,6 +67,11 @@ class SessionRunner:
         """Re-read the session: there may be work."""
         self._kicked.set()
 
+    def interrupt(self) -> None:
+        """The operator ended the turn (in the database, lease revoked): stop it now."""
+        if self.task is not None:
+            self.task.cancel()
+
     def release(self) -> None:
         """Stop at the next event boundary and give the session back."""
         self.released.set()
@@ -82,6 +87,9 @@ class SessionRunner:
                 await self._run_available()
         except turns.TurnReleased:
             pass
+        except asyncio.CancelledError:
+            self.log.info("turn cancelled")
+            raise
         except LeaseLost as exc:
             self.log.warning("fenced out: {}", exc)
             await self._notify("lease_lost", session=self.session_id)

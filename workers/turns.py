@@ -148,11 +148,31 @@ async def start_turn(
 
     `turn_started` (which clears the pending mark and charges the first attempt) is
     committed before the history is read, so a message that lands in between is either
-    read by this turn or marks the session pending again for the next one.
+    read by this turn or marks the session pending again for the next one. A tool call an
+    earlier turn left without a result (an operator interrupt, say) gets its synthetic
+    error result first, so the model never sees a call without an answer.
     """
     turn_id = uuid.uuid4().hex
     await commit("turn_started", {}, turn_id)
-    return turn_id, await run(turn_id, history.to_messages(await read()))
+    events = await read()
+    repaired = [
+        await _repair(missing, turn_id, commit) for missing in history.missing_results(events)
+    ]
+    return turn_id, await run(turn_id, history.to_messages([*events, *repaired]))
+
+
+async def _repair(missing: history.MissingResult, turn_id: str, commit: Commit) -> EventRecord:
+    payload = missing.payload()
+    seq = await commit("tool_result", payload, turn_id)
+    return EventRecord(
+        session_id="",
+        seq=seq,
+        type="tool_result",
+        turn_id=turn_id,
+        payload=payload,
+        created_at=time.time(),
+        writer="worker",
+    )
 
 
 async def resume_turn(
@@ -168,10 +188,11 @@ async def resume_turn(
     gets the same reply twice.
     """
     this_turn = history.turn_events(events, turn_id)
-    repairs = history.missing_results(this_turn)
-    for missing in repairs:
-        await commit("tool_result", missing.payload(), turn_id)
-    tail = history.classify_tail(this_turn) if not repairs else Tail.RUN
+    # Every unanswered call is repaired (chat APIs reject one anywhere in the history),
+    # but only this turn's own decide whether the model must be called again.
+    repaired = [await _repair(m, turn_id, commit) for m in history.missing_results(events)]
+    own = history.missing_results(this_turn)
+    tail = Tail.RUN if own else history.classify_tail(this_turn)
     if tail is Tail.ANSWERED:
         await commit("turn_ended", {"outcome": "completed", "recovered": True}, turn_id)
         return "completed"
@@ -187,18 +208,6 @@ async def resume_turn(
     )
     await commit("continuation", {"cause": cause, "text": note, "last_event_at": last_at}, turn_id)
     # The repaired results go right after the calls they answer, as the log now has them.
-    repaired = [
-        EventRecord(
-            session_id="",
-            seq=0,
-            type="tool_result",
-            turn_id=turn_id,
-            payload=m.payload(),
-            created_at=last_at,
-            writer="worker",
-        )
-        for m in repairs
-    ]
     messages = history.to_messages([*events, *repaired])
     messages.append(Message("user", note, note=True))
     return await run(turn_id, messages)

@@ -172,6 +172,46 @@ class Sessions:
 
         run_write(self._db, work)
 
+    def interrupt(self, session_id: str, by: str) -> int | None:
+        """End the turn in flight as `interrupted_by_operator`; None if none was running.
+
+        One transaction ends the turn and revokes the lease (a new token, no owner), so the
+        worker that was running it can commit nothing more, and recovery, which continues
+        only turns still active, can never resurrect it. Returns the `turn_ended` seq.
+        """
+
+        def work() -> int | None:
+            row = Session.get_or_none(Session.id == session_id)
+            if row is None:
+                raise SessionNotFound(session_id)
+            if row.active_turn_id is None:
+                return None
+            event = make_request(
+                session_id,
+                "turn_ended",
+                {"outcome": "interrupted_by_operator", "by": by},
+                turn_id=row.active_turn_id,
+                writer="intake",
+            )
+            (outcome,) = write_events(self._db, [event])
+            if isinstance(outcome, Exception):
+                raise outcome
+            Session.update(
+                owner=None, lease_expires_at=None, lease_token=Session.lease_token + 1
+            ).where(Session.id == session_id).execute()
+            return outcome
+
+        return run_write(self._db, work)
+
+    def request_turn(self, session_id: str) -> None:
+        """Mark the session as needing a turn with no new message (a wake)."""
+        updated = run_write(
+            self._db,
+            lambda: Session.update(pending=True).where(Session.id == session_id).execute(),
+        )
+        if not updated:
+            raise SessionNotFound(session_id)
+
     def release(self, session_id: str, by: str = "operator") -> bool:
         """Lift a quarantine; False if the session was not quarantined."""
 
