@@ -12,11 +12,26 @@ import contextlib
 import os
 import signal
 import socket
+import time
 from collections.abc import Awaitable
+from pathlib import Path
+
+from aiohttp import web
 
 from supervisor import __version__, locks
-from supervisor.config import Config, make_private_dir, resolve_paths
+from supervisor.api import Api
+from supervisor.attach import Hub
+from supervisor.auth import (
+    ADMIN,
+    Tokens,
+    TokensFileError,
+    digest,
+    ensure_admin_token,
+    read_tokens_file,
+)
+from supervisor.config import Config, make_private_dir, parse_listen, resolve_paths
 from supervisor.logs import log
+from supervisor.metrics import Metrics
 from supervisor.pool import Pool
 from supervisor.store import Store
 
@@ -29,7 +44,7 @@ class StartupError(Exception):
 
 
 class PluginError(Exception):
-    """`agent.class` or the `[model]` settings cannot work; a configuration error."""
+    """`agent.class`, the `[model]` settings or the tokens file cannot work (config error)."""
 
 
 def check_plugins(config: Config) -> None:
@@ -51,6 +66,7 @@ class Daemon:
         self.config = config
         self.paths = resolve_paths(config)
         self.host = socket.gethostname()
+        self.api: Api | None = None
         self._stop = asyncio.Event()
         self._reloads: asyncio.Queue[None] = asyncio.Queue()
 
@@ -68,9 +84,11 @@ class Daemon:
             locks.acquire(self.paths.runtime_dir / (CONTROL_SOCKET + ".lock"))
         except locks.LockHeld as exc:
             raise StartupError(str(exc)) from exc
+        tokens = self._tokens()
         store = await asyncio.to_thread(Store, self.paths.db_url, self.config.store.synchronous)
         boot_id = await asyncio.to_thread(store.boots.begin, self.host, os.getpid(), __version__)
         pool: Pool | None = None
+        http: web.AppRunner | None = None
         try:
             await self._sweep(store, boot_id)
             socket_path = self.paths.runtime_dir / CONTROL_SOCKET
@@ -78,6 +96,11 @@ class Daemon:
             pool = Pool(
                 self.config, store, boot_id, f"ipc://{socket_path}", f"{self.host}/{boot_id[:8]}"
             )
+            self.api = Api(
+                self.config, store, Hub(), tokens, Metrics(pool.status), boot_id=boot_id, pool=pool
+            )
+            pool.on_event.append(self.api.publish)
+            http = await self._listen(self.api)
             await pool.start()
             ready = await self._until_stop(pool.wait_ready(READY_TIMEOUT))
             if pool.fatal.is_set():
@@ -85,29 +108,72 @@ class Daemon:
             if not ready:
                 log("daemon").warning("stopped during start-up")
             else:
+                self.api.ready = True
                 log("daemon").info(
-                    "ready: boot {} pid {}, {} workers + {} spare, database {}",
+                    "ready: boot {} pid {}, {} workers + {} spare, database {}, listening on {}",
                     boot_id,
                     os.getpid(),
                     self.config.pool.workers,
                     self.config.pool.spare,
                     store.backend,
+                    self.config.http.listen,
                 )
                 await self._serve(pool)
         except BaseException:
             with contextlib.suppress(Exception):
+                if http is not None:
+                    await http.cleanup()
                 if pool is not None:
                     await pool.stop(self.config.shutdown.kill_grace)
                 await asyncio.to_thread(store.boots.end, boot_id, "startup_failed")
                 store.close()
             raise
         log("shutdown").info("stopping")
+        self.api.stopping = True
+        started = time.monotonic()
+        await http.cleanup()
+        log("shutdown").info("HTTP listener closed in {:.2f} s", time.monotonic() - started)
         await pool.stop(self.config.shutdown.kill_grace)
         failed = pool.fatal.is_set()
         await asyncio.to_thread(store.boots.end, boot_id, "unclean" if failed else "clean")
         store.close()
         log("shutdown").info("stopped {}", "with every slot fatal" if failed else "cleanly")
         return 1 if failed else 0
+
+    def _tokens(self) -> Tokens:
+        hashes = {ADMIN: digest(ensure_admin_token(self.paths.admin_token_file))}
+        if self.config.auth.tokens_file:
+            try:
+                extra = read_tokens_file(Path(self.config.auth.tokens_file))
+            except TokensFileError as exc:
+                raise PluginError(str(exc)) from exc
+            hashes.update({p: h for p, h in extra.items() if p != ADMIN})
+        return Tokens(hashes)
+
+    async def _listen(self, api: Api) -> web.AppRunner:
+        runner = web.AppRunner(
+            api.app(),
+            shutdown_timeout=self.config.attach.shutdown_timeout,
+            access_log=None,
+            handle_signals=False,
+        )
+        await runner.setup()
+        where = parse_listen(self.config.http.listen)
+        site: web.BaseSite
+        if isinstance(where, Path):
+            where.unlink(missing_ok=True)
+            site = web.UnixSite(runner, str(where))
+        else:
+            site = web.TCPSite(runner, where[0], where[1])
+        try:
+            await site.start()
+        except OSError as exc:
+            await runner.cleanup()
+            reason = exc.strerror or str(exc)
+            raise StartupError(f"http.listen {self.config.http.listen}: {reason}") from exc
+        if isinstance(where, Path):
+            where.chmod(0o600)
+        return runner
 
     async def _serve(self, pool: Pool) -> None:
         while not self._stop.is_set():
@@ -156,4 +222,6 @@ class Daemon:
     def _on_stop_signal(self, signum: int) -> None:
         if not self._stop.is_set():
             log("shutdown").info("received {}", signal.Signals(signum).name)
+        if self.api is not None:
+            self.api.stopping = True  # intake refuses from this moment
         self._stop.set()

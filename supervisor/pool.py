@@ -99,6 +99,7 @@ class Pool:
         self._spawn_context = multiprocess.get_context("spawn")
         self._tasks: list[asyncio.Task[None]] = []
         self._pending: set[asyncio.Task[Any]] = set()
+        self._poked = asyncio.Event()
 
     # --- lifecycle ------------------------------------------------------------------
 
@@ -279,13 +280,15 @@ class Pool:
                     if slot.due(now):
                         self._spawn(slot)
             self._check_hangs(now)
-            if now >= next_poll:
+            if now >= next_poll or self._poked.is_set():
+                self._poked.clear()
                 next_poll = now + POLL
                 try:
                     await self.dispatch()
                 except Exception:
                     self.log.exception("dispatch failed; trying again")
-            await asyncio.sleep(TICK)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._poked.wait(), TICK)
 
     def _check_hangs(self, now: float) -> None:
         limit = self.config.pool.hang_timeout
@@ -361,6 +364,21 @@ class Pool:
             return False
 
     # --- ownership ------------------------------------------------------------------
+
+    def input(self, session_id: str) -> None:
+        """New input was committed for the session: wake its owner, or find it one now."""
+        owner = self.assigned.get(session_id)
+        if owner is not None and owner.alive and self.send(owner, "wake", session=session_id):
+            return
+        self._poked.set()
+
+    def interrupt(self, session_id: str) -> None:
+        """The operator ended the session's turn (already in the database): stop it now."""
+        owner = self.assigned.pop(session_id, None)
+        if owner is not None:
+            owner.sessions.discard(session_id)
+            self.send(owner, "interrupt", session=session_id)
+        self._poked.set()
 
     async def dispatch(self) -> None:
         """Give every session with work an owner, and wake owners of new input.

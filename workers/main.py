@@ -25,10 +25,28 @@ from supervisor.config import Config
 from supervisor.logs import setup_logging
 from supervisor.reaper import exit_if_orphaned, set_pdeathsig
 from supervisor.store import Store
-from workers.agent import load_agent_class
+from workers.agent import Agent, AgentLoadError, load_agent_class
 from workers.models import make_model
 from workers.runner import SessionRunner
 from workers.tools import BuiltinTools
+
+
+class _FailingAgent:
+    """Stands in for an agent class that cannot be loaded: every turn fails, saying why."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    async def run_turn(self, turn: Any) -> str:
+        raise AgentLoadError(f"agent.class {self.name!r} cannot be loaded in the worker")
+
+
+def _load(name: str) -> type[Agent] | None:
+    try:
+        return load_agent_class(name)
+    except AgentLoadError as exc:
+        logger.bind(subsystem="worker").error("{}", exc)
+        return None
 
 
 @dataclass(frozen=True)
@@ -134,7 +152,7 @@ class Worker:
                     token,
                     reason,
                     store=self.store,
-                    agent=self.agent_class(),
+                    make_agent=self._make_agent,
                     model=self.model,
                     toolbox=self.toolbox,
                     notify=self.send,
@@ -151,6 +169,16 @@ class Worker:
             runner.release()
         elif kind == "interrupt":
             runner.interrupt()
+
+    def _make_agent(self, name: str) -> Agent:
+        """The session's own agent class if it names one, else the configured one.
+
+        A session naming a class that cannot be loaded fails its turns with the reason
+        (an AgentLoadError ends the turn as failed) instead of taking the worker down.
+        """
+        if not name:
+            return self.agent_class()
+        return _FailingAgent(name) if (cls := _load(name)) is None else cls()
 
     async def _heartbeat(self) -> None:
         while True:

@@ -9,6 +9,7 @@ no longer current makes every write fail with LeaseLost, and the runner gives up
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -34,7 +35,7 @@ class SessionRunner:
         reason: str,
         *,
         store: Store,
-        agent: Agent,
+        make_agent: Callable[[str], Agent],
         model: Model,
         toolbox: Toolbox,
         notify: Notify,
@@ -43,7 +44,8 @@ class SessionRunner:
         self.token = token
         self.reason = reason
         self._store = store
-        self._agent = agent
+        self._make_agent = make_agent
+        self._agent: Agent | None = None
         self._model = model
         self._toolbox = toolbox
         self._notify = notify
@@ -111,6 +113,8 @@ class SessionRunner:
                 raise LeaseLost(self.session_id, self.token, info.lease_token)
             if info.status != "open" or not (info.active_turn_id or info.pending):
                 return
+            if self._agent is None:
+                self._agent = self._make_agent(info.agent)
             self.in_turn = True
             try:
                 if info.active_turn_id:
@@ -143,15 +147,23 @@ class SessionRunner:
             self._commit,
             self.released,
         )
+        assert self._agent is not None
         return await turns.run_agent(self._agent, context, self._commit)
 
     async def _commit(self, type: str, payload: dict[str, Any], turn_id: str | None) -> int:
+        now = time.time()
         seq = await self._store.events.append_async(
-            self.session_id, type, payload, token=self.token, turn_id=turn_id
+            self.session_id, type, payload, token=self.token, turn_id=turn_id, created_at=now
         )
         await self._notify(
             "committed",
             session=self.session_id,
-            event={"seq": seq, "type": type, "turn_id": turn_id, "payload": payload},
+            event={
+                "seq": seq,
+                "type": type,
+                "turn_id": turn_id,
+                "payload": payload,
+                "created_at": now,
+            },
         )
         return seq

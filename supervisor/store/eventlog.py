@@ -101,8 +101,13 @@ def make_request(
     turn_id: str | None = None,
     writer: str = "worker",
     idempotency_key: str | None = None,
+    created_at: float | None = None,
 ) -> AppendRequest:
-    """Validate an append in the caller's thread, so a bad one never reaches a batch."""
+    """Validate an append in the caller's thread, so a bad one never reaches a batch.
+
+    `created_at` defaults to now; a caller that also publishes the event live passes its
+    own, so the live copy and the stored one agree.
+    """
     if type not in EVENT_TYPES:
         raise ValueError(f"unknown event type {type!r}; known: {', '.join(sorted(EVENT_TYPES))}")
     if writer not in WRITERS:
@@ -127,7 +132,7 @@ def make_request(
         token=token,
         writer=writer,
         idempotency_key=idempotency_key,
-        created_at=time.time(),
+        created_at=time.time() if created_at is None else created_at,
         charges_attempt=type == "continuation" and payload.get("cause") != "handoff",
     )
 

@@ -249,6 +249,19 @@ class Sessions:
 
         return run_write(self._db, work)
 
+    def counts(self) -> dict[str, int]:
+        """Sessions by state: open, quarantined, closed; running (a turn in flight) and
+        pending (input waiting for a turn) among the open ones."""
+        counts = {"open": 0, "quarantined": 0, "closed": 0}
+        query = Session.select(Session.status, peewee.fn.COUNT(Session.id)).group_by(Session.status)
+        rows: list[tuple[str, int]] = list(query.tuples())  # type: ignore[arg-type]
+        for status, number in rows:
+            counts[status] = int(number)
+        open_ = Session.select().where(Session.status == "open")
+        counts["running"] = open_.where(Session.active_turn_id.is_null(False)).count()
+        counts["pending"] = open_.where(Session.pending).count()
+        return counts
+
     def list(self, principal: str | None = None, limit: int = 100) -> list[SessionInfo]:
         """Sessions, newest first; only those `principal` may read when it is given."""
         query = Session.select().order_by(Session.created_at.desc(), Session.id).limit(limit)

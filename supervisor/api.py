@@ -1,0 +1,377 @@
+"""The HTTP API (DESIGN.md section 6): intake, attach, status, health and metrics.
+
+JSON in and out; errors are `{"error": {"code", "message"}}`. A caller sees only the
+sessions its principal may read (others are 404, as if they did not exist); `admin` is the
+operator and sees everything. `inject` answers 202 only after the message is committed,
+and once shutdown begins it answers 503 with Retry-After: nothing is accepted that could
+die in memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections.abc import Awaitable, Callable
+from typing import Any, Literal, TypeVar
+
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from supervisor import attach, openapi
+from supervisor.auth import ADMIN, Tokens
+from supervisor.config import Config
+from supervisor.logs import log
+from supervisor.metrics import CONTENT_TYPE, Metrics
+from supervisor.pool import Pool
+from supervisor.store import PERMISSIONS, SessionInfo, SessionNotFound, Store
+
+SESSION_ID = re.compile(r"^[0-9a-f]{32}$")
+PUBLIC = frozenset({"/healthz", "/readyz", "/openapi.json"})
+RETRY_AFTER = "5"
+M = TypeVar("M", bound=BaseModel)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class ApiError(Exception):
+    """An error answer: status, a stable code, a message naming what to fix."""
+
+    def __init__(
+        self,
+        status: int,
+        code: str,
+        message: str,
+        headers: dict[str, str] | None = None,
+        **extra: Any,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.code, self.headers, self.extra = status, code, headers, extra
+
+
+def error_response(
+    status: int, code: str, message: str, headers: dict[str, str] | None = None, **extra: Any
+) -> web.Response:
+    return web.json_response(
+        {"error": {"code": code, "message": message, **extra}}, status=status, headers=headers
+    )
+
+
+class CreateSession(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    kind: Literal["attached", "channel", "autonomous", "subagent"] = "attached"
+    title: str = Field("", max_length=200)
+    agent: str = Field("", max_length=200, pattern=r"^$|^[\w.]+:\w+$")
+
+
+class Inject(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    text: str = Field(min_length=1, max_length=100_000)
+
+
+class AclChange(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    principal: str = Field(pattern=r"^[A-Za-z0-9_.@-]{1,100}$")
+    permission: Literal["read", "write", "admin"] | None
+
+
+class Api:
+    """The aiohttp application and its handlers."""
+
+    def __init__(
+        self,
+        config: Config,
+        store: Store,
+        hub: attach.Hub,
+        tokens: Tokens,
+        metrics: Metrics,
+        *,
+        boot_id: str,
+        pool: Pool | None = None,
+    ) -> None:
+        self.config = config
+        self.store = store
+        self.hub = hub
+        self.tokens = tokens
+        self.metrics = metrics
+        self.boot_id = boot_id
+        self.pool = pool
+        self.ready = False
+        self.stopping = False
+        self.log = log("intake")
+
+    def app(self) -> web.Application:
+        app = web.Application(
+            client_max_size=self.config.http.max_body, middlewares=[self._errors, self._auth]
+        )
+        r = app.router
+        r.add_post("/v1/sessions", self.create)
+        r.add_get("/v1/sessions", self.list)
+        r.add_get("/v1/sessions/{id}", self.get)
+        r.add_post("/v1/sessions/{id}/inject", self.inject)
+        r.add_post("/v1/sessions/{id}/wake", self.wake)
+        r.add_post("/v1/sessions/{id}/interrupt", self.interrupt)
+        r.add_get("/v1/sessions/{id}/events", self.events)
+        r.add_get("/v1/sessions/{id}/attach", self.attach)
+        r.add_put("/v1/sessions/{id}/acl", self.acl)
+        r.add_get("/v1/status", self.status)
+        r.add_get("/healthz", self.healthz)
+        r.add_get("/readyz", self.readyz)
+        r.add_get("/metrics", self.metrics_text)
+        r.add_get("/openapi.json", self.openapi_document)
+        app.on_shutdown.append(self._on_shutdown)
+        return app
+
+    def publish(self, session_id: str, event: dict[str, Any]) -> None:
+        """A committed event, for attach streams and metrics."""
+        self.metrics.events_committed.labels(event["type"]).inc()
+        self.hub.publish(session_id, event)
+
+    # --- middlewares ----------------------------------------------------------------
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except ApiError as exc:
+            return error_response(exc.status, exc.code, str(exc), exc.headers, **exc.extra)
+        except web.HTTPException as exc:
+            if exc.status == 413:
+                self.metrics.intake_rejections.labels("too_large").inc()
+                return error_response(
+                    413,
+                    "too_large",
+                    f"the body is over http.max_body ({self.config.http.max_body} bytes)",
+                )
+            headers = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
+            code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status, "http_error")
+            return error_response(exc.status, code, exc.reason, headers=headers)
+        except Exception:
+            self.log.exception("{} {} failed", request.method, request.path)
+            return error_response(500, "internal", "internal error; see the daemon's log")
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        public = request.path in PUBLIC or (
+            request.path == "/metrics" and self.config.auth.metrics_public
+        )
+        if not public:
+            header = request.headers.get("Authorization", "")
+            scheme, _, token = header.partition(" ")
+            principal = self.tokens.principal(token.strip()) if scheme == "Bearer" else None
+            if principal is None:
+                return error_response(
+                    401,
+                    "unauthorized",
+                    "send Authorization: Bearer <token>",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+            request["principal"] = principal
+        return await handler(request)
+
+    # --- helpers --------------------------------------------------------------------
+
+    async def _body(self, request: web.Request, model: type[M]) -> M:
+        raw = await request.read()
+        try:
+            data = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ApiError(400, "malformed_json", f"the body is not JSON: {exc}") from exc
+        try:
+            return model.model_validate(data)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            field = ".".join(str(p) for p in first["loc"]) or "body"
+            raise ApiError(422, "invalid", f"{field}: {first['msg']}", field=field) from exc
+
+    async def _session(self, request: web.Request, need: str = "read") -> SessionInfo:
+        session_id = request.match_info["id"]
+        missing = ApiError(404, "not_found", f"no session {session_id!r}")
+        if not SESSION_ID.match(session_id):
+            raise missing
+        try:
+            info = await asyncio.to_thread(self.store.sessions.get, session_id)
+        except SessionNotFound:
+            raise missing from None
+        principal = request["principal"]
+        if principal != ADMIN:
+            held = await asyncio.to_thread(self.store.acl.permission, session_id, principal)
+            if held is None:
+                raise missing
+            if PERMISSIONS.index(held) < PERMISSIONS.index(need):
+                raise ApiError(
+                    403, "forbidden", f"{principal} has {held} access; this needs {need}"
+                )
+        return info
+
+    def _refuse_while_stopping(self) -> None:
+        if self.stopping:
+            self.metrics.intake_rejections.labels("stopping").inc()
+            raise web.HTTPServiceUnavailable(
+                text=json.dumps(
+                    {
+                        "error": {
+                            "code": "stopping",
+                            "message": "the daemon is stopping; retry shortly",
+                        }
+                    }
+                ),
+                content_type="application/json",
+                headers={"Retry-After": RETRY_AFTER},
+            )
+
+    @staticmethod
+    def _int(request: web.Request, name: str, default: int, low: int, high: int) -> int:
+        raw = request.query.get(name)
+        if raw is None:
+            return default
+        if not raw.isdigit() or not low <= int(raw) <= high:
+            raise ApiError(
+                422, "invalid", f"{name} must be a whole number from {low} to {high}", field=name
+            )
+        return int(raw)
+
+    async def _publish_seq(self, session_id: str, seq: int | None) -> None:
+        if seq is not None:
+            for record in await asyncio.to_thread(self.store.events.read, session_id, seq - 1, 1):
+                self.publish(session_id, record.to_dict())
+
+    # --- routes ---------------------------------------------------------------------
+
+    async def create(self, request: web.Request) -> web.Response:
+        self._refuse_while_stopping()
+        body = await self._body(request, CreateSession)
+        info = await asyncio.to_thread(
+            self.store.sessions.create,
+            request["principal"],
+            kind=body.kind,
+            title=body.title,
+            agent=body.agent,
+        )
+        return web.json_response(
+            info.to_dict(), status=201, headers={"Location": f"/v1/sessions/{info.id}"}
+        )
+
+    async def list(self, request: web.Request) -> web.Response:
+        limit = self._int(request, "limit", 100, 1, 1000)
+        principal = request["principal"]
+        sessions = await asyncio.to_thread(
+            self.store.sessions.list, None if principal == ADMIN else principal, limit
+        )
+        return web.json_response({"sessions": [s.to_dict() for s in sessions]})
+
+    async def get(self, request: web.Request) -> web.Response:
+        return web.json_response((await self._session(request)).to_dict())
+
+    async def inject(self, request: web.Request) -> web.Response:
+        self._refuse_while_stopping()
+        info = await self._session(request, "write")
+        key = request.headers.get("Idempotency-Key")
+        if key is not None and not 0 < len(key) <= 200:
+            raise ApiError(
+                422,
+                "invalid",
+                "Idempotency-Key must be 1 to 200 characters",
+                field="Idempotency-Key",
+            )
+        body = await self._body(request, Inject)
+        if info.status == "quarantined":
+            raise ApiError(
+                409, "quarantined", "the session is quarantined; an operator must release it first"
+            )
+        seq = await self.store.events.append_async(
+            info.id,
+            "user_message",
+            {"text": body.text, "by": request["principal"]},
+            writer="intake",
+            idempotency_key=key,
+        )
+        await self._publish_seq(info.id, seq)
+        if self.pool is not None:
+            self.pool.input(info.id)
+        return web.json_response({"seq": seq}, status=202)
+
+    async def wake(self, request: web.Request) -> web.Response:
+        self._refuse_while_stopping()
+        info = await self._session(request, "write")
+        await asyncio.to_thread(self.store.sessions.request_turn, info.id)
+        if self.pool is not None:
+            self.pool.input(info.id)
+        return web.json_response({"pending": True}, status=202)
+
+    async def interrupt(self, request: web.Request) -> web.Response:
+        info = await self._session(request, "write")
+        seq = await asyncio.to_thread(self.store.sessions.interrupt, info.id, request["principal"])
+        if seq is not None:
+            await self._publish_seq(info.id, seq)
+            if self.pool is not None:
+                self.pool.interrupt(info.id)
+        return web.json_response({"interrupted": seq is not None, "seq": seq})
+
+    async def events(self, request: web.Request) -> web.Response:
+        info = await self._session(request)
+        after = self._int(request, "after", 0, 0, 2**62)
+        limit = self._int(request, "limit", 100, 1, 1000)
+        records = await asyncio.to_thread(self.store.events.read, info.id, after, limit)
+        return web.json_response({"events": [r.to_dict() for r in records]})
+
+    async def attach(self, request: web.Request) -> web.StreamResponse:
+        self._refuse_while_stopping()
+        info = await self._session(request)
+        header = request.headers.get("Last-Event-ID")
+        if header is not None:
+            if not header.isdigit():
+                raise ApiError(422, "invalid", "Last-Event-ID must be a seq", field="Last-Event-ID")
+            after = int(header)
+        else:
+            after = self._int(request, "after", 0, 0, 2**62)
+        return await attach.stream(request, info.id, after, self.hub, self.store.events.read)
+
+    async def acl(self, request: web.Request) -> web.Response:
+        info = await self._session(request, "admin")
+        body = await self._body(request, AclChange)
+        by = request["principal"]
+        if body.permission is None:
+            seq = await asyncio.to_thread(self.store.acl.revoke, info.id, body.principal, by=by)
+        else:
+            seq = await asyncio.to_thread(
+                self.store.acl.grant, info.id, body.principal, body.permission, by=by
+            )
+        await self._publish_seq(info.id, seq)
+        entries = await asyncio.to_thread(self.store.acl.entries, info.id)
+        return web.json_response({"acl": entries})
+
+    async def status(self, request: web.Request) -> web.Response:
+        if request["principal"] != ADMIN:
+            raise ApiError(403, "forbidden", "only the admin principal may read the status")
+        counts = await asyncio.to_thread(self.store.sessions.counts)
+        pool = self.pool.status() if self.pool is not None else {"slots": [], "restarts": 0}
+        return web.json_response(
+            {
+                "boot": {"id": self.boot_id, "ready": self.ready, "stopping": self.stopping},
+                "slots": pool["slots"],
+                "worker_restarts": pool["restarts"],
+                "sessions": counts,
+                "attach_streams": self.hub.streams,
+            }
+        )
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def readyz(self, request: web.Request) -> web.Response:
+        if self.stopping:
+            return web.json_response({"status": "stopping"}, status=503)
+        if not self.ready:
+            return web.json_response({"status": "starting"}, status=503)
+        return web.json_response({"status": "ready"})
+
+    async def metrics_text(self, request: web.Request) -> web.Response:
+        body = await asyncio.to_thread(self.metrics.render)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+    async def openapi_document(self, request: web.Request) -> web.Response:
+        return web.json_response(openapi.document())
+
+    async def _on_shutdown(self, app: web.Application) -> None:
+        # End the attach streams now, or aiohttp waits for them twice shutdown_timeout.
+        self.hub.close_all()

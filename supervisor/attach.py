@@ -1,0 +1,155 @@
+"""Live attach streams: Server-Sent Events replayed from the database, then live.
+
+The hub fans committed events out to subscribers as they arrive (from workers over the
+control plane, and from intake). A stream subscribes first, then replays the log after
+the client's `Last-Event-ID`, then forwards live events, skipping what it already sent
+and reading any gap from the database, so the client gets every event once, in order.
+A client too slow to keep up is dropped (it reconnects with Last-Event-ID) instead of
+being buffered without bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from supervisor.store import EventRecord
+
+QUEUE_LIMIT = 1000  # live events buffered per stream before the client counts as too slow
+KEEPALIVE = 15.0  # seconds between keep-alive comments on an idle stream
+IDLE_CHECK = 2.0  # seconds between database checks on an idle stream (writes by others)
+PAGE = 500
+
+_CLOSE: dict[str, Any] = {}
+
+
+@dataclass(eq=False)
+class Subscription:
+    session_id: str
+    queue: asyncio.Queue[dict[str, Any]] = field(default_factory=lambda: asyncio.Queue(QUEUE_LIMIT))
+    dropped: bool = False
+
+
+class Hub:
+    """Committed events by session, for the streams attached to them."""
+
+    def __init__(self) -> None:
+        self._subs: dict[str, set[Subscription]] = {}
+
+    def subscribe(self, session_id: str) -> Subscription:
+        sub = Subscription(session_id)
+        self._subs.setdefault(session_id, set()).add(sub)
+        return sub
+
+    def unsubscribe(self, sub: Subscription) -> None:
+        subs = self._subs.get(sub.session_id)
+        if subs is not None:
+            subs.discard(sub)
+            if not subs:
+                del self._subs[sub.session_id]
+
+    def publish(self, session_id: str, event: dict[str, Any]) -> None:
+        """Hand a committed event (API shape) to every stream on its session."""
+        for sub in list(self._subs.get(session_id, ())):
+            try:
+                sub.queue.put_nowait(event)
+            except asyncio.QueueFull:
+                sub.dropped = True
+                self.unsubscribe(sub)
+
+    def close_all(self) -> None:
+        """End every stream (shutdown)."""
+        for subs in list(self._subs.values()):
+            for sub in list(subs):
+                sub.dropped = True
+                with_room(sub.queue)
+                sub.queue.put_nowait(_CLOSE)
+        self._subs.clear()
+
+    @property
+    def streams(self) -> int:
+        return sum(len(s) for s in self._subs.values())
+
+
+def with_room(queue: asyncio.Queue[dict[str, Any]]) -> None:
+    """Make room for one more item by dropping the oldest."""
+    if queue.full():
+        queue.get_nowait()
+
+
+def sse(event: dict[str, Any]) -> bytes:
+    """One event in SSE form: id is the seq, event the type, data the JSON event."""
+    data = json.dumps(event, ensure_ascii=False, separators=(",", ":"))
+    return f"id: {event['seq']}\nevent: {event['type']}\ndata: {data}\n\n".encode()
+
+
+async def stream(
+    request: web.Request,
+    session_id: str,
+    after: int,
+    hub: Hub,
+    read: Callable[[str, int, int], list[EventRecord]],
+) -> web.StreamResponse:
+    """Serve one attach stream until the client leaves, is too slow, or we shut down."""
+    response = web.StreamResponse(
+        headers={
+            "Content-Type": "text/event-stream",
+            "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no",
+        }
+    )
+    sub = hub.subscribe(session_id)  # before the replay: nothing falls between the two
+    try:
+        await response.prepare(request)
+        last = await _replay(response, session_id, after, read)
+        quiet_since = time.monotonic()
+        while True:
+            try:
+                event = await asyncio.wait_for(sub.queue.get(), IDLE_CHECK)
+            except TimeoutError:
+                sent = await _replay(response, session_id, last, read)
+                if sent != last:
+                    last, quiet_since = sent, time.monotonic()
+                elif time.monotonic() - quiet_since >= KEEPALIVE:
+                    await response.write(b": keep-alive\n\n")
+                    quiet_since = time.monotonic()
+                continue
+            if event is _CLOSE or sub.dropped:
+                break
+            seq = int(event["seq"])
+            if seq <= last:
+                continue
+            if seq > last + 1:
+                last = await _replay(response, session_id, last, read)
+                if seq <= last:
+                    continue
+            await response.write(sse(event))
+            last = seq
+            quiet_since = time.monotonic()
+    except (ConnectionResetError, asyncio.CancelledError):
+        pass
+    finally:
+        hub.unsubscribe(sub)
+    return response
+
+
+async def _replay(
+    response: web.StreamResponse,
+    session_id: str,
+    after: int,
+    read: Callable[[str, int, int], list[EventRecord]],
+) -> int:
+    """Send every stored event after `after`; returns the last seq sent."""
+    while True:
+        page = await asyncio.to_thread(read, session_id, after, PAGE)
+        for record in page:
+            await response.write(sse(record.to_dict()))
+            after = record.seq
+        if len(page) < PAGE:
+            return after
