@@ -14,6 +14,7 @@ from typing import NoReturn
 import click
 
 from supervisor import __version__, locks
+from supervisor.budget import SHIPPED_STOP_TIMEOUT, check_stop_timeout, teardown_budget
 from supervisor.config import (
     Config,
     ConfigError,
@@ -70,8 +71,20 @@ def config_group() -> None:
 @config_group.command("show")
 @click.pass_context
 def config_show(ctx: click.Context) -> None:
-    """Print the effective configuration (defaults < file < environment), secrets masked."""
-    click.echo(render_config(load(ctx)), nl=False)
+    """Print the effective configuration (defaults < file < environment), secrets masked.
+
+    Comment lines at the end give the teardown budget: the worst case of a stop, which the
+    service manager's stop timeout must be above.
+    """
+    cfg = load(ctx)
+    click.echo(render_config(cfg), nl=False)
+    budget = teardown_budget(cfg)
+    click.echo("\n# teardown budget (worst case of a stop):")
+    for line in budget.lines():
+        click.echo(f"#   {line}")
+    problem = check_stop_timeout(budget, SHIPPED_STOP_TIMEOUT, "the shipped unit's TimeoutStopSec")
+    if problem:
+        click.echo(f"# WARNING: {problem}")
 
 
 def open_store(ctx: click.Context, *, migrate: bool) -> Store:
@@ -129,6 +142,40 @@ def run(ctx: click.Context) -> None:
         log("daemon").error("cannot start: {}", exc)
         sys.exit(1)
     sys.exit(code)
+
+
+@main.command("stop")
+@click.option(
+    "--drain",
+    type=float,
+    is_flag=False,
+    flag_value=-1.0,
+    default=None,
+    metavar="[SECONDS]",
+    help="Let turns in flight finish first, up to SECONDS (bare: shutdown.drain_budget,"
+    " or 15 if that is 0). Intake refuses from the first moment.",
+)
+@click.option("--timeout", default=120.0, show_default=True, help="Seconds to wait for the exit.")
+@click.pass_context
+def stop(ctx: click.Context, drain: float | None, timeout: float) -> None:
+    """Stop the daemon (SIGTERM) and wait until it has exited."""
+    cfg = load(ctx)
+    paths = resolve_paths(cfg)
+    pid = locks.holder(paths.state_dir / locks.LEADER_LOCK)
+    if pid is None:
+        fail("the daemon is not running (no process holds its lock)")
+    if drain is not None:
+        seconds = drain if drain >= 0 else (cfg.shutdown.drain_budget or 15.0)
+        request = paths.runtime_dir / "stop-request.json"
+        request.write_text(json.dumps({"drain": seconds}))
+        click.echo(f"draining for up to {seconds:g} s", err=True)
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while locks.holder(paths.state_dir / locks.LEADER_LOCK) == pid:
+        if time.monotonic() > deadline:
+            fail(f"pid {pid} has not exited after {timeout:g} s")
+        time.sleep(0.1)
+    click.echo(f"stopped (pid {pid})")
 
 
 @main.command("reload")

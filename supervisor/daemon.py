@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -33,9 +34,12 @@ from supervisor.config import Config, make_private_dir, parse_listen, resolve_pa
 from supervisor.logs import log
 from supervisor.metrics import Metrics
 from supervisor.pool import Pool
+from supervisor.reaper import become_subreaper, sweep
 from supervisor.store import Store
 
 CONTROL_SOCKET = "control.sock"
+STOP_REQUEST = "stop-request.json"  # written by `turnkeeper stop --drain`, read at SIGTERM
+REAP_BOUND = 1.5  # beyond kill_grace: SIGKILL and reaping
 READY_TIMEOUT = 60.0
 
 
@@ -67,6 +71,9 @@ class Daemon:
         self.paths = resolve_paths(config)
         self.host = socket.gethostname()
         self.api: Api | None = None
+        self.stop_started = time.monotonic()
+        self.drain_budget = config.shutdown.drain_budget
+        self.step_seconds: dict[str, float] = {}
         self._stop = asyncio.Event()
         self._reloads: asyncio.Queue[None] = asyncio.Queue()
 
@@ -77,6 +84,7 @@ class Daemon:
             loop.add_signal_handler(signum, self._on_stop_signal, signum)
         loop.add_signal_handler(signal.SIGHUP, self._reloads.put_nowait, None)
         check_plugins(self.config)
+        become_subreaper()
         make_private_dir(self.paths.state_dir)
         make_private_dir(self.paths.runtime_dir)
         try:
@@ -128,17 +136,59 @@ class Daemon:
                 await asyncio.to_thread(store.boots.end, boot_id, "startup_failed")
                 store.close()
             raise
-        log("shutdown").info("stopping")
-        self.api.stopping = True
-        started = time.monotonic()
-        await http.cleanup()
-        log("shutdown").info("HTTP listener closed in {:.2f} s", time.monotonic() - started)
-        await pool.stop(self.config.shutdown.kill_grace)
         failed = pool.fatal.is_set()
-        await asyncio.to_thread(store.boots.end, boot_id, "unclean" if failed else "clean")
+        await self._teardown(http, pool)
+        await self._step(
+            "boot row",
+            5.0,
+            asyncio.to_thread(store.boots.end, boot_id, "unclean" if failed else "clean"),
+        )
         store.close()
-        log("shutdown").info("stopped {}", "with every slot fatal" if failed else "cleanly")
+        log("shutdown").info(
+            "stopped {} in {:.2f} s",
+            "with every slot fatal" if failed else "cleanly",
+            time.monotonic() - self.stop_started,
+        )
         return 1 if failed else 0
+
+    async def _teardown(self, http: web.AppRunner, pool: Pool) -> None:
+        """The stop sequence of DESIGN.md section 7; every step is capped and timed."""
+        assert self.api is not None
+        self.api.stopping = True  # already set by the signal; also for a fatal pool
+        cfg = self.config
+        budget = self.drain_budget
+        if budget > 0:
+            await self._step("drain", budget, self._drain(pool, budget))
+        await self._step("http listener", cfg.attach.shutdown_timeout + 1.0, http.cleanup())
+        await self._step(
+            "descendants", cfg.shutdown.kill_grace + REAP_BOUND, pool.stop(cfg.shutdown.kill_grace)
+        )
+
+    async def _step(self, name: str, cap: float, work: Awaitable[object]) -> None:
+        started = time.monotonic()
+        try:
+            await asyncio.wait_for(work, cap)
+        except TimeoutError:
+            log("shutdown").error(
+                "{} did not finish within its cap of {:.1f} s; moving on", name, cap
+            )
+        seconds = time.monotonic() - started
+        self.step_seconds[name] = seconds
+        log("shutdown").info("{} done in {:.2f} s", name, seconds)
+
+    async def _drain(self, pool: Pool, budget: float) -> None:
+        """Let turns in flight finish, up to `budget` (intake already refuses)."""
+        log("shutdown").info("draining: waiting up to {:.0f} s for turns in flight", budget)
+        while True:
+            running = await asyncio.to_thread(self._running_turns, pool)
+            if not running:
+                return
+            await asyncio.sleep(self.config.pool.heartbeat_interval)
+
+    @staticmethod
+    def _running_turns(pool: Pool) -> int:
+        mine = set(pool.assigned)
+        return sum(1 for s in pool.store.sessions.with_work() if s.active_turn_id and s.id in mine)
 
     def _tokens(self) -> Tokens:
         hashes = {ADMIN: digest(ensure_admin_token(self.paths.admin_token_file))}
@@ -175,6 +225,19 @@ class Daemon:
             where.chmod(0o600)
         return runner
 
+    def _requested_drain(self) -> float:
+        """The drain budget: `turnkeeper stop --drain` leaves one in the runtime dir."""
+        request = self.paths.runtime_dir / STOP_REQUEST
+        try:
+            budget = float(json.loads(request.read_text())["drain"])
+            request.unlink()
+        except FileNotFoundError:
+            return self.config.shutdown.drain_budget
+        except (ValueError, KeyError, TypeError, OSError) as exc:
+            log("shutdown").warning("ignoring {}: {}", request, exc)
+            return self.config.shutdown.drain_budget
+        return max(0.0, budget)
+
     async def _serve(self, pool: Pool) -> None:
         while not self._stop.is_set():
             reload = asyncio.ensure_future(self._reloads.get())
@@ -204,8 +267,6 @@ class Daemon:
 
     async def _sweep(self, store: Store, boot_id: str) -> None:
         """Kill processes an earlier boot left running, unless their pid was reused."""
-        from supervisor.reaper import sweep
-
         rows = await asyncio.to_thread(store.children.of_other_boots, boot_id)
         if not rows:
             return
@@ -220,8 +281,12 @@ class Daemon:
         )
 
     def _on_stop_signal(self, signum: int) -> None:
-        if not self._stop.is_set():
-            log("shutdown").info("received {}", signal.Signals(signum).name)
+        if self._stop.is_set():
+            log("shutdown").info("received {} again; already stopping", signal.Signals(signum).name)
+            return
+        self.stop_started = time.monotonic()
+        log("shutdown").info("received {}", signal.Signals(signum).name)
+        self.drain_budget = self._requested_drain()
         if self.api is not None:
             self.api.stopping = True  # intake refuses from this moment
         self._stop.set()

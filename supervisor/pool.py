@@ -27,6 +27,7 @@ import zmq.asyncio
 from supervisor import control
 from supervisor.config import Config
 from supervisor.logs import log
+from supervisor.reaper import descendants, reap_orphans, terminate
 from supervisor.slots import Slot, SlotState, all_fatal
 from supervisor.store import SessionInfo, SessionNotFound, Store
 from workers.main import WorkerSpec, run_worker
@@ -133,36 +134,38 @@ class Pool:
         return False
 
     async def stop(self, grace: float) -> None:
-        """Stop every worker: SIGTERM to all at once, SIGKILL whoever is left after `grace`."""
-        from supervisor.reaper import terminate
+        """Stop every descendant: SIGTERM to all at once, SIGKILL whoever is left after `grace`.
 
+        Every descendant means the workers, their MCP servers and whatever those started,
+        including processes that left their process group (this process is a subreaper,
+        so orphans come to it) and members of the groups recorded for MCP servers.
+        """
         self.stopping = True
         for slot in self.slots:
             slot.stop_requested()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        workers = [w for w in self.workers.values() if w.alive]
-        for worker in workers:
+        for worker in self.workers.values():
             worker.stop_requested = True
-        procs = []
-        for worker in workers:
-            try:
-                procs.append(psutil.Process(worker.pid))
-                procs.extend(psutil.Process(worker.pid).children(recursive=True))
-            except psutil.NoSuchProcess:
-                pass
+        groups = await asyncio.to_thread(self._recorded_groups)
+        procs = descendants(os.getpid(), groups)
         report = await asyncio.to_thread(terminate, procs, grace)
-        for worker in workers:
+        for worker in list(self.workers.values()):
             worker.process.join(timeout=0)
         self.log.info(
-            "workers stopped in {:.2f} s: {} exited, {} killed",
+            "{} processes stopped in {:.2f} s: {} exited on SIGTERM, {} needed SIGKILL{}",
+            len(procs),
             report.seconds,
             len(report.terminated),
             len(report.killed),
+            f", {len(report.survivors)} SURVIVED" if report.survivors else "",
         )
         self.router.close()
         self.zmq.term()
+
+    def _recorded_groups(self) -> list[int]:
+        return [c.pgid for c in self.store.children.of_boot(self.boot_id) if c.pgid]
 
     def status(self) -> dict[str, Any]:
         """The slots and workers, for /v1/status and `turnkeeper status`."""
@@ -280,6 +283,7 @@ class Pool:
                     if slot.due(now):
                         self._spawn(slot)
             self._check_hangs(now)
+            reap_orphans(w.pid for w in self.workers.values())
             if now >= next_poll or self._poked.is_set():
                 self._poked.clear()
                 next_poll = now + POLL

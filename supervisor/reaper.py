@@ -27,6 +27,7 @@ from typing import Literal
 import psutil
 
 PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
 CREATE_TIME_TOLERANCE = 0.01
 """Seconds; psutil's create_time counts in clock ticks (10 ms)."""
 REAP_BUDGET = 1.0
@@ -54,6 +55,40 @@ def set_pdeathsig(sig: int = signal.SIGKILL) -> None:
     if _prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0) != 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
+
+
+def become_subreaper() -> None:
+    """Adopt orphaned descendants (prctl PR_SET_CHILD_SUBREAPER).
+
+    A process that leaves its group with setsid() and whose parent then exits would be
+    re-parented to init, out of reach of the shutdown; as a subreaper, this process gets
+    it instead, so `descendants()` still finds it and it can be reaped.
+    """
+    if _prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+def reap_orphans(keep: Iterable[int]) -> list[int]:
+    """Reap exited children of ours that nobody else waits for; returns their pids.
+
+    `keep` are children whose owner reaps them itself (the pool's workers).
+    """
+    kept = set(keep)
+    reaped: list[int] = []
+    try:
+        children = psutil.Process().children()
+    except psutil.Error:
+        return reaped
+    for child in children:
+        if child.pid in kept:
+            continue
+        try:
+            if child.status() == psutil.STATUS_ZOMBIE and os.waitpid(child.pid, os.WNOHANG)[0]:
+                reaped.append(child.pid)
+        except (psutil.Error, ChildProcessError):
+            continue
+    return reaped
 
 
 def exit_if_orphaned(expected_parent: int) -> None:

@@ -148,9 +148,16 @@ class Children:
                 lambda: ChildProcess.delete().where(ChildProcess.id.in_(row_ids)).execute(),
             )
 
+    def of_boot(self, boot: str) -> list[Child]:
+        """Children recorded by this boot (their process groups, for the shutdown)."""
+        return self._query(ChildProcess.boot == boot)
+
     def of_other_boots(self, boot: str) -> list[Child]:
         """Children recorded by earlier boots: candidates for the sweep."""
-        query = ChildProcess.select().where(ChildProcess.boot != boot).order_by(ChildProcess.id)
+        return self._query(ChildProcess.boot != boot)
+
+    def _query(self, where: Any) -> list[Child]:
+        query = ChildProcess.select().where(where).order_by(ChildProcess.id)
         return [
             Child(
                 row.id, row.boot, row.pid, row.create_time, row.pgid, row.kind, row.worker, row.name

@@ -1,0 +1,309 @@
+"""A client of the daemon's HTTP API (DESIGN.md section 6), for the command line.
+
+Synchronous httpx over TCP or the unix socket of `http.listen`. Every failure becomes a
+`ClientError` whose message is one line naming what to fix: a daemon that is not
+running, a token it refuses, or the API's own `error.message` with the HTTP status.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from supervisor.config import Config, parse_listen, resolve_paths
+
+TOKEN_VARIABLE = "TURNKEEPER_TOKEN"
+TIMEOUT = 30.0  # seconds for a request; an attach stream has no read timeout
+UNIX_HOST = "http://turnkeeper"  # the host name does not matter on a unix socket
+# An attach stream the daemon ends (a client too slow, a shutdown) is resumed; after this
+# many resumptions in a row that bring nothing, the client gives up.
+IDLE_RESUMES = 3
+
+
+class ClientError(Exception):
+    """A request that failed; the message is one line for the user."""
+
+    def __init__(self, message: str, status: int | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.code = status, code
+
+
+class ClientTimeout(ClientError):
+    """The deadline of a stream passed."""
+
+
+@dataclass(frozen=True)
+class SseMessage:
+    """One Server-Sent Event: `id` is the seq, `event` the event type, `data` its JSON."""
+
+    id: str | None
+    event: str
+    data: str
+
+
+def parse_sse(lines: Iterable[str]) -> Iterator[SseMessage]:
+    """SSE messages from the lines of a stream (line endings already removed).
+
+    A blank line ends a message; a line starting with `:` is a comment (keep-alive); a
+    message without data, or cut off by the end of the stream, is not delivered.
+    """
+    last_id: str | None = None
+    event = ""
+    data: list[str] = []
+    for line in lines:
+        if not line:
+            if data:
+                yield SseMessage(last_id, event or "message", "\n".join(data))
+            event, data = "", []
+            continue
+        if line.startswith(":"):
+            continue
+        name, _, value = line.partition(":")
+        value = value.removeprefix(" ")
+        if name == "data":
+            data.append(value)
+        elif name == "event":
+            event = value
+        elif name == "id" and "\0" not in value:
+            last_id = value
+
+
+def find_token(cfg: Config, environ: Mapping[str, str] | None = None) -> tuple[str, str]:
+    """The bearer token and where it came from: $TURNKEEPER_TOKEN, else the admin token file."""
+    env = os.environ if environ is None else environ
+    if env.get(TOKEN_VARIABLE):
+        return env[TOKEN_VARIABLE].strip(), f"${TOKEN_VARIABLE}"
+    path = resolve_paths(cfg, env).admin_token_file
+    try:
+        token = path.read_text().strip()
+    except FileNotFoundError:
+        raise ClientError(
+            f"no admin token at {path}; the daemon writes it on first start "
+            f"(`turnkeeper run` with this configuration), or set ${TOKEN_VARIABLE}"
+        ) from None
+    except OSError as exc:
+        raise ClientError(f"cannot read the admin token {path}: {exc.strerror or exc}") from None
+    if not token:
+        raise ClientError(f"the admin token file {path} is empty")
+    return token, str(path)
+
+
+class Client:
+    """The daemon's API, one method per route the command line uses."""
+
+    def __init__(self, listen: str, token: str, token_source: str = "the token") -> None:
+        where = parse_listen(listen)
+        self.address = listen
+        self.token_source = token_source
+        if isinstance(where, Path):
+            transport = httpx.HTTPTransport(uds=str(where))
+            base_url = UNIX_HOST
+        else:
+            transport = httpx.HTTPTransport()
+            base_url = f"http://{_connectable(where[0])}:{where[1]}"
+        self._http = httpx.Client(
+            base_url=base_url,
+            transport=transport,
+            headers={"Authorization": f"Bearer {token}"},
+            timeout=TIMEOUT,
+            trust_env=False,  # a proxy from the environment must not sit in front of loopback
+        )
+
+    @classmethod
+    def from_config(cls, cfg: Config, environ: Mapping[str, str] | None = None) -> Client:
+        """A client of the daemon `cfg` describes, with its token (see `find_token`)."""
+        token, source = find_token(cfg, environ)
+        return cls(cfg.http.listen, token, source)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # --- routes ---------------------------------------------------------------------
+
+    def create_session(self, title: str = "", kind: str = "attached") -> dict[str, Any]:
+        """A new session; the caller becomes its admin."""
+        return self._json("POST", "/v1/sessions", json={"title": title, "kind": kind})
+
+    def list_sessions(self, limit: int = 100) -> list[dict[str, Any]]:
+        """The sessions the caller may read, newest first."""
+        sessions: list[dict[str, Any]] = self._json("GET", "/v1/sessions", params={"limit": limit})[
+            "sessions"
+        ]
+        return sessions
+
+    def get_session(self, session_id: str) -> dict[str, Any]:
+        return self._json("GET", f"/v1/sessions/{session_id}")
+
+    def inject(self, session_id: str, text: str, key: str | None = None) -> int:
+        """Append a user message; returns its seq once it is committed."""
+        headers = {"Idempotency-Key": key} if key is not None else None
+        answer = self._json(
+            "POST", f"/v1/sessions/{session_id}/inject", json={"text": text}, headers=headers
+        )
+        return int(answer["seq"])
+
+    def interrupt(self, session_id: str) -> int | None:
+        """End the turn in flight; the seq of its `turn_ended`, or None if none was running."""
+        answer = self._json("POST", f"/v1/sessions/{session_id}/interrupt")
+        return None if answer["seq"] is None else int(answer["seq"])
+
+    def status(self) -> dict[str, Any]:
+        """Boot, slots, worker restarts, sessions by state, attach streams (admin only)."""
+        return self._json("GET", "/v1/status")
+
+    def grant(self, session_id: str, principal: str, permission: str | None) -> dict[str, str]:
+        """Give `principal` a permission (None revokes); returns the ACL after."""
+        acl: dict[str, str] = self._json(
+            "PUT",
+            f"/v1/sessions/{session_id}/acl",
+            json={"principal": principal, "permission": permission},
+        )["acl"]
+        return acl
+
+    def events(self, session_id: str, after: int = 0, limit: int = 100) -> list[dict[str, Any]]:
+        """Stored events with seq > `after`, oldest first."""
+        events: list[dict[str, Any]] = self._json(
+            "GET", f"/v1/sessions/{session_id}/events", params={"after": after, "limit": limit}
+        )["events"]
+        return events
+
+    def stream(
+        self, session_id: str, after: int = 0, *, deadline: float | None = None
+    ) -> Iterator[dict[str, Any]]:
+        """Events with seq > `after` as they are committed: the stored ones, then live.
+
+        Runs until the caller stops iterating. A stream the daemon ends is resumed with
+        Last-Event-ID, so no event is missed or repeated. `deadline` (time.monotonic())
+        raises ClientTimeout; it is checked on every line, and an idle stream carries a
+        keep-alive comment every 15 s, so it can be passed by up to that much.
+        """
+        last, idle = after, 0
+        while True:
+            delivered = False
+            for event in self._stream_once(session_id, last, deadline):
+                last, delivered = int(event["seq"]), True
+                yield event
+            idle = 0 if delivered else idle + 1
+            if idle >= IDLE_RESUMES:
+                raise ClientError(
+                    f"the daemon at {self.address} keeps ending the attach stream of {session_id}"
+                )
+
+    def _stream_once(
+        self, session_id: str, after: int, deadline: float | None
+    ) -> Iterator[dict[str, Any]]:
+        read = None if deadline is None else max(deadline - time.monotonic(), 0.01)
+        with (
+            _transport_errors(self.address, deadline),
+            self._http.stream(
+                "GET",
+                f"/v1/sessions/{session_id}/attach",
+                headers={"Last-Event-ID": str(after), "Accept": "text/event-stream"},
+                timeout=httpx.Timeout(TIMEOUT, read=read),
+            ) as response,
+        ):
+            if response.status_code >= 400:
+                response.read()
+                raise self._api_error(response)
+            for message in parse_sse(_until(response.iter_lines(), deadline)):
+                yield json.loads(message.data)
+
+    # --- plumbing -------------------------------------------------------------------
+
+    def _json(self, method: str, path: str, **kwargs: Any) -> Any:
+        with _transport_errors(self.address):
+            response = self._http.request(method, path, **kwargs)
+        if response.status_code >= 400:
+            raise self._api_error(response)
+        try:
+            return response.json()
+        except ValueError:
+            raise ClientError(
+                f"the answer from {self.address} is not JSON; "
+                "is a turnkeeper daemon listening there?"
+            ) from None
+
+    def _api_error(self, response: httpx.Response) -> ClientError:
+        status = response.status_code
+        try:
+            error = response.json()["error"]
+            message, code = str(error["message"]), str(error["code"])
+        except (ValueError, KeyError, TypeError):
+            message, code = response.reason_phrase or "error", "http_error"
+        if status == 401:
+            message = f"the daemon refused the token from {self.token_source}"
+        elif status == 503:
+            retry = response.headers.get("Retry-After")
+            when = f"retry after {retry} s (Retry-After)" if retry else "retry shortly"
+            message = f"the daemon at {self.address} is stopping; {when}"
+        return ClientError(f"{message} (HTTP {status})", status, code)
+
+
+@contextlib.contextmanager
+def _transport_errors(address: str, deadline: float | None = None) -> Iterator[None]:
+    """Turn httpx's transport errors into one-line ClientErrors."""
+    try:
+        yield
+    except httpx.ConnectError as exc:
+        reason = _nobody_listens(exc)
+        if reason is not None:
+            raise ClientError(
+                f"the daemon is not running at {address} ({reason}); start it with `turnkeeper run`"
+            ) from None
+        raise ClientError(f"cannot connect to the daemon at {address}: {exc}") from None
+    except httpx.ReadTimeout:
+        if deadline is not None:
+            raise ClientTimeout("the deadline passed") from None
+        raise ClientError(
+            f"the daemon at {address} did not answer within {TIMEOUT:.0f} s"
+        ) from None
+    except httpx.TimeoutException:
+        raise ClientError(
+            f"the daemon at {address} did not answer within {TIMEOUT:.0f} s"
+        ) from None
+    except httpx.TransportError as exc:
+        raise ClientError(f"the connection to the daemon at {address} failed: {exc}") from None
+
+
+def _nobody_listens(exc: BaseException) -> str | None:
+    """Why the connection failed, when that means no daemon listens there; else None."""
+    cause: BaseException | None = exc
+    while cause is not None:
+        if isinstance(cause, OSError):
+            if cause.errno == errno.ENOENT:
+                return "no socket"
+            if cause.errno == errno.ECONNREFUSED:
+                return "connection refused"
+        cause = cause.__cause__ or cause.__context__
+    return None
+
+
+def _until(lines: Iterator[str], deadline: float | None) -> Iterator[str]:
+    for line in lines:
+        if deadline is not None and time.monotonic() >= deadline:
+            raise ClientTimeout("the deadline passed")
+        yield line
+
+
+def _connectable(host: str) -> str:
+    """A host to connect to for a listen address; a wildcard means this host."""
+    if host in ("", "0.0.0.0"):
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    return f"[{host}]" if ":" in host else host
