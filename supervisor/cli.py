@@ -9,7 +9,8 @@ import signal
 import sys
 import time
 from datetime import datetime
-from typing import NoReturn
+from pathlib import Path
+from typing import Any, NoReturn
 
 import click
 
@@ -24,7 +25,7 @@ from supervisor.config import (
     resolve_paths,
 )
 from supervisor.logs import log, setup_logging
-from supervisor.store import BadStoreURL, SessionNotFound, Store, StoreError
+from supervisor.store import BadStoreURL, SessionNotFound, Store, StoreError, sqlite_path
 
 EX_CONFIG = 78
 
@@ -176,6 +177,114 @@ def stop(ctx: click.Context, drain: float | None, timeout: float) -> None:
             fail(f"pid {pid} has not exited after {timeout:g} s")
         time.sleep(0.1)
     click.echo(f"stopped (pid {pid})")
+
+
+@main.command("doctor")
+@click.option(
+    "--unit",
+    type=click.Path(exists=True, dir_okay=False),
+    help="A systemd unit file to check (stop timeout, KillMode).",
+)
+@click.option(
+    "--supervisord",
+    type=click.Path(exists=True, dir_okay=False),
+    help="A supervisord program file to check (stopwaitsecs, stopsignal).",
+)
+@click.pass_context
+def doctor_command(ctx: click.Context, unit: str | None, supervisord: str | None) -> None:
+    """Check what operators get wrong; each check says PASS, WARN or FAIL and how to fix it.
+
+    Exits 0 when nothing fails.
+    """
+    from supervisor import doctor
+
+    try:
+        cfg = load_config(ctx.obj.get("config_path"))
+    except ConfigError as exc:
+        click.echo(f"FAIL  config: {exc}")
+        sys.exit(1)
+    findings = [doctor.Finding(doctor.PASS, "config", "valid")]
+    budget = teardown_budget(cfg)
+    if unit:
+        findings += doctor.check_unit(Path(unit).read_text(), unit, budget)
+    if supervisord:
+        findings += doctor.check_supervisord(Path(supervisord).read_text(), supervisord, budget)
+    paths = resolve_paths(cfg)
+    db_file = sqlite_path(paths.db_url)
+    findings += doctor.check_files(paths.state_dir, db_file)
+    findings += _doctor_database(paths.db_url, cfg.store.synchronous, paths.state_dir)
+    for finding in findings:
+        click.echo(f"{finding.status:4}  {finding.check}: {finding.detail}")
+        if finding.fix and finding.status != doctor.PASS:
+            click.echo(f"      fix: {finding.fix}")
+    sys.exit(doctor.exit_code(findings))
+
+
+def _doctor_database(url: str, synchronous: str, state_dir: Path) -> list[Any]:
+    from supervisor import doctor
+
+    try:
+        store = Store(url, synchronous, migrate=False)
+    except (StoreError, OSError) as exc:
+        return [
+            doctor.Finding(
+                doctor.FAIL,
+                "database",
+                str(exc),
+                "start the daemon once, or run `turnkeeper db migrate`",
+            )
+        ]
+    with store:
+        findings = [
+            doctor.Finding(
+                doctor.PASS, "database", f"{store.backend} reachable, schema {store.schema_version}"
+            )
+        ]
+        if store.backend == "sqlite":
+            mode = store.db.execute_sql("PRAGMA journal_mode").fetchone()[0]
+            level = store.db.execute_sql("PRAGMA synchronous").fetchone()[0]
+            findings += doctor.check_sqlite(str(mode), int(level))
+        counts = store.sessions.counts()
+        quarantined = counts.get("quarantined", 0)
+        findings.append(
+            doctor.Finding(
+                doctor.WARN,
+                "quarantine",
+                f"{quarantined} sessions quarantined",
+                "see `turnkeeper sessions list`; lift with `turnkeeper sessions release ID`",
+            )
+            if quarantined
+            else doctor.Finding(doctor.PASS, "quarantine", "no session quarantined")
+        )
+        stale = [
+            s
+            for s in store.sessions.with_work()
+            if s.active_turn_id and s.owner and (s.lease_expires_at or 0) < store.now()
+        ]
+        running = locks.holder(state_dir / locks.LEADER_LOCK) is not None
+        if stale and running:
+            findings.append(
+                doctor.Finding(
+                    doctor.WARN,
+                    "leases",
+                    f"{len(stale)} turns in flight with a stale lease while the daemon runs",
+                    "check the log for workers that stopped responding",
+                )
+            )
+        else:
+            findings.append(
+                doctor.Finding(
+                    doctor.PASS,
+                    "leases",
+                    f"{len(stale)} stale leases"
+                    + (
+                        ""
+                        if running
+                        else " (the daemon is not running: they are continued at its next start)"
+                    ),
+                )
+            )
+    return findings
 
 
 @main.command("reload")

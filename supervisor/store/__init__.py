@@ -49,6 +49,7 @@ __all__ = [
     "Store",
     "StoreBusy",
     "StoreError",
+    "sqlite_path",
 ]
 
 

@@ -1,0 +1,268 @@
+"""`turnkeeper doctor`: checks of what operators get wrong, each with a verdict and a fix.
+
+Every check is a function returning `Finding`s; reading files and the database happens in
+the caller-supplied inputs, and the parsing and judging below is plain code.
+"""
+
+from __future__ import annotations
+
+import configparser
+import re
+import shutil
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+from supervisor.budget import Budget, check_stop_timeout
+
+PASS, WARN, FAIL = "PASS", "WARN", "FAIL"
+MIN_FREE_BYTES = 512 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One check's verdict: PASS, WARN or FAIL, what was found, and how to fix it."""
+
+    status: str
+    check: str
+    detail: str
+    fix: str = ""
+
+
+_SPAN = re.compile(
+    r"(\d+(?:\.\d+)?)\s*(seconds?|sec|s|minutes?|min|ms|m|hours?|hr|h|us)?(?![a-z])"
+)
+_UNIT_SECONDS = {
+    "us": 1e-6,
+    "ms": 1e-3,
+    "s": 1,
+    "sec": 1,
+    "second": 1,
+    "seconds": 1,
+    "m": 60,
+    "min": 60,
+    "minute": 60,
+    "minutes": 60,
+    "h": 3600,
+    "hr": 3600,
+    "hour": 3600,
+    "hours": 3600,
+}
+
+
+def parse_timespan(text: str) -> float:
+    """A systemd time span ("30", "30s", "1min 30s", "infinity") in seconds."""
+    text = text.strip()
+    if text == "infinity":
+        return float("inf")
+    total, end = 0.0, 0
+    for match in _SPAN.finditer(text):
+        if text[end : match.start()].strip():
+            raise ValueError(f"not a time span: {text!r}")
+        total += float(match[1]) * _UNIT_SECONDS[match[2] or "s"]
+        end = match.end()
+    if end == 0 or text[end:].strip():
+        raise ValueError(f"not a time span: {text!r}")
+    return total
+
+
+def check_unit(text: str, name: str, budget: Budget) -> list[Finding]:
+    """A systemd unit: stop timeout above the budget, KillMode=mixed, Type=notify."""
+    service: dict[str, str] = {}
+    section = ""
+    for raw in text.splitlines():
+        line = raw.strip()
+        if line.startswith("[") and line.endswith("]"):
+            section = line[1:-1]
+        elif section == "Service" and "=" in line and not line.startswith(("#", ";")):
+            key, _, value = line.partition("=")
+            service[key.strip()] = value.strip()
+    findings = []
+    raw_timeout = service.get("TimeoutStopSec", "90")  # systemd's DefaultTimeoutStopSec
+    try:
+        timeout = parse_timespan(raw_timeout)
+    except ValueError:
+        findings.append(
+            Finding(
+                FAIL,
+                "stop timeout",
+                f"{name}: TimeoutStopSec={raw_timeout} is not a time span",
+                "write it as seconds, e.g. 30",
+            )
+        )
+    else:
+        problem = check_stop_timeout(budget, timeout, f"{name}: TimeoutStopSec")
+        findings.append(
+            Finding(FAIL, "stop timeout", problem, "raise TimeoutStopSec")
+            if problem
+            else Finding(
+                PASS,
+                "stop timeout",
+                f"{name}: TimeoutStopSec={raw_timeout} is above the "
+                f"teardown budget of {budget.total:g} s",
+            )
+        )
+    kill_mode = service.get("KillMode", "control-group")
+    if kill_mode == "mixed":
+        findings.append(Finding(PASS, "KillMode", f"{name}: KillMode=mixed"))
+    else:
+        findings.append(
+            Finding(
+                FAIL,
+                "KillMode",
+                f"{name}: KillMode={kill_mode}: systemd signals every process "
+                "of the service at once, so workers and MCP servers die before turnkeeper can "
+                "stop them in order",
+                "set KillMode=mixed",
+            )
+        )
+    if service.get("Type") != "notify":
+        findings.append(
+            Finding(
+                WARN,
+                "Type",
+                f"{name}: Type={service.get('Type', 'simple')}: systemd will not wait for READY=1",
+                "set Type=notify",
+            )
+        )
+    return findings
+
+
+def check_supervisord(text: str, name: str, budget: Budget) -> list[Finding]:
+    """A supervisord program section: stopwaitsecs above the budget, stopsignal TERM."""
+    parser = configparser.ConfigParser(interpolation=None, strict=False)
+    parser.read_string(text)
+    programs = [s for s in parser.sections() if s.startswith("program:")]
+    if not programs:
+        return [
+            Finding(
+                FAIL,
+                "supervisord",
+                f"{name}: no [program:...] section",
+                "point --supervisord at turnkeeper's program file",
+            )
+        ]
+    findings = []
+    for program in programs:
+        section = parser[program]
+        raw = section.get("stopwaitsecs", "10")  # supervisord's default
+        try:
+            wait = float(raw)
+        except ValueError:
+            findings.append(
+                Finding(
+                    FAIL,
+                    "stop timeout",
+                    f"{name} [{program}]: stopwaitsecs={raw} is not a number",
+                    "write it as seconds, e.g. 30",
+                )
+            )
+        else:
+            problem = check_stop_timeout(budget, wait, f"{name} [{program}]: stopwaitsecs")
+            findings.append(
+                Finding(FAIL, "stop timeout", problem, "raise stopwaitsecs")
+                if problem
+                else Finding(
+                    PASS,
+                    "stop timeout",
+                    f"{name} [{program}]: stopwaitsecs={raw} is above "
+                    f"the teardown budget of {budget.total:g} s",
+                )
+            )
+        signal_name = section.get("stopsignal", "TERM").upper().removeprefix("SIG")
+        if signal_name != "TERM":
+            findings.append(
+                Finding(
+                    FAIL,
+                    "stopsignal",
+                    f"{name} [{program}]: stopsignal={signal_name}",
+                    "set stopsignal=TERM",
+                )
+            )
+        if section.getboolean("killasgroup", False) or section.getboolean("stopasgroup", False):
+            findings.append(
+                Finding(
+                    WARN,
+                    "process group",
+                    f"{name} [{program}]: "
+                    "stopasgroup/killasgroup signal turnkeeper's workers directly",
+                    "set both to false: turnkeeper stops its own tree",
+                )
+            )
+    return findings
+
+
+def check_files(state_dir: Path, db_path: Path | None) -> list[Finding]:
+    """State directory 0700, database 0600, free disk space."""
+    findings = []
+    for path, wanted in ((state_dir, 0o700), *(((db_path, 0o600),) if db_path else ())):
+        try:
+            mode = stat.S_IMODE(path.stat().st_mode)
+        except FileNotFoundError:
+            findings.append(
+                Finding(
+                    WARN,
+                    "file modes",
+                    f"{path} does not exist yet",
+                    "start the daemon or run `turnkeeper db migrate`",
+                )
+            )
+            continue
+        if mode & 0o077:
+            findings.append(
+                Finding(
+                    FAIL,
+                    "file modes",
+                    f"{path} is {mode:04o}: others can read it",
+                    f"chmod {wanted:04o} {path}",
+                )
+            )
+        else:
+            findings.append(Finding(PASS, "file modes", f"{path} is {mode:04o}"))
+    if state_dir.exists():
+        free = shutil.disk_usage(state_dir).free
+        verdict = PASS if free >= MIN_FREE_BYTES else WARN
+        findings.append(
+            Finding(
+                verdict,
+                "disk space",
+                f"{free // 2**20} MiB free in {state_dir}",
+                "" if verdict == PASS else "free disk space: a full disk stops every commit",
+            )
+        )
+    return findings
+
+
+def check_sqlite(journal_mode: str, synchronous: int) -> list[Finding]:
+    """The durability settings SQLite actually runs with."""
+    findings = [
+        Finding(PASS, "journal mode", "WAL")
+        if journal_mode.lower() == "wal"
+        else Finding(
+            FAIL,
+            "journal mode",
+            f"journal_mode={journal_mode}",
+            "let the daemon open it (it sets WAL), or run `turnkeeper db migrate`",
+        ),
+    ]
+    names = {0: "OFF", 1: "NORMAL", 2: "FULL", 3: "EXTRA"}
+    level = names.get(synchronous, str(synchronous))
+    if synchronous >= 2:
+        findings.append(Finding(PASS, "synchronous", level))
+    elif synchronous == 1:
+        findings.append(
+            Finding(
+                WARN,
+                "synchronous",
+                "NORMAL: survives process crashes, not a power loss",
+                'set store.synchronous = "full" unless you mean it',
+            )
+        )
+    else:
+        findings.append(Finding(FAIL, "synchronous", level, 'set store.synchronous = "full"'))
+    return findings
+
+
+def exit_code(findings: list[Finding]) -> int:
+    """0 unless something failed."""
+    return 1 if any(f.status == FAIL for f in findings) else 0

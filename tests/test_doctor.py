@@ -1,0 +1,139 @@
+"""`turnkeeper doctor` and the teardown budget: pure checks, and the command as run."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from supervisor.budget import teardown_budget
+from supervisor.config import Config
+from supervisor.doctor import (
+    FAIL,
+    PASS,
+    WARN,
+    check_sqlite,
+    check_supervisord,
+    check_unit,
+    parse_timespan,
+)
+from tests.conftest import PYTHON, REPO, python_env
+
+UNIT = (REPO / "systemd" / "turnkeeper.service").read_text()
+SUPERVISORD = (REPO / "etc" / "supervisord" / "turnkeeper.conf").read_text()
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [
+        ("30", 30),
+        ("30s", 30),
+        ("1min 30s", 90),
+        ("2m", 120),
+        ("500ms", 0.5),
+        ("1h", 3600),
+        ("infinity", float("inf")),
+    ],
+)
+def test_timespans(text: str, seconds: float) -> None:
+    assert parse_timespan(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["", "soon", "30 parsecs", "s30"])
+def test_bad_timespans(text: str) -> None:
+    with pytest.raises(ValueError):
+        parse_timespan(text)
+
+
+def test_the_budget_adds_up_the_caps() -> None:
+    budget = teardown_budget(Config())
+    assert budget.total == 5 + 3 + 2
+    assert teardown_budget(Config(), drain=20).total == budget.total + 20
+
+
+def verdicts(findings: list) -> dict[str, str]:  # type: ignore[type-arg]
+    return {f.check: f.status for f in findings}
+
+
+def test_the_shipped_unit_and_supervisord_file_pass() -> None:
+    budget = teardown_budget(Config())
+    assert set(verdicts(check_unit(UNIT, "unit", budget)).values()) == {PASS}
+    assert set(verdicts(check_supervisord(SUPERVISORD, "conf", budget)).values()) == {PASS}
+
+
+def test_a_short_stop_timeout_and_the_wrong_kill_mode_fail() -> None:
+    bad = UNIT.replace("TimeoutStopSec=30", "TimeoutStopSec=10").replace(
+        "KillMode=mixed", "KillMode=control-group"
+    )
+    found = verdicts(check_unit(bad, "unit", teardown_budget(Config())))
+    assert found["stop timeout"] == FAIL and found["KillMode"] == FAIL
+
+
+def test_a_unit_without_timeout_uses_systemds_default() -> None:
+    unit = UNIT.replace("TimeoutStopSec=30\n", "")
+    assert verdicts(check_unit(unit, "u", teardown_budget(Config())))["stop timeout"] == PASS
+    drained = teardown_budget(Config(), drain=100)
+    assert verdicts(check_unit(unit, "u", drained))["stop timeout"] == FAIL
+
+
+def test_supervisord_checks() -> None:
+    budget = teardown_budget(Config())
+    short = SUPERVISORD.replace("stopwaitsecs=30", "stopwaitsecs=5")
+    assert verdicts(check_supervisord(short, "c", budget))["stop timeout"] == FAIL
+    default = SUPERVISORD.replace("stopwaitsecs=30\n", "")  # supervisord's default is 10
+    assert verdicts(check_supervisord(default, "c", budget))["stop timeout"] == FAIL
+    kill = SUPERVISORD.replace("stopsignal=TERM", "stopsignal=KILL")
+    assert verdicts(check_supervisord(kill, "c", budget))["stopsignal"] == FAIL
+    group = SUPERVISORD.replace("killasgroup=false", "killasgroup=true")
+    assert verdicts(check_supervisord(group, "c", budget))["process group"] == WARN
+    assert verdicts(check_supervisord("[x]\na=1\n", "c", budget))["supervisord"] == FAIL
+
+
+def test_sqlite_durability_verdicts() -> None:
+    assert verdicts(check_sqlite("wal", 2)) == {"journal mode": PASS, "synchronous": PASS}
+    assert verdicts(check_sqlite("wal", 1))["synchronous"] == WARN
+    assert verdicts(check_sqlite("delete", 0)) == {"journal mode": FAIL, "synchronous": FAIL}
+
+
+def doctor(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [PYTHON, "-m", "supervisor", "doctor", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env=python_env(TURNKEEPER_DAEMON__STATE_DIR=str(tmp_path / "state"), TURNKEEPER_CONFIG=""),
+        timeout=60,
+    )
+
+
+def test_doctor_passes_the_shipped_files_on_a_migrated_state_dir(tmp_path: Path) -> None:
+    subprocess.run(
+        [PYTHON, "-m", "supervisor", "db", "migrate"],
+        cwd=REPO,
+        check=True,
+        env=python_env(TURNKEEPER_DAEMON__STATE_DIR=str(tmp_path / "state"), TURNKEEPER_CONFIG=""),
+        capture_output=True,
+    )
+    result = doctor(
+        tmp_path,
+        "--unit",
+        str(REPO / "systemd" / "turnkeeper.service"),
+        "--supervisord",
+        str(REPO / "etc" / "supervisord" / "turnkeeper.conf"),
+    )
+    assert result.returncode == 0, result.stdout
+    assert "FAIL" not in result.stdout and "KillMode=mixed" in result.stdout
+
+
+def test_doctor_flags_a_bad_unit_and_exits_1(tmp_path: Path) -> None:
+    unit = tmp_path / "bad.service"
+    unit.write_text(
+        UNIT.replace("TimeoutStopSec=30", "TimeoutStopSec=10").replace(
+            "KillMode=mixed", "KillMode=control-group"
+        )
+    )
+    result = doctor(tmp_path, "--unit", str(unit))
+    assert result.returncode == 1
+    assert "FAIL  stop timeout" in result.stdout and "FAIL  KillMode" in result.stdout
+    assert "fix: set KillMode=mixed" in result.stdout
