@@ -1,8 +1,9 @@
 """Commands that talk to the running daemon over its HTTP API: new, send, attach,
 interrupt, status and grant.
 
-`supervisor.cli` registers them with `register(main)`; what they use from it is imported
-inside the functions, so neither module needs the other to be imported first.
+`supervisor.cli` registers them with `register(main)`. What they use from it is imported
+inside the functions, so neither module needs the other to be imported first; so is the
+client, so that httpx does not slow down every other command.
 """
 
 from __future__ import annotations
@@ -10,11 +11,12 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable
-from typing import Any, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 import click
 
-from supervisor.client import Client, ClientError, ClientTimeout
+if TYPE_CHECKING:
+    from supervisor.client import Client
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -33,6 +35,8 @@ def reports_errors(command: Callable[P, R]) -> Callable[P, R]:
 
     @functools.wraps(command)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        from supervisor.client import ClientError
+
         try:
             return command(*args, **kwargs)
         except ClientError as exc:
@@ -46,6 +50,7 @@ def reports_errors(command: Callable[P, R]) -> Callable[P, R]:
 def connect(ctx: click.Context) -> Client:
     """A client of the configured daemon."""
     from supervisor.cli import load
+    from supervisor.client import Client
 
     return Client.from_config(load(ctx))
 
@@ -96,6 +101,8 @@ def print_reply(client: Client, session_id: str, after: int, deadline: float) ->
 
     Events of a turn already in flight (which did not read the message) are skipped.
     """
+    from supervisor.client import ClientTimeout
+
     turn: str | None = None
     try:
         for event in client.stream(session_id, after, deadline=deadline):

@@ -33,6 +33,7 @@ from supervisor.auth import (
 from supervisor.config import Config, make_private_dir, parse_listen, resolve_paths
 from supervisor.logs import log
 from supervisor.metrics import Metrics
+from supervisor.notify import Notifier
 from supervisor.pool import Pool
 from supervisor.reaper import become_subreaper, sweep
 from supervisor.store import Store
@@ -71,6 +72,7 @@ class Daemon:
         self.paths = resolve_paths(config)
         self.host = socket.gethostname()
         self.api: Api | None = None
+        self.notifier = Notifier.from_environ()  # before any child is started
         self.stop_started = time.monotonic()
         self.drain_budget = config.shutdown.drain_budget
         self.step_seconds: dict[str, float] = {}
@@ -117,6 +119,8 @@ class Daemon:
                 log("daemon").warning("stopped during start-up")
             else:
                 self.api.ready = True
+                self.notifier.ready(self._summary(pool))
+                watchdog = asyncio.create_task(self._watchdog(pool))
                 log("daemon").info(
                     "ready: boot {} pid {}, {} workers + {} spare, database {}, listening on {}",
                     boot_id,
@@ -127,6 +131,7 @@ class Daemon:
                     self.config.http.listen,
                 )
                 await self._serve(pool)
+                watchdog.cancel()
         except BaseException:
             with contextlib.suppress(Exception):
                 if http is not None:
@@ -158,6 +163,7 @@ class Daemon:
         cfg = self.config
         budget = self.drain_budget
         if budget > 0:
+            self.notifier.extend_timeout(budget + 30)
             await self._step("drain", budget, self._drain(pool, budget))
         await self._step("http listener", cfg.attach.shutdown_timeout + 1.0, http.cleanup())
         await self._step(
@@ -225,6 +231,23 @@ class Daemon:
             where.chmod(0o600)
         return runner
 
+    async def _watchdog(self, pool: Pool) -> None:
+        """WATCHDOG=1 from the event loop itself (a hung loop stops pinging) and STATUS=."""
+        interval = self.notifier.watchdog_interval or 10.0
+        while True:
+            self.notifier.send(WATCHDOG=1, STATUS=self._summary(pool))
+            await asyncio.sleep(interval)
+
+    @staticmethod
+    def _summary(pool: Pool) -> str:
+        status = pool.status()
+        ready = sum(1 for s in status["slots"] if s["ready"])
+        turns = sum(s["turns"] for s in status["slots"])
+        return (
+            f"{ready}/{len(status['slots'])} workers ready, {len(pool.assigned)} sessions, "
+            f"{turns} turns running, {status['restarts']} restarts"
+        )
+
     def _requested_drain(self) -> float:
         """The drain budget: `turnkeeper stop --drain` leaves one in the runtime dir."""
         request = self.paths.runtime_dir / STOP_REQUEST
@@ -286,6 +309,7 @@ class Daemon:
             return
         self.stop_started = time.monotonic()
         log("shutdown").info("received {}", signal.Signals(signum).name)
+        self.notifier.stopping(f"stopping on {signal.Signals(signum).name}")
         self.drain_budget = self._requested_drain()
         if self.api is not None:
             self.api.stopping = True  # intake refuses from this moment

@@ -29,9 +29,7 @@ class Finding:
     fix: str = ""
 
 
-_SPAN = re.compile(
-    r"(\d+(?:\.\d+)?)\s*(seconds?|sec|s|minutes?|min|ms|m|hours?|hr|h|us)?(?![a-z])"
-)
+_SPAN = re.compile(r"(\d+(?:\.\d+)?)\s*(seconds?|sec|s|minutes?|min|ms|m|hours?|hr|h|us)?(?![a-z])")
 _UNIT_SECONDS = {
     "us": 1e-6,
     "ms": 1e-3,

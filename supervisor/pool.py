@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import multiprocess
+import multiprocess.resource_tracker
 import psutil
 import zmq
 import zmq.asyncio
@@ -149,8 +150,10 @@ class Pool:
         for worker in self.workers.values():
             worker.stop_requested = True
         groups = await asyncio.to_thread(self._recorded_groups)
-        procs = descendants(os.getpid(), groups)
+        tracker = _resource_tracker()
+        procs = [p for p in descendants(os.getpid(), groups) if p.pid != tracker]
         report = await asyncio.to_thread(terminate, procs, grace)
+        await asyncio.to_thread(_stop_resource_tracker)
         for worker in list(self.workers.values()):
             worker.process.join(timeout=0)
         self.log.info(
@@ -520,6 +523,21 @@ class Pool:
             if old.alive:
                 self._signal(old, signal.SIGKILL)
         self.log.info("rolling restart done")
+
+
+def _resource_tracker() -> int | None:
+    """The pid of multiprocess's resource tracker, a helper process that spawn starts."""
+    tracker = getattr(multiprocess.resource_tracker, "_resource_tracker", None)
+    pid = getattr(tracker, "_pid", None)
+    return pid if isinstance(pid, int) else None
+
+
+def _stop_resource_tracker() -> None:
+    # It ignores SIGTERM by design and exits when every holder of its pipe (we and the
+    # workers) has closed it; with the workers gone, closing ours ends it, and _stop reaps it.
+    tracker = getattr(multiprocess.resource_tracker, "_resource_tracker", None)
+    with contextlib.suppress(Exception):
+        tracker._stop()  # type: ignore[union-attr]
 
 
 def _describe_exit(code: int | None) -> str:

@@ -56,6 +56,7 @@ class Daemon:
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_path = root / "daemon.log"
         self.runs = 0
+        self.env: dict[str, str] = {}  # extra environment for the daemon process
 
     def start(self, wait: bool = True) -> Daemon:
         self.runs += 1
@@ -65,7 +66,7 @@ class Daemon:
         self.proc = subprocess.Popen(
             [PYTHON, "-m", "supervisor", "--config", str(self.config_path), "run"],
             cwd=REPO,
-            env=python_env(),
+            env=python_env(**self.env),
             stdout=log,
             stderr=log,
         )
