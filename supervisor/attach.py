@@ -113,6 +113,8 @@ async def stream(
             try:
                 event = await asyncio.wait_for(sub.queue.get(), IDLE_CHECK)
             except TimeoutError:
+                if request.transport is None or request.transport.is_closing():
+                    break  # the client left; do not wait for a failed write to notice
                 sent = await _replay(response, session_id, last, read)
                 if sent != last:
                     last, quiet_since = sent, time.monotonic()

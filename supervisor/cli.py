@@ -351,64 +351,6 @@ def sessions_list(ctx: click.Context, limit: int) -> None:
     )
 
 
-@sessions_group.command("new")
-@click.option("--title", default="", help="A title to recognise the session by.")
-@click.option(
-    "--kind",
-    default="attached",
-    show_default=True,
-    type=click.Choice(["attached", "channel", "autonomous", "subagent"]),
-)
-@click.option("--principal", default="admin", show_default=True, help="Who owns it.")
-@click.pass_context
-def sessions_new(ctx: click.Context, title: str, kind: str, principal: str) -> None:
-    """Create a session in the database; prints its id."""
-    with open_store(ctx, migrate=False) as store:
-        click.echo(store.sessions.create(principal, kind=kind, title=title).id)
-
-
-@sessions_group.command("inject")
-@click.argument("session_id")
-@click.argument("text")
-@click.option("--key", default=None, help="Idempotency key: the same key appends only once.")
-@click.option("--wait", is_flag=True, help="Wait for the reply and print it.")
-@click.option("--timeout", default=120.0, show_default=True, help="Seconds to wait, with --wait.")
-@click.pass_context
-def sessions_inject(
-    ctx: click.Context, session_id: str, text: str, key: str | None, wait: bool, timeout: float
-) -> None:
-    """Append a user message (committed before this returns); the daemon picks it up."""
-    with open_store(ctx, migrate=False) as store:
-        try:
-            seq = store.events.append(
-                session_id, "user_message", {"text": text}, writer="cli", idempotency_key=key
-            )
-        except SessionNotFound as exc:
-            fail(str(exc))
-        click.echo(f"committed as seq {seq}", err=True)
-        if wait and not wait_for_reply(store, session_id, seq, timeout):
-            fail(f"no reply within {timeout:.0f} s; is the daemon running?")
-
-
-def wait_for_reply(store: Store, session_id: str, after: int, timeout: float) -> bool:
-    """Print the turn's answers after `after` until a turn ends; False on timeout."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for event in store.events.read(session_id, after=after):
-            after = event.seq
-            if event.type == "model_response" and event.payload.get("text"):
-                click.echo(event.payload["text"])
-            elif event.type == "notice":
-                click.echo(f"[notice] {event.payload.get('text', '')}")
-            elif event.type == "turn_ended":
-                outcome = event.payload.get("outcome")
-                if outcome != "completed":
-                    click.echo(f"[turn {outcome}] {event.payload.get('error', '')}".rstrip())
-                return True
-        time.sleep(0.1)
-    return False
-
-
 @sessions_group.command("release")
 @click.argument("session_id")
 @click.pass_context
@@ -489,3 +431,12 @@ def boots(ctx: click.Context, limit: int) -> None:
             ],
         )
     )
+
+
+def _register_client_commands() -> None:
+    from supervisor.client_commands import register
+
+    register(main)
+
+
+_register_client_commands()

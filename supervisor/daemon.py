@@ -166,6 +166,9 @@ class Daemon:
             self.notifier.extend_timeout(budget + 30)
             await self._step("drain", budget, self._drain(pool, budget))
         await self._step("http listener", cfg.attach.shutdown_timeout + 1.0, http.cleanup())
+        where = parse_listen(cfg.http.listen)
+        if isinstance(where, Path):
+            where.unlink(missing_ok=True)
         await self._step(
             "descendants", cfg.shutdown.kill_grace + REAP_BOUND, pool.stop(cfg.shutdown.kill_grace)
         )
