@@ -1,0 +1,337 @@
+"""Auto-continue: what recovery does with a session's turn, decided from looked-up facts.
+
+Pure code: no database, no clock, no logging. The caller looks the facts up (the session
+row, its lease, the tail of its event log), passes them in with the time and the
+breaker's state, carries out the `Decision` it gets back and logs its reason.
+
+Rules
+-----
+- Interrupted is a lookup, not a guess from the history: the session has a turn in flight
+  (`active_turn_id`, no `turn_ended` for it) and its owner's lease is not live. A live
+  lease of another host is that host's turn; a live lease of ours is a turn still running.
+  The tail class decides only how to go on.
+- Attempts: at most `MAX_ATTEMPTS` (3) continuation attempts per interrupted turn: the
+  first at once, the second 5 s after the first started, the third 30 s after the second
+  (`ATTEMPT_DELAYS`). `attempts` counts the continuation attempts already charged for the
+  turn; the turn's own first run is not one of them. The caller charges an attempt in
+  the database before it starts; the store clears the charge when the turn ends. When
+  the third has failed, the user gets a notice asking to resend and the session is
+  quarantined: never left silent.
+- Only CONTINUE charges an attempt. Everything else is free, in particular what did not
+  really try: another host's lease, not interrupted, still running, a queued user message.
+- Freshness: an interruption is fresh while `now - interrupted_at <= freshness`; exactly
+  `freshness` seconds old is still continued, anything older is finalized with a notice.
+- The breaker stops only unattended triggers (BOOT_SCAN, RETRY_TIMER, AUTONOMOUS_RESUME):
+  they SKIP (`suppressed`) wherever they would have acted. A user's message and the first
+  touch of a session still run, bounded by the attempts.
+- `auto_continue = false`: recovery leaves interrupted turns alone, except that a queued
+  user message still drives the next turn and spent attempts still quarantine.
+
+Decisions: the first row that matches wins.
+
+| #  | when                                                    | decision                   |
+|----|---------------------------------------------------------|----------------------------|
+| 1  | session not open (quarantined, closed)                  | SKIP                       |
+| 2  | no turn in flight                                       | SKIP (not interrupted)     |
+| 3  | a `turn_ended` of this turn is committed                | SKIP (already ended)       |
+| 4  | lease live, held by another host                        | SKIP (that host's turn)    |
+| 5  | lease live                                              | SKIP (still running)       |
+| 6  | tail OPERATOR_INTERRUPT or ENDED_IN_ERROR               | SKIP (terminal)            |
+| 7  | breaker tripped, unattended trigger                     | SKIP (suppressed)          |
+| 8  | attempts >= MAX_ATTEMPTS                                | NOTICE_RESEND + quarantine |
+| 9  | a user message is queued after the turn                 | DRIVE_WITH_QUEUED_MESSAGE  |
+| 10 | auto_continue off                                       | SKIP                       |
+| 11 | tail AWAITING_CONFIRMATION or LAST_IS_CONTINUATION_NOTE | NOTICE_RESEND (unsafe)     |
+| 12 | now - interrupted_at > freshness                        | FINALIZE_STALE             |
+| 13 | attempts > 0 and the next attempt is not due            | CONTINUE_AT(due)           |
+| 14 | a continuable tail                                      | CONTINUE (charged)         |
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, NamedTuple, Protocol
+
+# The attempt schedule: delay before continuation attempt n+1, from the start of attempt n.
+ATTEMPT_DELAYS: tuple[float, ...] = (0.0, 5.0, 30.0)
+MAX_ATTEMPTS = len(ATTEMPT_DELAYS)
+
+
+class TailClass(Enum):
+    """How the tail of an interrupted turn stands; decides how, or whether, to go on."""
+
+    # Continued:
+    UNANSWERED_USER_MESSAGE = "unanswered_user_message"  # no model call answered it yet
+    TOOL_RESULT_NOT_CONSUMED = "tool_result_not_consumed"  # the model has not seen it yet
+    TOOL_CALL_WITHOUT_RESULT = "tool_call_without_result"  # repaired first, then continued
+    CUT_BY_MAX_TOKENS = "cut_by_max_tokens"  # the model's output stopped at its token limit
+    ANSWERED = "answered"  # the final answer is committed; only `turn_ended` is missing
+    # Never continued; the user is asked to resend:
+    AWAITING_CONFIRMATION = "awaiting_confirmation"  # going on would answer for the user
+    LAST_IS_CONTINUATION_NOTE = "last_is_continuation_note"  # a note would follow a note
+    # Never continued; nothing to say:
+    OPERATOR_INTERRUPT = "operator_interrupt"  # `POST /interrupt` ended it
+    ENDED_IN_ERROR = "ended_in_error"  # the turn ended in an error
+
+    @property
+    def continuable(self) -> bool:
+        """True for a tail that a continuation may go on from."""
+        return self in CONTINUABLE_TAILS
+
+
+CONTINUABLE_TAILS = frozenset(
+    {
+        TailClass.UNANSWERED_USER_MESSAGE,
+        TailClass.TOOL_RESULT_NOT_CONSUMED,
+        TailClass.TOOL_CALL_WITHOUT_RESULT,
+        TailClass.CUT_BY_MAX_TOKENS,
+        TailClass.ANSWERED,
+    }
+)
+UNSAFE_TAILS = frozenset({TailClass.AWAITING_CONFIRMATION, TailClass.LAST_IS_CONTINUATION_NOTE})
+ENDED_TAILS = frozenset({TailClass.OPERATOR_INTERRUPT, TailClass.ENDED_IN_ERROR})
+TERMINAL_TAILS = UNSAFE_TAILS | ENDED_TAILS
+
+
+class Trigger(Enum):
+    """What asked recovery to look at a session."""
+
+    FIRST_TOUCH = "first_touch"  # a request touched the session (lazy resume)
+    USER_MESSAGE = "user_message"  # the user sent the session a message
+    BOOT_SCAN = "boot_scan"  # the bounded scan for sessions nobody touches
+    RETRY_TIMER = "retry_timer"  # the periodic pass for attempts that failed transiently
+    AUTONOMOUS_RESUME = "autonomous_resume"  # an autonomous run resuming by itself
+
+    @property
+    def unattended(self) -> bool:
+        """True when no user is waiting: work that the breaker suppresses."""
+        return self in UNATTENDED
+
+
+UNATTENDED = frozenset({Trigger.BOOT_SCAN, Trigger.RETRY_TIMER, Trigger.AUTONOMOUS_RESUME})
+
+
+class Action(Enum):
+    """What the caller does with the session."""
+
+    CONTINUE = "continue"  # charge an attempt, write a continuation note with the cause, run
+    CONTINUE_AT = "continue_at"  # the next attempt is not due yet; look again at `at`
+    DRIVE_WITH_QUEUED_MESSAGE = "drive_with_queued_message"  # that message runs the next turn
+    FINALIZE_STALE = "finalize_stale"  # too old to continue: end the turn with a notice
+    NOTICE_RESEND = "notice_resend"  # end the turn, ask the user to resend, mark the session
+    SKIP = "skip"  # nothing to do
+
+
+@dataclass(frozen=True)
+class Interruption:
+    """The facts about one session's turn that recovery decides from."""
+
+    active_turn_id: str | None  # the turn in flight by the session row; None: none
+    tail: TailClass  # the classified tail; looked at only once the turn is interrupted
+    interrupted_at: float  # when the turn's last event was committed
+    status: str = "open"  # the session's status: "open", "quarantined", "closed"
+    lease_live: bool = False  # the session's lease has not expired
+    lease_other_host: bool = False  # the lease is held by another turnkeeper host
+    ended_outcome: str | None = None  # outcome of a `turn_ended` of this turn, if committed
+    queued_user_message: bool = False  # a user message was committed after the turn began
+    attempts: int = 0  # continuation attempts already charged for this turn
+    last_attempt_at: float | None = None  # when the latest of those started
+    cause: str = "daemon_restart"  # why it stopped, for the note: worker_crash, max_tokens, ...
+
+    def __post_init__(self) -> None:
+        if self.attempts < 0:
+            raise ValueError(f"attempts cannot be negative: {self.attempts}")
+
+
+class RecoverySettings(Protocol):
+    """The settings `decide` reads; `supervisor.config.RecoveryConfig` is one."""
+
+    @property
+    def auto_continue(self) -> bool:
+        """Whether interrupted turns are continued at all."""
+
+    @property
+    def freshness(self) -> float:
+        """Seconds after which an interruption is finalized instead of continued."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What to do with one session, and why (the reason is for the log)."""
+
+    action: Action
+    reason: str
+    at: float | None = None  # CONTINUE_AT: when the next attempt is due
+    quarantine: bool = False  # NOTICE_RESEND after the last attempt failed
+    suppressed: bool = False  # SKIP because the breaker is tripped; log it once
+    cause: str | None = None  # CONTINUE: the cause the continuation note tells
+    attempt: int | None = None  # CONTINUE: which attempt this is, 1 to MAX_ATTEMPTS
+
+    @property
+    def charged(self) -> bool:
+        """True when the caller must charge a turn attempt before acting."""
+        return self.action is Action.CONTINUE
+
+
+def next_attempt_at(attempts: int, since: float) -> float | None:
+    """When attempt `attempts + 1` may start, given the previous one started at `since`.
+
+    None when all attempts are spent.
+    """
+    if attempts < 0:
+        raise ValueError(f"attempts cannot be negative: {attempts}")
+    if attempts >= MAX_ATTEMPTS:
+        return None
+    return since + ATTEMPT_DELAYS[attempts]
+
+
+@dataclass(frozen=True)
+class _Case:
+    facts: Interruption
+    trigger: Trigger
+    now: float
+    breaker_tripped: bool
+    settings: RecoverySettings
+
+    @property
+    def age(self) -> float:
+        return self.now - self.facts.interrupted_at
+
+    @property
+    def due_at(self) -> float | None:
+        # Without a recorded start, the last committed event stands in for it.
+        since = self.facts.last_attempt_at
+        return next_attempt_at(
+            self.facts.attempts, self.facts.interrupted_at if since is None else since
+        )
+
+    def not_due(self) -> bool:
+        due = self.due_at
+        return self.facts.attempts > 0 and due is not None and self.now < due
+
+    def fields(self) -> dict[str, Any]:
+        f = self.facts
+        due = self.due_at
+        return {
+            "status": f.status,
+            "outcome": f.ended_outcome,
+            "tail": f.tail.value,
+            "trigger": self.trigger.value,
+            "attempts": f.attempts,
+            "attempt": f.attempts + 1,
+            "max": MAX_ATTEMPTS,
+            "age": self.age,
+            "freshness": self.settings.freshness,
+            "due_in": 0.0 if due is None else due - self.now,
+            "cause": f.cause,
+        }
+
+
+class _Rule(NamedTuple):
+    when: Callable[[_Case], bool]
+    action: Action
+    reason: str  # formatted with `_Case.fields()`
+    quarantine: bool = False
+    suppressed: bool = False
+
+
+_RULES: tuple[_Rule, ...] = (
+    _Rule(lambda c: c.facts.status != "open", Action.SKIP, "session is {status}"),
+    _Rule(
+        lambda c: c.facts.active_turn_id is None, Action.SKIP, "not interrupted: no turn in flight"
+    ),
+    _Rule(
+        lambda c: c.facts.ended_outcome is not None, Action.SKIP, "turn already ended ({outcome})"
+    ),
+    _Rule(
+        lambda c: c.facts.lease_live and c.facts.lease_other_host,
+        Action.SKIP,
+        "leased by another host",
+    ),
+    _Rule(lambda c: c.facts.lease_live, Action.SKIP, "turn still running: its lease is live"),
+    _Rule(
+        lambda c: c.facts.tail in ENDED_TAILS,
+        Action.SKIP,
+        "terminal tail ({tail}): never continued",
+    ),
+    _Rule(
+        lambda c: c.breaker_tripped and c.trigger.unattended,
+        Action.SKIP,
+        "breaker tripped: {trigger} suppressed",
+        suppressed=True,
+    ),
+    _Rule(
+        lambda c: c.facts.attempts >= MAX_ATTEMPTS,
+        Action.NOTICE_RESEND,
+        "{attempts} attempts failed: asking the user to resend, quarantining",
+        quarantine=True,
+    ),
+    _Rule(
+        lambda c: c.facts.queued_user_message,
+        Action.DRIVE_WITH_QUEUED_MESSAGE,
+        "a queued user message drives the next turn",
+    ),
+    _Rule(lambda c: not c.settings.auto_continue, Action.SKIP, "auto_continue is off"),
+    _Rule(
+        lambda c: c.facts.tail in UNSAFE_TAILS,
+        Action.NOTICE_RESEND,
+        "unsafe tail ({tail}): asking the user to resend",
+    ),
+    _Rule(
+        lambda c: c.age > c.settings.freshness,
+        Action.FINALIZE_STALE,
+        "interrupted {age:.0f} s ago, older than freshness {freshness:g} s",
+    ),
+    _Rule(_Case.not_due, Action.CONTINUE_AT, "attempt {attempt} of {max} is due in {due_in:.1f} s"),
+    _Rule(
+        lambda c: c.facts.tail in CONTINUABLE_TAILS,
+        Action.CONTINUE,
+        "continuing ({tail}, {cause}): attempt {attempt} of {max}",
+    ),
+)
+
+
+def decide(
+    facts: Interruption,
+    trigger: Trigger,
+    now: float,
+    breaker_tripped: bool,
+    settings: RecoverySettings,
+) -> Decision:
+    """What recovery does with this session now: the first matching row of the table."""
+    case = _Case(facts, trigger, now, breaker_tripped, settings)
+    for rule in _RULES:
+        if not rule.when(case):
+            continue
+        return Decision(
+            action=rule.action,
+            reason=rule.reason.format(**case.fields()),
+            at=case.due_at if rule.action is Action.CONTINUE_AT else None,
+            quarantine=rule.quarantine,
+            suppressed=rule.suppressed,
+            cause=facts.cause if rule.action is Action.CONTINUE else None,
+            attempt=facts.attempts + 1 if rule.action is Action.CONTINUE else None,
+        )
+    raise AssertionError(f"no recovery rule matched {facts}")  # every tail class has a row
+
+
+def boot_scan_plan(candidates: Iterable[tuple[str, float]], max_per_boot: int) -> list[str]:
+    """The sessions the boot scan continues: oldest interruption first, at most `max_per_boot`.
+
+    `candidates` are (session_id, interrupted_at) of the sessions the scan would continue.
+    The caller writes the plan to the boot row's `attempted` list before starting any; if
+    that write fails, the scan does not run.
+    """
+    if max_per_boot < 0:
+        raise ValueError(f"max_per_boot cannot be negative: {max_per_boot}")
+    plan: list[str] = []
+    seen: set[str] = set()
+    for session_id, _ in sorted(candidates, key=lambda c: (c[1], c[0])):
+        if len(plan) >= max_per_boot:
+            break
+        if session_id not in seen:
+            seen.add(session_id)
+            plan.append(session_id)
+    return plan
