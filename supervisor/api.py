@@ -33,6 +33,21 @@ M = TypeVar("M", bound=BaseModel)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
+MAX_SEQ = 2**62  # beyond any seq, and within every backend's BIGINT
+_WHOLE = re.compile(r"[0-9]{1,19}")
+
+
+def _whole(raw: str | None, name: str, default: int, low: int, high: int) -> int:
+    """A whole number from a query value or header: ASCII digits only, within [low, high]."""
+    if raw is None:
+        return default
+    if not _WHOLE.fullmatch(raw) or not low <= int(raw) <= high:
+        raise ApiError(
+            422, "invalid", f"{name} must be a whole number from {low} to {high}", field=name
+        )
+    return int(raw)
+
+
 class ApiError(Exception):
     """An error answer: status, a stable code, a message naming what to fix."""
 
@@ -157,7 +172,9 @@ class Api:
         if not public:
             header = request.headers.get("Authorization", "")
             scheme, _, token = header.partition(" ")
-            principal = self.tokens.principal(token.strip()) if scheme == "Bearer" else None
+            # Auth schemes are case-insensitive (RFC 7235 section 2.1).
+            bearer = scheme.lower() == "bearer"
+            principal = self.tokens.principal(token.strip()) if bearer else None
             if principal is None:
                 return error_response(
                     401,
@@ -176,6 +193,8 @@ class Api:
             data = json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise ApiError(400, "malformed_json", f"the body is not JSON: {exc}") from exc
+        except RecursionError as exc:
+            raise ApiError(400, "malformed_json", "the body is nested too deeply") from exc
         try:
             return model.model_validate(data)
         except ValidationError as exc:
@@ -206,29 +225,14 @@ class Api:
     def _refuse_while_stopping(self) -> None:
         if self.stopping:
             self.metrics.intake_rejections.labels("stopping").inc()
-            raise web.HTTPServiceUnavailable(
-                text=json.dumps(
-                    {
-                        "error": {
-                            "code": "stopping",
-                            "message": "the daemon is stopping; retry shortly",
-                        }
-                    }
-                ),
-                content_type="application/json",
+            raise ApiError(
+                503, "stopping", "the daemon is stopping; retry shortly",
                 headers={"Retry-After": RETRY_AFTER},
             )
 
     @staticmethod
     def _int(request: web.Request, name: str, default: int, low: int, high: int) -> int:
-        raw = request.query.get(name)
-        if raw is None:
-            return default
-        if not raw.isdigit() or not low <= int(raw) <= high:
-            raise ApiError(
-                422, "invalid", f"{name} must be a whole number from {low} to {high}", field=name
-            )
-        return int(raw)
+        return _whole(request.query.get(name), name, default, low, high)
 
     async def _publish_seq(self, session_id: str, seq: int | None) -> None:
         if seq is not None:
@@ -309,7 +313,7 @@ class Api:
 
     async def events(self, request: web.Request) -> web.Response:
         info = await self._session(request)
-        after = self._int(request, "after", 0, 0, 2**62)
+        after = self._int(request, "after", 0, 0, MAX_SEQ)
         limit = self._int(request, "limit", 100, 1, 1000)
         records = await asyncio.to_thread(self.store.events.read, info.id, after, limit)
         return web.json_response({"events": [r.to_dict() for r in records]})
@@ -319,11 +323,9 @@ class Api:
         info = await self._session(request)
         header = request.headers.get("Last-Event-ID")
         if header is not None:
-            if not header.isdigit():
-                raise ApiError(422, "invalid", "Last-Event-ID must be a seq", field="Last-Event-ID")
-            after = int(header)
+            after = _whole(header, "Last-Event-ID", 0, 0, MAX_SEQ)
         else:
-            after = self._int(request, "after", 0, 0, 2**62)
+            after = self._int(request, "after", 0, 0, MAX_SEQ)
         return await attach.stream(request, info.id, after, self.hub, self.store.events.read)
 
     async def acl(self, request: web.Request) -> web.Response:
