@@ -142,7 +142,11 @@ def run(ctx: click.Context) -> None:
     except (StartupError, StoreError, OSError) as exc:
         log("daemon").error("cannot start: {}", exc)
         sys.exit(1)
-    sys.exit(code)
+    # The boot row is ended and every child reaped; the interpreter's own teardown adds
+    # nothing but time to a stop.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 @main.command("stop")

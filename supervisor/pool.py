@@ -200,6 +200,7 @@ class Pool:
             owner=f"{self.owner_prefix}/{slot.identity}",
             address=self.address,
             parent_pid=os.getpid(),
+            boot_id=self.boot_id,
             db_url=self.store.url,
             config=self.config.model_dump(mode="json", by_alias=True),
         )

@@ -26,6 +26,7 @@ from supervisor.logs import setup_logging
 from supervisor.reaper import exit_if_orphaned, set_pdeathsig
 from supervisor.store import Store
 from workers.agent import Agent, AgentLoadError, load_agent_class
+from workers.mcp import McpTools, Toolboxes
 from workers.models import make_model
 from workers.runner import SessionRunner
 from workers.tools import BuiltinTools
@@ -49,6 +50,9 @@ def _load(name: str) -> type[Agent] | None:
         return None
 
 
+SHUTDOWN_MARGIN = 0.3  # seconds before the supervisor's SIGKILL deadline
+
+
 @dataclass(frozen=True)
 class WorkerSpec:
     """Everything a worker needs, passed to the spawned process (plain data)."""
@@ -57,6 +61,7 @@ class WorkerSpec:
     owner: str  # the lease owner it writes as
     address: str  # the supervisor's ROUTER
     parent_pid: int
+    boot_id: str  # MCP children are recorded under it, for the next boot's sweep
     db_url: str
     config: dict[str, Any]
 
@@ -69,7 +74,11 @@ def run_worker(spec: WorkerSpec) -> None:
     faulthandler.enable(all_threads=True)  # SIGABRT (a hang) prints every thread's stack
     config = Config.model_validate(spec.config)
     setup_logging(config.log.level, config.log.format, process=spec.identity)
-    sys.exit(asyncio.run(Worker(spec, config).run()))
+    code = asyncio.run(Worker(spec, config).run())
+    # Everything is committed and closed by now; skipping the interpreter's teardown (a
+    # few hundred ms of CPU per process) keeps a stop of many workers quick.
+    sys.stderr.flush()
+    os._exit(code)
 
 
 class Worker:
@@ -79,6 +88,7 @@ class Worker:
         self.spec = spec
         self.config = config
         self.runners: dict[str, SessionRunner] = {}
+        self._mcp_rows: dict[int, int] = {}
         self._stop = asyncio.Event()
         self.log = logger.bind(subsystem="worker")
 
@@ -92,7 +102,14 @@ class Worker:
         )
         self.agent_class = load_agent_class(self.config.agent.class_)
         self.model = make_model(self.config.model)
-        self.toolbox = BuiltinTools()
+        builtin = BuiltinTools()
+        self.mcp = McpTools(
+            self.config.mcp.servers,
+            on_start=self._mcp_started,
+            on_exit=self._mcp_exited,
+            reserved=[spec.name for spec in builtin.specs()],
+        )
+        self.toolbox = Toolboxes(builtin, self.mcp)
         self.zmq = zmq.asyncio.Context()
         self.socket = self.zmq.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.IDENTITY, self.spec.identity.encode())
@@ -103,6 +120,7 @@ class Worker:
             asyncio.create_task(self._heartbeat()),
             asyncio.create_task(self._renew_leases()),
         ]
+        await self.mcp.start()  # bounded by each server's start_timeout; never raises
         await self.send("hello", pid=os.getpid())
         self.log.info("ready as {} (pid {})", self.spec.identity, os.getpid())
         try:
@@ -114,6 +132,9 @@ class Worker:
                 if runner.task:
                     runner.task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            # The supervisor gave every descendant one deadline, kill_grace from now; the
+            # worker finishes with its MCP children just before it, so it exits on its own.
+            await self.mcp.aclose(max(0.0, self.config.shutdown.kill_grace - SHUTDOWN_MARGIN))
             await self.model.aclose()
             self.socket.close()
             self.zmq.term()
@@ -169,6 +190,24 @@ class Worker:
             runner.release()
         elif kind == "interrupt":
             runner.interrupt()
+
+    async def _mcp_started(self, name: str, pid: int, create_time: float, pgid: int) -> None:
+        row = await asyncio.to_thread(
+            self.store.children.record,
+            self.spec.boot_id,
+            pid,
+            create_time,
+            "mcp",
+            pgid=pgid,
+            worker=self.spec.identity,
+            name=name,
+        )
+        self._mcp_rows[pid] = row
+
+    async def _mcp_exited(self, name: str, pid: int) -> None:
+        row = self._mcp_rows.pop(pid, None)
+        if row is not None:
+            await asyncio.to_thread(self.store.children.forget, [row])
 
     def _make_agent(self, name: str) -> Agent:
         """The session's own agent class if it names one, else the configured one.

@@ -1,0 +1,271 @@
+"""MCP children and the bounded teardown, with the daemon and real MCP servers."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+import pytest
+
+from supervisor.store import Store
+from tests.daemon import Daemon, daemons, events, inject, turn_ended, wait_until
+
+__all__ = ["daemons"]
+Daemons = Callable[..., Daemon]
+
+
+def server(name: str, module: str, **env: str) -> dict[str, Any]:
+    return {
+        "name": name,
+        "command": [sys.executable, "-m", f"tests.mcp_servers.{module}"],
+        "start_timeout": 90.0,
+        "call_timeout": 20.0,
+        "env": env,
+    }
+
+
+def mcp_children(daemon: Daemon) -> list[int]:
+    with Store(daemon.url, migrate=False) as store:
+        boot = store.boots.recent(1)[0].boot_id
+        return [c.pid for c in store.children.of_boot(boot) if c.kind == "mcp"]
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def pids_in(path: Path) -> list[int]:
+    return [int(line) for line in path.read_text().split()] if path.exists() else []
+
+
+@pytest.mark.timeout(120)
+def test_a_turn_calls_a_real_mcp_server_and_survives_its_death(daemons: Daemons) -> None:
+    daemon = daemons(
+        pool={"workers": 1, "spare": 0}, mcp={"servers": [server("calc", "basic")]}
+    ).start()
+    with Store(daemon.url, migrate=False) as store:
+        sid = store.sessions.create("test").id
+        seq = inject(store, sid, '/tool add {"a": 2, "b": 3}')
+        ended = wait_until(lambda: turn_ended(store, sid, seq), 60, "the tool turn")
+        turn = [e for e in events(store, sid) if e.turn_id == ended.turn_id]
+        kinds = [e.type for e in turn]
+        assert kinds == [
+            "turn_started",
+            "model_response",
+            "tool_call",
+            "tool_result",
+            "model_response",
+            "turn_ended",
+        ]
+        assert turn[3].payload["content"] == "5" and not turn[3].payload["is_error"]
+        assert turn[4].payload["text"] == "echo: 5"
+        first_server = mcp_children(daemon)
+        # The server dies in the middle of a call: the turn gets an error result and ends.
+        seq = inject(store, sid, "/tool die {}")
+        ended = wait_until(lambda: turn_ended(store, sid, seq), 60, "the turn whose tool died")
+        assert ended.payload["outcome"] == "completed"
+        result = next(e for e in events(store, sid) if e.seq > seq and e.type == "tool_result")
+        assert result.payload["is_error"]
+        # It was restarted: the next call works, in a new process.
+        seq = inject(store, sid, '/tool add {"a": 1, "b": 1}')
+        wait_until(lambda: turn_ended(store, sid, seq), 60, "a call after the restart")
+        result = next(e for e in events(store, sid) if e.seq > seq and e.type == "tool_result")
+        assert result.payload["content"] == "2"
+        assert set(mcp_children(daemon)) - set(first_server), "no new server process"
+
+
+@pytest.mark.timeout(240)
+def test_teardown_of_4x4_stubborn_children_is_bounded_and_complete(
+    daemons: Daemons, tmp_path: Path
+) -> None:
+    escaped = tmp_path / "escaped.pids"
+    grouped = tmp_path / "grouped.pids"
+    servers = [server(f"stubborn{i}", "stubborn") for i in range(3)]
+    servers.append(
+        server(
+            "spawner",
+            "spawner",
+            SPAWNER_ESCAPED_PID_FILE=str(escaped),
+            SPAWNER_GROUP_PID_FILE=str(grouped),
+        )
+    )
+    grace = 2.0
+    daemon = daemons(
+        pool={"workers": 4, "spare": 0}, mcp={"servers": servers}, shutdown={"kill_grace": grace}
+    ).start()
+    wait_until(
+        lambda: len([p for p in mcp_children(daemon) if alive(p)]) == 16, 180, "16 MCP servers"
+    )
+    wait_until(
+        lambda: len(pids_in(escaped)) == 4 and len(pids_in(grouped)) == 4,
+        30,
+        "the spawners' grandchildren",
+    )
+    tree = [p.pid for p in psutil.Process(daemon.pid).children(recursive=True)]
+    tree += pids_in(escaped) + pids_in(grouped)
+    started = time.monotonic()
+    daemon.signal(signal.SIGTERM)
+    assert daemon.wait(grace + 10) == 0
+    took = time.monotonic() - started
+    assert took <= grace + 1.0, f"teardown took {took:.2f} s"
+    leftovers = [pid for pid in tree if alive(pid)]
+    assert leftovers == [], f"processes outlived the daemon: {leftovers}"
+    assert daemon.log().count("still running at the deadline; SIGKILL to its group") >= 12
+
+
+@pytest.mark.timeout(240)
+def test_teardown_of_well_behaved_children_needs_no_sigkill(daemons: Daemons) -> None:
+    servers = [server(f"basic{i}", "basic") for i in range(4)]
+    daemon = daemons(pool={"workers": 4, "spare": 0}, mcp={"servers": servers}).start()
+    wait_until(
+        lambda: len([p for p in mcp_children(daemon) if alive(p)]) == 16, 180, "16 MCP servers"
+    )
+    tree = [p.pid for p in psutil.Process(daemon.pid).children(recursive=True)]
+    started = time.monotonic()
+    daemon.signal(signal.SIGTERM)
+    assert daemon.wait(20) == 0
+    took = time.monotonic() - started
+    assert [pid for pid in tree if alive(pid)] == []
+    # Nobody waited for the grace: every process exited on SIGTERM.
+    assert re.search(
+        r"processes stopped in [\d.]+ s: \d+ exited on SIGTERM, 0 needed SIGKILL", daemon.log()
+    ), daemon.log()[-2000:]
+    print(f"well-behaved teardown: {took:.2f} s")
+
+
+@pytest.mark.timeout(240)
+def test_sigkill_of_the_supervisor_takes_every_mcp_child_with_it(daemons: Daemons) -> None:
+    servers = [server("calc", "basic"), server("stubborn", "stubborn")]
+    daemon = daemons(pool={"workers": 2, "spare": 0}, mcp={"servers": servers}).start()
+    wait_until(
+        lambda: len([p for p in mcp_children(daemon) if alive(p)]) == 4, 120, "4 MCP servers"
+    )
+    children = mcp_children(daemon)
+    daemon.signal(signal.SIGKILL)
+    daemon.wait(10)
+    wait_until(
+        lambda: not any(alive(p) for p in children),
+        2.0,
+        "every MCP child to die with the supervisor",
+    )
+
+
+@pytest.mark.timeout(120)
+def test_the_boot_sweep_kills_leftovers_but_not_a_reused_pid(daemons: Daemons) -> None:
+    daemon = daemons(pool={"workers": 1, "spare": 0})
+    sleeper = "import time; time.sleep(600)"
+    leftover = subprocess.Popen([sys.executable, "-c", sleeper])
+    stranger = subprocess.Popen([sys.executable, "-c", sleeper])
+    try:
+        created = psutil.Process(leftover.pid).create_time()
+        with Store(daemon.url) as store:
+            store.children.record("an-earlier-boot", leftover.pid, created, "mcp")
+            # The stranger merely has a pid an earlier boot once recorded: another start time.
+            store.children.record("an-earlier-boot", stranger.pid, created - 1000.0, "mcp")
+        daemon.start()
+        assert leftover.wait(10) == -signal.SIGKILL
+        assert stranger.poll() is None, "a process that only reuses a pid was killed"
+        assert "swept 2 processes of earlier boots: 1 killed, 0 gone, 1 pid reused" in daemon.log()
+        with Store(daemon.url, migrate=False) as store:
+            assert store.children.of_other_boots(store.boots.recent(1)[0].boot_id) == []
+    finally:
+        for proc in (leftover, stranger):
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.timeout(180)
+def test_sigterm_with_20_turns_in_flight_and_a_client_injecting(
+    daemons: Daemons, tmp_path: Path
+) -> None:
+    socket = tmp_path / "api.sock"
+    daemon = daemons(http={"listen": f"unix:{socket}"}).start()
+    token = (daemon.state / "admin.token").read_text().strip()
+    client = httpx.Client(
+        transport=httpx.HTTPTransport(uds=str(socket)),
+        base_url="http://tk",
+        headers={"Authorization": f"Bearer {token}"},
+        timeout=10,
+    )
+    sessions = [client.post("/v1/sessions", json={}).json()["id"] for _ in range(20)]
+    for sid in sessions:
+        assert (
+            client.post(f"/v1/sessions/{sid}/inject", json={"text": "/sleep 3 slow"}).status_code
+            == 202
+        )
+    answers: list[tuple[str, str, int | str]] = []
+    stop = threading.Event()
+
+    def inject_forever() -> None:
+        n = 0
+        while not stop.is_set():
+            n += 1
+            sid, text = sessions[n % 20], f"late {n}"
+            try:
+                reply = client.post(
+                    f"/v1/sessions/{sid}/inject",
+                    json={"text": text},
+                    headers={"Idempotency-Key": f"late-{n}"},
+                )
+                answers.append((sid, text, reply.status_code))
+            except httpx.TransportError as exc:
+                answers.append((sid, text, type(exc).__name__))
+                time.sleep(0.01)
+
+    with Store(daemon.url, migrate=False) as store:
+        wait_until(
+            lambda: sum(1 for s in sessions if store.sessions.get(s).active_turn_id) >= 15,
+            30,
+            "turns in flight",
+        )
+        sender = threading.Thread(target=inject_forever)
+        sender.start()
+        try:
+            time.sleep(0.3)
+            in_flight = [s for s in sessions if store.sessions.get(s).active_turn_id]
+            daemon.signal(signal.SIGTERM)
+            assert daemon.wait(30) == 0
+            time.sleep(0.2)
+        finally:
+            stop.set()
+            sender.join(10)
+            client.close()
+        interrupted = [s for s in in_flight if store.sessions.get(s).active_turn_id]
+        assert len(interrupted) >= 10, "the stop did not interrupt turns in flight"
+        daemon.start()
+        for sid in interrupted:
+            wait_until(
+                lambda sid=sid: (
+                    store.sessions.get(sid).active_turn_id is None
+                    and not store.sessions.get(sid).pending
+                ),
+                60,
+                "the turns to finish",
+            )
+            found = events(store, sid)
+            first = next(e for e in found if e.type == "turn_started")
+            ends = [e for e in found if e.type == "turn_ended" and e.turn_id == first.turn_id]
+            assert [e.payload["outcome"] for e in ends] == ["completed"]
+            notes = [e for e in found if e.type == "continuation"]
+            assert notes and notes[0].payload["cause"] == "daemon_restart"
+        accepted = {(sid, text) for sid, text, status in answers if status == 202}
+        stored = {
+            (sid, e.payload["text"])
+            for sid in sessions
+            for e in events(store, sid)
+            if e.type == "user_message"
+        }
+        assert accepted <= stored, f"{len(accepted - stored)} acknowledged messages lost"
+        assert all(status in (202, 503) or isinstance(status, str) for _, _, status in answers)
