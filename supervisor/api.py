@@ -226,7 +226,9 @@ class Api:
         if self.stopping:
             self.metrics.intake_rejections.labels("stopping").inc()
             raise ApiError(
-                503, "stopping", "the daemon is stopping; retry shortly",
+                503,
+                "stopping",
+                "the daemon is stopping; retry shortly",
                 headers={"Retry-After": RETRY_AFTER},
             )
 
