@@ -17,6 +17,7 @@ import psutil
 import pytest
 
 from supervisor.store import Store
+from tests.conftest import REPO, python_env
 from tests.daemon import Daemon, daemons, events, inject, turn_ended, wait_until
 
 __all__ = ["daemons"]
@@ -269,3 +270,52 @@ def test_sigterm_with_20_turns_in_flight_and_a_client_injecting(
         }
         assert accepted <= stored, f"{len(accepted - stored)} acknowledged messages lost"
         assert all(status in (202, 503) or isinstance(status, str) for _, _, status in answers)
+
+
+@pytest.mark.timeout(120)
+def test_stop_with_drain_lets_the_turn_in_flight_finish(daemons: Daemons, tmp_path: Path) -> None:
+    socket = tmp_path / "api.sock"
+    daemon = daemons(http={"listen": f"unix:{socket}"}).start()
+    token = (daemon.state / "admin.token").read_text().strip()
+    client = httpx.Client(
+        transport=httpx.HTTPTransport(uds=str(socket)),
+        base_url="http://tk",
+        headers={"Authorization": f"Bearer {token}"},
+        timeout=10,
+    )
+    sid = client.post("/v1/sessions", json={}).json()["id"]
+    assert (
+        client.post(f"/v1/sessions/{sid}/inject", json={"text": "/sleep 3 drained"}).status_code
+        == 202
+    )
+    with Store(daemon.url, migrate=False) as store:
+        wait_until(lambda: store.sessions.get(sid).active_turn_id, 20, "the turn to start")
+        stop = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "supervisor",
+                "--config",
+                str(daemon.config_path),
+                "stop",
+                "--drain=20",
+            ],
+            cwd=REPO,
+            env=python_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        wait_until(lambda: "draining" in daemon.log(), 20, "the drain to begin")
+        refused = client.post(f"/v1/sessions/{sid}/inject", json={"text": "too late"})
+        assert refused.status_code == 503 and refused.headers["Retry-After"] == "5"
+        _, err = stop.communicate(timeout=60)
+        assert stop.returncode == 0, err
+        assert daemon.wait(10) == 0
+        ended = turn_ended(store, sid)
+        assert ended is not None and ended.payload["outcome"] == "completed"
+        texts = [e.payload.get("text") for e in events(store, sid)]
+        assert "echo: drained" in texts and "too late" not in texts
+        assert store.sessions.get(sid).active_turn_id is None
+    client.close()
+    assert re.search(r"drain done in [\d.]+ s", daemon.log())
