@@ -31,7 +31,7 @@ from supervisor.logs import log
 from supervisor.reaper import descendants, reap_orphans, terminate
 from supervisor.slots import Slot, SlotState, all_fatal
 from supervisor.store import SessionInfo, SessionNotFound, Store
-from workers.main import WorkerSpec, run_worker
+from workers.entry import WorkerSpec, run_worker
 
 TICK = 0.1  # seconds between housekeeping rounds
 POLL = 0.25  # seconds between database polls for sessions with work

@@ -30,14 +30,13 @@ from workers.mcp import (
     McpTools,
     RestartPolicy,
     ServerState,
-    Toolboxes,
     function_name,
     offered_names,
     outcome_of,
 )
 from workers.mcp_transport import child_environment
 from workers.models import ToolSpec
-from workers.tools import BuiltinTools, ToolOutcome
+from workers.tools import BuiltinTools, Toolboxes, ToolOutcome
 
 REPO = Path(__file__).resolve().parent.parent
 START = 60.0  # seconds; importing the SDK alone takes seconds on a busy machine

@@ -13,7 +13,6 @@ import faulthandler
 import os
 import signal
 import sys
-from dataclasses import dataclass
 from typing import Any
 
 import zmq
@@ -26,10 +25,10 @@ from supervisor.logs import setup_logging
 from supervisor.reaper import exit_if_orphaned, set_pdeathsig
 from supervisor.store import Store
 from workers.agent import Agent, AgentLoadError, load_agent_class
-from workers.mcp import McpTools, Toolboxes
+from workers.entry import WorkerSpec
 from workers.models import make_model
 from workers.runner import SessionRunner
-from workers.tools import BuiltinTools
+from workers.tools import BuiltinTools, Toolbox, Toolboxes
 
 
 class _FailingAgent:
@@ -53,21 +52,8 @@ def _load(name: str) -> type[Agent] | None:
 SHUTDOWN_MARGIN = 0.3  # seconds before the supervisor's SIGKILL deadline
 
 
-@dataclass(frozen=True)
-class WorkerSpec:
-    """Everything a worker needs, passed to the spawned process (plain data)."""
-
-    identity: str  # w<slot>.<generation>
-    owner: str  # the lease owner it writes as
-    address: str  # the supervisor's ROUTER
-    parent_pid: int
-    boot_id: str  # MCP children are recorded under it, for the next boot's sweep
-    db_url: str
-    config: dict[str, Any]
-
-
-def run_worker(spec: WorkerSpec) -> None:
-    """The worker process's entry point."""
+def main(spec: WorkerSpec) -> None:
+    """The worker process: set up, run the loop, exit."""
     set_pdeathsig(signal.SIGKILL)
     exit_if_orphaned(spec.parent_pid)
     os.environ.pop("NOTIFY_SOCKET", None)
@@ -103,13 +89,19 @@ class Worker:
         self.agent_class = load_agent_class(self.config.agent.class_)
         self.model = make_model(self.config.model)
         builtin = BuiltinTools()
-        self.mcp = McpTools(
-            self.config.mcp.servers,
-            on_start=self._mcp_started,
-            on_exit=self._mcp_exited,
-            reserved=[spec.name for spec in builtin.specs()],
-        )
-        self.toolbox = Toolboxes(builtin, self.mcp)
+        self.mcp: Any = None
+        boxes: list[Toolbox] = [builtin]
+        if self.config.mcp.servers:
+            from workers.mcp import McpTools  # the SDK costs a second to import: only if used
+
+            self.mcp = McpTools(
+                self.config.mcp.servers,
+                on_start=self._mcp_started,
+                on_exit=self._mcp_exited,
+                reserved=[spec.name for spec in builtin.specs()],
+            )
+            boxes.append(self.mcp)
+        self.toolbox = Toolboxes(*boxes)
         self.zmq = zmq.asyncio.Context()
         self.socket = self.zmq.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.IDENTITY, self.spec.identity.encode())
@@ -120,7 +112,8 @@ class Worker:
             asyncio.create_task(self._heartbeat()),
             asyncio.create_task(self._renew_leases()),
         ]
-        await self.mcp.start()  # bounded by each server's start_timeout; never raises
+        if self.mcp is not None:
+            await self.mcp.start()  # bounded by each server's start_timeout; never raises
         await self.send("hello", pid=os.getpid())
         self.log.info("ready as {} (pid {})", self.spec.identity, os.getpid())
         try:
@@ -132,9 +125,10 @@ class Worker:
                 if runner.task:
                     runner.task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            # The supervisor gave every descendant one deadline, kill_grace from now; the
-            # worker finishes with its MCP children just before it, so it exits on its own.
-            await self.mcp.aclose(max(0.0, self.config.shutdown.kill_grace - SHUTDOWN_MARGIN))
+            if self.mcp is not None:
+                # The supervisor gave every descendant one deadline, kill_grace from now; the
+                # worker finishes with its MCP children just before it, so it exits on its own.
+                await self.mcp.aclose(max(0.0, self.config.shutdown.kill_grace - SHUTDOWN_MARGIN))
             await self.model.aclose()
             self.socket.close()
             self.zmq.term()

@@ -35,7 +35,7 @@ from supervisor.config import McpServer
 from supervisor.reaper import ProcessId
 from workers.mcp_transport import ServerProcess, child_environment
 from workers.models import ToolSpec
-from workers.tools import Toolbox, ToolOutcome
+from workers.tools import ToolOutcome
 
 OnStart = Callable[[str, int, float, int], Awaitable[Any]]
 """Called with (server name, pid, psutil create_time, pgid) once a server process runs."""
@@ -453,29 +453,3 @@ class McpTools:
         """Stop every server: SIGTERM to all groups at once, SIGKILL after `grace` s, reap."""
         deadline = asyncio.get_running_loop().time() + grace
         await asyncio.gather(*(client.stop(deadline) for client in self.clients))
-
-
-class Toolboxes:
-    """Several toolboxes offered as one; a name offered twice goes to the first toolbox."""
-
-    def __init__(self, *boxes: Toolbox) -> None:
-        self.boxes = boxes
-
-    def specs(self) -> list[ToolSpec]:
-        """The tools of every toolbox, without duplicate names."""
-        seen: set[str] = set()
-        specs = []
-        for box in self.boxes:
-            for spec in box.specs():
-                if spec.name not in seen:
-                    seen.add(spec.name)
-                    specs.append(spec)
-        return specs
-
-    async def call(self, name: str, arguments: dict[str, Any]) -> ToolOutcome:
-        """Run `name` in the first toolbox that offers it."""
-        for box in self.boxes:
-            if any(spec.name == name for spec in box.specs()):
-                return await box.call(name, arguments)
-        known = ", ".join(spec.name for spec in self.specs())
-        return _error(f"unknown tool {name!r}; known: {known}")

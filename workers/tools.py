@@ -77,3 +77,29 @@ class BuiltinTools:
             return ToolOutcome(f"slept {seconds} s")
         known = ", ".join(spec.name for spec in self.SPECS)
         return ToolOutcome(f"unknown tool {name!r}; known: {known}", is_error=True)
+
+
+class Toolboxes:
+    """Several toolboxes offered as one; a name offered twice goes to the first toolbox."""
+
+    def __init__(self, *boxes: Toolbox) -> None:
+        self.boxes = boxes
+
+    def specs(self) -> list[ToolSpec]:
+        """The tools of every toolbox, without duplicate names."""
+        seen: set[str] = set()
+        specs = []
+        for box in self.boxes:
+            for spec in box.specs():
+                if spec.name not in seen:
+                    seen.add(spec.name)
+                    specs.append(spec)
+        return specs
+
+    async def call(self, name: str, arguments: dict[str, Any]) -> ToolOutcome:
+        """Run `name` in the first toolbox that offers it."""
+        for box in self.boxes:
+            if any(spec.name == name for spec in box.specs()):
+                return await box.call(name, arguments)
+        known = ", ".join(spec.name for spec in self.specs())
+        return ToolOutcome(f"unknown tool {name!r}; known: {known}", is_error=True)

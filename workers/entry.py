@@ -1,0 +1,30 @@
+"""The worker process's entry point, light enough for the supervisor to import.
+
+The supervisor names `run_worker` as the spawn target and builds a `WorkerSpec`; the
+worker's own modules (models, MCP, agents) are imported only in the worker process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a worker needs, passed to the spawned process (plain data)."""
+
+    identity: str  # w<slot>.<generation>
+    owner: str  # the lease owner it writes as
+    address: str  # the supervisor's ROUTER
+    parent_pid: int
+    boot_id: str  # MCP children are recorded under it, for the next boot's sweep
+    db_url: str
+    config: dict[str, Any]
+
+
+def run_worker(spec: WorkerSpec) -> None:
+    """The spawn target: run the worker in this (new) process."""
+    from workers.main import main
+
+    main(spec)
