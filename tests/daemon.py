@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import psutil
 import pytest
 import tomli_w
@@ -50,6 +51,7 @@ class Daemon:
         }
         for name, values in sections.items():
             config.setdefault(name, {}).update(values)
+        self.config = config
         self.config_path = root / "turnkeeper.toml"
         self.config_path.write_text(tomli_w.dumps(config))
         self.url = f"sqlite:///{self.state / 'turnkeeper.db'}"
@@ -79,6 +81,18 @@ class Daemon:
             )
             assert self.proc.poll() is None, self.log()
         return self
+
+    def client(self) -> httpx.Client:
+        """An admin client of the API; the daemon must listen on a unix socket."""
+        listen = str(self.config.get("http", {}).get("listen", ""))
+        assert listen.startswith("unix:"), "give the daemon http={'listen': 'unix:PATH'}"
+        token = (self.state / "admin.token").read_text().strip()
+        return httpx.Client(
+            transport=httpx.HTTPTransport(uds=listen.removeprefix("unix:")),
+            base_url="http://turnkeeper",
+            headers={"Authorization": f"Bearer {token}"},
+            timeout=10,
+        )
 
     def _died(self) -> bool:
         return self.proc is not None and self.proc.poll() is not None

@@ -23,13 +23,7 @@ def test_sigterm_while_injecting_loses_no_acknowledged_message(
 ) -> None:
     socket = tmp_path / "api.sock"
     daemon = daemons(http={"listen": f"unix:{socket}"}).start()
-    token = (daemon.state / "admin.token").read_text().strip()
-    client = httpx.Client(
-        transport=httpx.HTTPTransport(uds=str(socket)),
-        base_url="http://turnkeeper",
-        headers={"Authorization": f"Bearer {token}"},
-        timeout=10,
-    )
+    client = daemon.client()
     sessions = [client.post("/v1/sessions", json={}).json()["id"] for _ in range(5)]
     answers: list[tuple[str, str, int | str, dict[str, str]]] = []
     stop = threading.Event()

@@ -182,13 +182,7 @@ def test_sigterm_with_20_turns_in_flight_and_a_client_injecting(
 ) -> None:
     socket = tmp_path / "api.sock"
     daemon = daemons(http={"listen": f"unix:{socket}"}).start()
-    token = (daemon.state / "admin.token").read_text().strip()
-    client = httpx.Client(
-        transport=httpx.HTTPTransport(uds=str(socket)),
-        base_url="http://tk",
-        headers={"Authorization": f"Bearer {token}"},
-        timeout=10,
-    )
+    client = daemon.client()
     sessions = [client.post("/v1/sessions", json={}).json()["id"] for _ in range(20)]
     for sid in sessions:
         assert (
@@ -265,13 +259,7 @@ def test_sigterm_with_20_turns_in_flight_and_a_client_injecting(
 def test_stop_with_drain_lets_the_turn_in_flight_finish(daemons: Daemons, tmp_path: Path) -> None:
     socket = tmp_path / "api.sock"
     daemon = daemons(http={"listen": f"unix:{socket}"}).start()
-    token = (daemon.state / "admin.token").read_text().strip()
-    client = httpx.Client(
-        transport=httpx.HTTPTransport(uds=str(socket)),
-        base_url="http://tk",
-        headers={"Authorization": f"Bearer {token}"},
-        timeout=10,
-    )
+    client = daemon.client()
     sid = client.post("/v1/sessions", json={}).json()["id"]
     assert (
         client.post(f"/v1/sessions/{sid}/inject", json={"text": "/sleep 3 drained"}).status_code

@@ -63,7 +63,6 @@ import platform
 import signal
 import socket
 import sqlite3
-import statistics
 import sys
 import tempfile
 import threading
@@ -78,7 +77,7 @@ import psutil
 
 from supervisor.config import AgentConfig, PoolConfig
 from supervisor.store import Store
-from tests.benchmarks.bench_store import percentile
+from tests.benchmarks import figures
 from tests.daemon import Daemon
 
 DEFAULTS = {"sessions": 50, "rounds": 10, "solo": 30, "seconds": 10.0, "clients": 50}
@@ -95,17 +94,8 @@ STOP_TIMEOUT_S = 30.0
 
 
 def stats_ms(values_s: list[float]) -> dict[str, float | int | None]:
-    ordered = sorted(v * 1000 for v in values_s)
-    if not ordered:
-        return {"n": 0, "min": None, "p50": None, "p99": None, "max": None, "mean": None}
-    return {
-        "n": len(ordered),
-        "min": round(ordered[0], 1),
-        "p50": round(percentile(ordered, 50), 1),
-        "p99": round(percentile(ordered, 99), 1),
-        "max": round(ordered[-1], 1),
-        "mean": round(statistics.fmean(ordered), 1),
-    }
+    """Latency figures, in ms, of durations in seconds."""
+    return figures.stats_ms([v * 1000 for v in values_s])
 
 
 def cpu_per_op(cpu: dict[str, Any] | None, injects: int, turns: int) -> dict[str, float | None]:

@@ -61,12 +61,10 @@ import platform
 import re
 import signal
 import socket
-import statistics
 import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -76,7 +74,7 @@ import psutil
 
 from supervisor.config import AgentConfig, PoolConfig
 from supervisor.store import EventRecord, SessionInfo, Store
-from tests.benchmarks.bench_store import percentile
+from tests.benchmarks.figures import stats_ms, wait_for
 from tests.daemon import Daemon, inject
 
 T = TypeVar("T")
@@ -101,32 +99,6 @@ _READY = re.compile(r"\[pool\] worker (w\d+\.\d+) is ready")
 _BOOT = re.compile(r"\[daemon\] ready: boot (\w+)")
 _RESTART_IN = re.compile(r"restart in ([\d.]+)s")
 _STAMP = r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3}) "
-
-
-def wait_for(predicate: Callable[[], T], timeout: float, what: str) -> T:
-    """Poll `predicate` until it returns something truthy; TimeoutError naming `what`."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(POLL_S)
-
-
-def stats_ms(values: list[float]) -> dict[str, float | int | None]:
-    ordered = sorted(values)
-    if not ordered:
-        return {"n": 0, "min": None, "p50": None, "p99": None, "max": None, "mean": None}
-    return {
-        "n": len(ordered),
-        "min": round(ordered[0], 1),
-        "p50": round(percentile(ordered, 50), 1),
-        "p99": round(percentile(ordered, 99), 1),
-        "max": round(ordered[-1], 1),
-        "mean": round(statistics.fmean(ordered), 1),
-    }
 
 
 def log_time(stamp: str) -> float:

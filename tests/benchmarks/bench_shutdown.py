@@ -64,7 +64,6 @@ import tempfile
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -74,6 +73,7 @@ import psutil
 from supervisor.config import AgentConfig, PoolConfig, ShutdownConfig
 from supervisor.reaper import ProcessId, descendants, terminate
 from supervisor.store import Store
+from tests.benchmarks.figures import wait_for
 from tests.conftest import PYTHON, REPO
 from tests.daemon import Daemon
 
@@ -103,18 +103,6 @@ _STOPPED = re.compile(
     r"(?:, (\d+) SURVIVED)?"
 )
 _STOPPED_CLEANLY = re.compile(r"stopped (?:cleanly|with every slot fatal) in ([\d.]+) s")
-
-
-def wait_for(predicate: Callable[[], T], timeout: float, what: str) -> T:
-    """Poll `predicate` until it returns something truthy; TimeoutError naming `what`."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(POLL_S)
 
 
 def stats_s(values: list[float]) -> dict[str, float | int | None]:

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from supervisor.store import Store
+from tests.benchmarks.figures import percentile
 
 TARGETS = {"single_session_ratio_min": 0.5, "sessions_32_ratio_min": 2.0}
 DEFAULT_EVENTS = 3000
@@ -78,14 +79,6 @@ def make_payload(size: int = 200) -> dict[str, Any]:
 
 PAYLOAD = make_payload()
 PAYLOAD_JSON = json.dumps(PAYLOAD, ensure_ascii=False)
-
-
-def percentile(sorted_values: list[float], p: float) -> float:
-    """The nearest-rank percentile of an already sorted list."""
-    if not sorted_values:
-        return float("nan")
-    rank = max(0, min(len(sorted_values) - 1, round(p / 100 * len(sorted_values)) - 1))
-    return sorted_values[rank]
 
 
 def latency_ms(samples_ns: list[int]) -> dict[str, float]:
