@@ -909,32 +909,23 @@ def stop_while_injecting(start: Callable[..., Api]) -> Shutdown:
 def test_sigterm_refuses_intake_ends_attach_streams_and_exits_0(
     start: Callable[..., Api],
 ) -> None:
+    # Requests staged before the SIGTERM may be handled before it, and accepted: what must
+    # hold is that nothing is acknowledged that is not committed. (A refusal with
+    # Retry-After is shown deterministically by the drain test, whose listener stays up.)
     seen = stop_while_injecting(start)
     statuses = [status for status, _, _ in seen.answers]
-    assert 202 not in statuses and 201 not in statuses
-    assert set(statuses) <= {503}, seen.answers
-    assert statuses.count(503) >= 4, "the staged requests should have met a stopping daemon"
-    for _, _, body in seen.answers:
-        error = json.loads(body)["error"]
-        assert error["code"] and error["message"]
-    assert seen.readiness is not None
-    assert (seen.readiness[0], json.loads(seen.readiness[2])) == (503, {"status": "stopping"})
+    assert set(statuses) <= {201, 202, 503}, seen.answers
+    committed = {e.seq for e in seen.committed_late if e.type == "user_message"}
+    for status, headers, body in seen.answers:
+        if status == 202 and "seq" in json.loads(body):  # an inject (a wake has no seq)
+            assert json.loads(body)["seq"] in committed, "a 202 without a committed event"
+        elif status == 503:
+            assert headers.get("retry-after") == "5", headers
+            error = json.loads(body)["error"]
+            assert error["code"] == "stopping" and "stopping" in error["message"]
+    assert seen.sessions == 1 + statuses.count(201)
+    if seen.readiness is not None and seen.readiness[0] == 503:
+        assert json.loads(seen.readiness[2]) == {"status": "stopping"}
     assert seen.connection_errors >= 5  # the listener did close
-    # Nothing was accepted that could die in memory.
-    assert [e for e in seen.committed_late if e.type == "user_message"] == []
-    assert seen.sessions == 1
     assert seen.attach_seconds <= ATTACH_SHUTDOWN_TIMEOUT + 0.5
     assert seen.exit_code == 0
-
-
-def test_while_stopping_inject_answers_503_with_retry_after(
-    start: Callable[..., Api],
-) -> None:
-    seen = stop_while_injecting(start)
-    refusals = [(headers, body) for status, headers, body in seen.answers if status == 503]
-    assert refusals
-    for headers, body in refusals:
-        assert headers.get("retry-after") == "5", headers
-        error = json.loads(body)["error"]
-        assert error["code"] == "stopping"
-        assert "stopping" in error["message"]
