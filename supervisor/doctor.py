@@ -10,6 +10,7 @@ import configparser
 import re
 import shutil
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,6 +65,25 @@ def parse_timespan(text: str) -> float:
     return total
 
 
+def _stop_timeout(setting: str, raw: str, parse: Callable[[str], float], budget: Budget) -> Finding:
+    """The verdict on one service manager's stop timeout against the teardown budget."""
+    try:
+        seconds = parse(raw)
+    except ValueError:
+        return Finding(
+            FAIL,
+            "stop timeout",
+            f"{setting}={raw} is not a number of seconds",
+            "write it as seconds, e.g. 30",
+        )
+    problem = check_stop_timeout(budget, seconds, setting)
+    if problem:
+        return Finding(FAIL, "stop timeout", problem, f"raise {setting.rsplit(' ', 1)[-1]}")
+    return Finding(
+        PASS, "stop timeout", f"{setting}={raw} is above the teardown budget of {budget.total:g} s"
+    )
+
+
 def check_unit(text: str, name: str, budget: Budget) -> list[Finding]:
     """A systemd unit: stop timeout above the budget, KillMode=mixed, Type=notify."""
     service: dict[str, str] = {}
@@ -77,29 +97,7 @@ def check_unit(text: str, name: str, budget: Budget) -> list[Finding]:
             service[key.strip()] = value.strip()
     findings = []
     raw_timeout = service.get("TimeoutStopSec", "90")  # systemd's DefaultTimeoutStopSec
-    try:
-        timeout = parse_timespan(raw_timeout)
-    except ValueError:
-        findings.append(
-            Finding(
-                FAIL,
-                "stop timeout",
-                f"{name}: TimeoutStopSec={raw_timeout} is not a time span",
-                "write it as seconds, e.g. 30",
-            )
-        )
-    else:
-        problem = check_stop_timeout(budget, timeout, f"{name}: TimeoutStopSec")
-        findings.append(
-            Finding(FAIL, "stop timeout", problem, "raise TimeoutStopSec")
-            if problem
-            else Finding(
-                PASS,
-                "stop timeout",
-                f"{name}: TimeoutStopSec={raw_timeout} is above the "
-                f"teardown budget of {budget.total:g} s",
-            )
-        )
+    findings.append(_stop_timeout(f"{name}: TimeoutStopSec", raw_timeout, parse_timespan, budget))
     kill_mode = service.get("KillMode", "control-group")
     if kill_mode == "mixed":
         findings.append(Finding(PASS, "KillMode", f"{name}: KillMode=mixed"))
@@ -144,29 +142,7 @@ def check_supervisord(text: str, name: str, budget: Budget) -> list[Finding]:
     for program in programs:
         section = parser[program]
         raw = section.get("stopwaitsecs", "10")  # supervisord's default
-        try:
-            wait = float(raw)
-        except ValueError:
-            findings.append(
-                Finding(
-                    FAIL,
-                    "stop timeout",
-                    f"{name} [{program}]: stopwaitsecs={raw} is not a number",
-                    "write it as seconds, e.g. 30",
-                )
-            )
-        else:
-            problem = check_stop_timeout(budget, wait, f"{name} [{program}]: stopwaitsecs")
-            findings.append(
-                Finding(FAIL, "stop timeout", problem, "raise stopwaitsecs")
-                if problem
-                else Finding(
-                    PASS,
-                    "stop timeout",
-                    f"{name} [{program}]: stopwaitsecs={raw} is above "
-                    f"the teardown budget of {budget.total:g} s",
-                )
-            )
+        findings.append(_stop_timeout(f"{name} [{program}]: stopwaitsecs", raw, float, budget))
         signal_name = section.get("stopsignal", "TERM").upper().removeprefix("SIG")
         if signal_name != "TERM":
             findings.append(
