@@ -29,7 +29,6 @@ from typing import Any
 
 FROM_WORKER = frozenset({"hello", "heartbeat", "committed", "turn_done", "released", "lease_lost"})
 FROM_SUPERVISOR = frozenset({"assign", "release", "wake", "interrupt", "stop"})
-ASSIGN_REASONS = frozenset({"new", "adopt", "handoff", "restart", "stale"})
 
 # What a continuation note says about the cause, by assignment reason.
 CONTINUATION_CAUSE = {

@@ -16,8 +16,6 @@ from loguru import logger
 if TYPE_CHECKING:
     from loguru import Logger, Record
 
-SUBSYSTEMS = ("daemon", "shutdown", "recovery", "pool", "intake", "store", "mcp", "worker")
-
 # loguru level -> syslog priority (sd-daemon(3)).
 _PRIORITY = {
     "TRACE": 7,

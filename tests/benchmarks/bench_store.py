@@ -287,27 +287,22 @@ def run_pass(workdir: Path, synchronous: str, n_events: int) -> dict[str, Any]:
         raw_conn.close()
 
     raw_rate = tallies["raw"].rate
-    single = tallies["single"].summary()
-    single["ratio_to_raw"] = round(tallies["single"].rate / raw_rate, 3) if raw_rate else None
-    single["commits"] = tallies["single"].commits
-    threads = tallies["threads"].summary()
-    threads["threads"] = THREADS
-    threads["ratio_to_raw"] = round(tallies["threads"].rate / raw_rate, 3) if raw_rate else None
-    threads["commits"] = tallies["threads"].commits
-    threads["avg_batch"] = (
-        round(tallies["threads"].committed / tallies["threads"].commits, 2)
-        if tallies["threads"].commits
-        else None
-    )
-    tasks = tallies["asyncio"].summary()
-    tasks["tasks"] = THREADS
-    tasks["ratio_to_raw"] = round(tallies["asyncio"].rate / raw_rate, 3) if raw_rate else None
-    tasks["commits"] = tallies["asyncio"].commits
-    tasks["avg_batch"] = (
-        round(tallies["asyncio"].committed / tallies["asyncio"].commits, 2)
-        if tallies["asyncio"].commits
-        else None
-    )
+
+    def against_raw(tally: Tally, **extra: Any) -> dict[str, Any]:
+        figures = tally.summary()
+        figures.update(extra)
+        figures["ratio_to_raw"] = round(tally.rate / raw_rate, 3) if raw_rate else None
+        figures["commits"] = tally.commits
+        return figures
+
+    def batched(tally: Tally, **extra: Any) -> dict[str, Any]:
+        figures = against_raw(tally, **extra)
+        figures["avg_batch"] = round(tally.committed / tally.commits, 2) if tally.commits else None
+        return figures
+
+    single = against_raw(tallies["single"])
+    threads = batched(tallies["threads"], threads=THREADS)
+    tasks = batched(tallies["asyncio"], tasks=THREADS)
     return {
         "synchronous": synchronous.upper(),
         "raw_sqlite": tallies["raw"].summary(),
