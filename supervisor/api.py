@@ -220,6 +220,8 @@ class Api:
                 raise ApiError(
                     403, "forbidden", f"{principal} has {held} access; this needs {need}"
                 )
+        if self.pool is not None and info.active_turn_id:
+            self.pool.touch(info.id)  # first touch: an interrupted turn may go on
         return info
 
     def _refuse_while_stopping(self) -> None:
@@ -349,9 +351,11 @@ class Api:
             raise ApiError(403, "forbidden", "only the admin principal may read the status")
         counts = await asyncio.to_thread(self.store.sessions.counts)
         pool = self.pool.status() if self.pool is not None else {"slots": [], "restarts": 0}
+        breaker = self.pool.recovery.breaker_dict() if self.pool is not None else None
         return web.json_response(
             {
                 "boot": {"id": self.boot_id, "ready": self.ready, "stopping": self.stopping},
+                "breaker": breaker,
                 "slots": pool["slots"],
                 "worker_restarts": pool["restarts"],
                 "sessions": counts,

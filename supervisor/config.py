@@ -175,6 +175,11 @@ class RecoveryConfig(_Section):
     retry_interval: PositiveSeconds = 300.0
     breaker_threshold: Annotated[int, Field(ge=1)] = 3
     breaker_window: PositiveSeconds = 300.0
+    attempt_delays: Annotated[tuple[Seconds, ...], Field(min_length=1)] = (
+        0.0,
+        5.0,
+        30.0,
+    )
 
 
 class LogConfig(_Section):

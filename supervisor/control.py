@@ -6,16 +6,19 @@ re-reads the database before it acts.
 
 worker -> supervisor:
     hello       {worker, pid}                  connected, store open: ready for sessions
-    heartbeat   {worker, sessions, turns}      alive; sent from the worker's event loop
+    heartbeat   {worker, sessions, turns,      alive; sent from the worker's event loop,
+                 mcp, append_latency}          with its MCP servers by state and the
+                                               append latencies since the last one
     committed   {session, event}               an event was committed (for live streams)
     turn_done   {session, turn_id, outcome}    a turn ended
     released    {session}                      stopped at an event boundary, lease released
     lease_lost  {session}                      fenced out: the session is someone else's
 
 supervisor -> worker:
-    assign      {session, token, reason}       own this session with this lease token;
-                                               reason: new | adopt | handoff | restart
-                                               | stale
+    assign      {session, token, reason,       own this session with this lease token;
+                 cause}                        reason: new | adopt | handoff | restart
+                                               | stale; cause: what stopped the turn,
+                                               for the continuation note
     release     {session}                      stop at the next event boundary, release
     wake        {session}                      re-read the session: there may be work
     interrupt   {session}                      cancel the turn in flight (operator)
@@ -38,6 +41,36 @@ CONTINUATION_CAUSE = {
     "stale": "lease_expired",
     "new": "interrupted",
 }
+
+
+# Upper bounds (seconds) of the append latency histogram, shared by workers and supervisor.
+APPEND_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class Histogram:
+    """Observations since the last `take`: counts per bucket (the last is +Inf) and sum.
+
+    Workers send these as deltas in their heartbeats; the supervisor adds them up.
+    """
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self._reset()
+
+    def _reset(self) -> None:
+        self.counts = [0] * (len(self.bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        index = next((i for i, b in enumerate(self.bounds) if value <= b), len(self.bounds))
+        self.counts[index] += 1
+        self.sum += value
+
+    def take(self) -> dict[str, Any]:
+        """The delta since the last take, as a JSON-able dict; starts a new one."""
+        delta = {"counts": self.counts, "sum": self.sum}
+        self._reset()
+        return delta
 
 
 class ProtocolError(ValueError):

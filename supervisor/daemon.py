@@ -36,6 +36,7 @@ from supervisor.metrics import Metrics
 from supervisor.notify import Notifier
 from supervisor.pool import Pool
 from supervisor.reaper import become_subreaper, sweep
+from supervisor.recoverer import Recoverer
 from supervisor.store import Store
 
 CONTROL_SOCKET = "control.sock"
@@ -99,16 +100,28 @@ class Daemon:
         boot_id = await asyncio.to_thread(store.boots.begin, self.host, os.getpid(), __version__)
         pool: Pool | None = None
         http: web.AppRunner | None = None
+        metrics = Metrics()
+        recovery = Recoverer(self.config, store, boot_id, self.host, metrics)
         try:
+            await asyncio.to_thread(self._previous_stop, store, boot_id, metrics)
+            await asyncio.to_thread(recovery.evaluate_breaker)
+            await asyncio.to_thread(recovery.prune)
             await self._sweep(store, boot_id)
             socket_path = self.paths.runtime_dir / CONTROL_SOCKET
             socket_path.unlink(missing_ok=True)  # stale; we hold its lock
             pool = Pool(
-                self.config, store, boot_id, f"ipc://{socket_path}", f"{self.host}/{boot_id[:8]}"
+                self.config,
+                store,
+                boot_id,
+                f"ipc://{socket_path}",
+                f"{self.host}/{boot_id[:8]}",
+                recovery,
+                metrics,
             )
-            self.api = Api(
-                self.config, store, Hub(), tokens, Metrics(pool.status), boot_id=boot_id, pool=pool
-            )
+            metrics.state.pool = pool.status
+            metrics.state.mcp = pool.mcp_states
+            metrics.state.sessions = store.sessions.counts
+            self.api = Api(self.config, store, Hub(), tokens, metrics, boot_id=boot_id, pool=pool)
             pool.on_event.append(self.api.publish)
             http = await self._listen(self.api)
             await pool.start()
@@ -120,6 +133,7 @@ class Daemon:
             else:
                 self.api.ready = True
                 self.notifier.ready(self._summary(pool))
+                recovery.start()  # the boot scan runs now that the listener is up
                 watchdog = asyncio.create_task(self._watchdog(pool))
                 log("daemon").info(
                     "ready: boot {} pid {}, {} workers + {} spare, database {}, listening on {}",
@@ -132,8 +146,10 @@ class Daemon:
                 )
                 await self._serve(pool)
                 watchdog.cancel()
+                await recovery.stop()
         except BaseException:
             with contextlib.suppress(Exception):
+                await recovery.stop()
                 if http is not None:
                     await http.cleanup()
                 if pool is not None:
@@ -143,11 +159,7 @@ class Daemon:
             raise
         failed = pool.fatal.is_set()
         await self._teardown(http, pool)
-        await self._step(
-            "boot row",
-            5.0,
-            asyncio.to_thread(store.boots.end, boot_id, "unclean" if failed else "clean"),
-        )
+        await self._step("boot row", 5.0, asyncio.to_thread(self._end_boot, store, boot_id, failed))
         store.close()
         log("shutdown").info(
             "stopped {} in {:.2f} s",
@@ -155,6 +167,20 @@ class Daemon:
             time.monotonic() - self.stop_started,
         )
         return 1 if failed else 0
+
+    def _end_boot(self, store: Store, boot_id: str, failed: bool) -> None:
+        """End the boot row, with the stop's step durations for the next boot's metrics."""
+        store.boots.set_breaker(boot_id, {"shutdown_steps": self.step_seconds})
+        store.boots.end(boot_id, "unclean" if failed else "clean")
+
+    @staticmethod
+    def _previous_stop(store: Store, boot_id: str, metrics: Metrics) -> None:
+        """The previous boot's stop step durations, as gauges."""
+        for boot in store.boots.recent(2):
+            if boot.boot_id != boot_id and boot.breaker:
+                for step, seconds in (boot.breaker.get("shutdown_steps") or {}).items():
+                    metrics.shutdown_steps.labels(step).set(float(seconds))
+                return
 
     async def _teardown(self, http: web.AppRunner, pool: Pool) -> None:
         """The stop sequence of DESIGN.md section 7; every step is capped and timed."""

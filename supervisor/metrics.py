@@ -1,27 +1,44 @@
 """Prometheus metrics, served by the supervisor from one registry.
 
-Workers do not write metric files: what they do reaches the supervisor over the control
-plane (every committed event), and the pool's own state is read at scrape time.
+Workers write no metric files (prometheus multiprocess mode leaks files of dead pids):
+what they do reaches the supervisor over the control plane (every committed event, and
+in each heartbeat their append latencies since the last one and their MCP servers by
+state), and the pool's and the store's state is read at scrape time.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import threading
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
+from supervisor.control import APPEND_BUCKETS
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+SLOT_STATES = ("starting", "running", "backoff", "fatal", "stopped")
+SESSION_STATES = ("open", "running", "pending", "quarantined", "closed")
+MCP_STATES = ("starting", "ready", "backoff", "down", "stopped")
 
 
-class _PoolCollector(Collector):
-    def __init__(self, snapshot: Callable[[], dict[str, Any]]) -> None:
-        self._snapshot = snapshot
+class _State(Collector):
+    """What is read at scrape time: workers, sessions, MCP servers."""
+
+    def __init__(self) -> None:
+        self.pool: Callable[[], dict[str, Any]] = lambda: {"slots": [], "restarts": 0}
+        self.sessions: Callable[[], Mapping[str, int]] | None = None
+        self.mcp: Callable[[], Mapping[str, int]] = dict
 
     def collect(self) -> Iterator[Metric]:
-        status = self._snapshot()
+        status = self.pool()
         restarts = CounterMetricFamily(
             "turnkeeper_worker_restarts", "Worker processes that died without being asked to."
         )
@@ -33,29 +50,111 @@ class _PoolCollector(Collector):
         counts: dict[str, int] = {}
         for slot in status.get("slots", []):
             counts[slot["state"]] = counts.get(slot["state"], 0) + 1
-        for state in ("starting", "running", "backoff", "fatal", "stopped"):
+        for state in SLOT_STATES:
             workers.add_metric([state], counts.get(state, 0))
         yield workers
+        mcp = GaugeMetricFamily(
+            "turnkeeper_mcp_servers", "MCP servers of the live workers, by state.", labels=["state"]
+        )
+        states = self.mcp()
+        for state in MCP_STATES:
+            mcp.add_metric([state], states.get(state, 0))
+        yield mcp
+        if self.sessions is not None:
+            sessions = GaugeMetricFamily(
+                "turnkeeper_sessions",
+                "Sessions by state (running and pending are among the open ones).",
+                labels=["state"],
+            )
+            try:
+                by_state = self.sessions()
+            except Exception:
+                by_state = None  # a busy database: leave the family empty for this scrape
+            for state in SESSION_STATES if by_state is not None else ():
+                sessions.add_metric([state], by_state.get(state, 0))  # type: ignore[union-attr]
+            yield sessions
+
+
+class _Deltas(Collector):
+    """A histogram summed from the deltas the workers send (`control.Histogram.take`)."""
+
+    def __init__(self, name: str, documentation: str, bounds: tuple[float, ...]) -> None:
+        self.name, self.documentation, self.bounds = name, documentation, bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+        self._lock = threading.Lock()
+
+    def add(self, delta: Mapping[str, Any]) -> None:
+        counts = delta.get("counts")
+        if not isinstance(counts, list) or len(counts) != len(self.counts):
+            return  # a worker of another version; not worth a crash
+        with self._lock:
+            for index, count in enumerate(counts):
+                self.counts[index] += int(count)
+            self.sum += float(delta.get("sum", 0.0))
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            counts, total = list(self.counts), self.sum
+        cumulative, buckets = 0, []
+        for bound, count in zip([*map(str, self.bounds), "+Inf"], counts, strict=True):
+            cumulative += count
+            buckets.append((bound, cumulative))
+        family = HistogramMetricFamily(self.name, self.documentation)
+        family.add_metric([], buckets, total)
+        yield family
 
 
 class Metrics:
-    """The daemon's metrics."""
+    """The daemon's metrics; see the README's list."""
 
-    def __init__(self, pool_status: Callable[[], dict[str, Any]]) -> None:
-        self.registry = CollectorRegistry()
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
         self.events_committed = Counter(
-            "turnkeeper_events_committed",
-            "Events committed, by type.",
-            ["type"],
-            registry=self.registry,
+            "turnkeeper_events_committed", "Events committed, by type.", ["type"], registry=r
         )
         self.intake_rejections = Counter(
             "turnkeeper_intake_rejections",
             "Requests intake refused, by reason.",
             ["reason"],
-            registry=self.registry,
+            registry=r,
         )
-        self.registry.register(_PoolCollector(pool_status))
+        self.recovery = Counter(
+            "turnkeeper_session_recovery",
+            "Recovery decisions about interrupted turns, by action, cause and outcome.",
+            ["action", "cause", "outcome"],
+            registry=r,
+        )
+        self.recovery_age = Histogram(
+            "turnkeeper_session_recovery_age_seconds",
+            "How long a turn had been interrupted when a continuation attempt started.",
+            buckets=(1, 5, 15, 30, 60, 300, 900, 1800, 3600),
+            registry=r,
+        )
+        self.recovery_refunds = Counter(
+            "turnkeeper_session_recovery_refunds",
+            "Continuation attempts charged and then given back (no worker took the session).",
+            registry=r,
+        )
+        self.breaker_tripped = Gauge(
+            "turnkeeper_breaker_tripped",
+            "1 while the crash-loop breaker suppresses side work, else 0.",
+            registry=r,
+        )
+        self.shutdown_steps = Gauge(
+            "turnkeeper_shutdown_step_seconds",
+            "How long each step of the previous boot's stop took.",
+            ["step"],
+            registry=r,
+        )
+        self.append_latency = _Deltas(
+            "turnkeeper_append_latency_seconds",
+            "Time for an event append to commit, as the workers measured it.",
+            APPEND_BUCKETS,
+        )
+        r.register(self.append_latency)
+        self.state = _State()
+        r.register(self.state)
 
     def render(self) -> bytes:
         """The text exposition format."""

@@ -28,7 +28,10 @@ import zmq.asyncio
 from supervisor import control
 from supervisor.config import Config
 from supervisor.logs import log
+from supervisor.metrics import Metrics
 from supervisor.reaper import descendants, reap_orphans, terminate
+from supervisor.recoverer import Judged, Recoverer
+from supervisor.recovery import Action, Trigger
 from supervisor.slots import Slot, SlotState, all_fatal
 from supervisor.store import SessionInfo, SessionNotFound, Store
 from workers.entry import WorkerSpec, run_worker
@@ -37,7 +40,8 @@ TICK = 0.1  # seconds between housekeeping rounds
 POLL = 0.25  # seconds between database polls for sessions with work
 START_TIMEOUT = 30.0  # a worker that has not said hello by then is hung
 ABORT_GRACE = 1.0  # between SIGABRT (traceback) and SIGKILL for a hung worker
-MAX_ATTEMPTS = 3  # a turn that died with its worker this often quarantines its session
+# The assignment reason a worker is given, by what made recovery continue the turn.
+RECOVERY_REASON = {Trigger.WORKER_DEATH: "adopt"}
 
 
 @dataclass(eq=False)
@@ -57,6 +61,7 @@ class Worker:
     stop_requested: bool = False
     aborted_at: float | None = None
     child_row: int | None = None
+    mcp: dict[str, int] = field(default_factory=dict)  # its MCP servers by state
 
     @property
     def pid(self) -> int:
@@ -77,6 +82,8 @@ class Pool:
         boot_id: str,
         address: str,
         owner_prefix: str,
+        recovery: Recoverer,
+        metrics: Metrics,
         *,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -87,6 +94,9 @@ class Pool:
         self.owner_prefix = owner_prefix  # "<host>/<boot>": lease owners of this boot
         self.host_prefix = owner_prefix.split("/", 1)[0] + "/"
         self.clock = clock
+        self.recovery = recovery
+        self.metrics = metrics
+        recovery.poke = self.poke
         self.slots = [Slot(i) for i in range(config.pool.workers + config.pool.spare)]
         self.current: dict[int, Worker] = {}
         self.workers: dict[str, Worker] = {}
@@ -166,6 +176,18 @@ class Pool:
         )
         self.router.close()
         self.zmq.term()
+
+    def mcp_states(self) -> dict[str, int]:
+        """MCP servers of the live workers by state, as their last heartbeats said."""
+        states: dict[str, int] = {}
+        for worker in self.workers.values():
+            for state, count in worker.mcp.items():
+                states[state] = states.get(state, 0) + count
+        return states
+
+    def poke(self) -> None:
+        """Dispatch now rather than at the next poll."""
+        self._poked.set()
 
     def _recorded_groups(self) -> list[int]:
         return [c.pgid for c in self.store.children.of_boot(self.boot_id) if c.pgid]
@@ -274,7 +296,9 @@ class Pool:
             if self.assigned.get(session_id) is worker:
                 del self.assigned[session_id]
         if orphans and not self.stopping:
-            self._background(self._adopt(orphans))
+            # Recovery decides how each goes on; the spare takes the first ones at once.
+            self.recovery.died.update(orphans)
+            self._poked.set()
         if all_fatal(self.slots):
             self.fatal.set()
 
@@ -349,6 +373,10 @@ class Pool:
             self.log.info("worker {} is ready", worker.identity)
         elif kind == "heartbeat":
             worker.turns = int(message.get("turns", 0))
+            if isinstance(mcp := message.get("mcp"), dict):
+                worker.mcp = {str(k): int(v) for k, v in mcp.items()}
+            if isinstance(latency := message.get("append_latency"), dict):
+                self.metrics.append_latency.add(latency)
         elif kind == "committed":
             for callback in self.on_event:
                 callback(str(message["session"]), dict(message["event"]))
@@ -380,6 +408,12 @@ class Pool:
             return
         self._poked.set()
 
+    def touch(self, session_id: str) -> None:
+        """A request touched the session: an interrupted turn of it may go on (lazy resume)."""
+        if session_id not in self.recovery.touched:
+            self.recovery.touched.add(session_id)
+            self._poked.set()
+
     def interrupt(self, session_id: str) -> None:
         """The operator ended the session's turn (already in the database): stop it now."""
         owner = self.assigned.pop(session_id, None)
@@ -392,7 +426,8 @@ class Pool:
         """Give every session with work an owner, and wake owners of new input.
 
         A session whose owner stopped renewing its lease (a frozen process, say) is given
-        to another worker under a new token: the old owner is fenced out.
+        to another worker under a new token: the old owner is fenced out. A turn in flight
+        with no live owner is interrupted; recovery decides whether and how it goes on.
         """
         now, sessions = await asyncio.to_thread(self._sessions_with_work)
         for info in sessions:
@@ -403,30 +438,44 @@ class Pool:
                     self.woken[info.id] = info.last_seq
                     self.send(owner, "wake", session=info.id)
                 continue
-            reason = "restart" if info.active_turn_id else "new"
             if owner is not None:
                 owner.sessions.discard(info.id)
                 del self.assigned[info.id]
-                reason = "stale"
                 self.log.warning(
                     "{} stopped renewing the lease of session {}; moving it",
                     owner.identity,
                     info.id,
                 )
-            elif info.owner and info.owner.startswith(self.owner_prefix + "/"):
-                reason = "adopt"  # a worker of this boot died with it
-            elif info.owner and not info.owner.startswith(self.host_prefix):
-                reason = "stale"  # another host's lease ran out
             # Free, stale, or held by this host (a dead worker of ours, an earlier boot).
             # A live lease of another host is that host's to keep.
             ours = info.owner is None or info.owner.startswith(self.host_prefix)
-            if info.id not in self.busy and (ours or not lease_live):
-                await self._assign(info, reason if info.active_turn_id else "new")
+            if info.id in self.busy or not (ours or not lease_live) or self.stopping:
+                continue
+            if info.active_turn_id is None:
+                await self._assign(info, "new")
+            else:
+                await self._recover(info, now)
 
     def _sessions_with_work(self) -> tuple[float, list[SessionInfo]]:
         return self.store.now(), self.store.sessions.with_work()
 
-    async def _adopt(self, session_ids: list[str], reason: str = "adopt") -> None:
+    async def _recover(self, info: SessionInfo, now: float) -> None:
+        recovery = self.recovery
+        trigger = recovery.trigger_for(info, self.owner_prefix)
+        if trigger is None or recovery.waiting(info.id, now) or recovery.settled(info, trigger):
+            return  # left for the boot scan, the retry timer or a first touch
+        judged = await recovery.judge(info, trigger)
+        action = judged.decision.action
+        if action is Action.CONTINUE:
+            await self._assign(info, RECOVERY_REASON.get(trigger, "restart"), judged)
+        elif action is Action.DRIVE_WITH_QUEUED_MESSAGE:
+            recovery.drive(info, judged)
+            await self._assign(info, "new")
+        else:
+            await recovery.carry_out(info, judged)
+
+    async def _adopt(self, session_ids: list[str], reason: str) -> None:
+        """Hand sessions over at once (a rolling restart released them at a boundary)."""
         for session_id in session_ids:
             try:
                 info = await asyncio.to_thread(self.store.sessions.get, session_id)
@@ -435,31 +484,22 @@ class Pool:
             if info.status == "open" and (info.active_turn_id or info.pending):
                 await self._assign(info, reason)
 
-    async def _assign(self, info: SessionInfo, reason: str) -> None:
+    async def _assign(self, info: SessionInfo, reason: str, judged: Judged | None = None) -> None:
+        """Lease the session to the least-loaded worker and tell it.
+
+        A continuation (`judged`) is charged in the database once a worker is found, before
+        the lease: a worker that dies at once has still used up the attempt. A charge that
+        no worker took is refunded.
+        """
         if info.id in self.busy or self.stopping:
-            return
-        if (
-            info.active_turn_id
-            and info.attempt_turn_id == info.active_turn_id
-            and info.attempt_count >= MAX_ATTEMPTS
-        ):
-            self.log.error(
-                "session {} quarantined: turn {} stopped its worker {} times in a row",
-                info.id,
-                info.active_turn_id,
-                info.attempt_count,
-            )
-            await asyncio.to_thread(
-                self.store.sessions.quarantine,
-                info.id,
-                f"turn {info.active_turn_id} stopped its worker {info.attempt_count} times",
-            )
             return
         target = self._pick(prefer_spare=reason == "adopt")
         if target is None:
             return  # no ready worker now; the next dispatch tries again
         self.busy.add(info.id)
         try:
+            if judged is not None and not await self.recovery.charge(info, judged):
+                return
             lease = await asyncio.to_thread(
                 self.store.leases.acquire,
                 info.id,
@@ -467,6 +507,8 @@ class Pool:
                 self.config.lease.stale_after,
                 force=True,
             )
+            if (lease is None or not target.alive) and judged is not None:
+                await self.recovery.refund(info, judged)
         finally:
             self.busy.discard(info.id)
         if lease is None or not target.alive:
@@ -475,7 +517,9 @@ class Pool:
         target.spare = False
         self.assigned[info.id] = target
         self.woken[info.id] = info.last_seq
-        self.send(target, "assign", session=info.id, token=lease.token, reason=reason)
+        self.recovery.died.discard(info.id)
+        cause = judged.decision.cause if judged is not None else None
+        self.send(target, "assign", session=info.id, token=lease.token, reason=reason, cause=cause)
         log("pool", session=info.id).info(
             "assigned to {} ({}, token {})", target.identity, reason, lease.token
         )

@@ -12,11 +12,11 @@ Rules
   The tail class decides only how to go on.
 - Attempts: at most `MAX_ATTEMPTS` (3) continuation attempts per interrupted turn: the
   first at once, the second 5 s after the first started, the third 30 s after the second
-  (`ATTEMPT_DELAYS`). `attempts` counts the continuation attempts already charged for the
-  turn; the turn's own first run is not one of them. The caller charges an attempt in
-  the database before it starts; the store clears the charge when the turn ends. When
-  the third has failed, the user gets a notice asking to resend and the session is
-  quarantined: never left silent.
+  (`ATTEMPT_DELAYS`, the default of `recovery.attempt_delays`). `attempts` counts the
+  continuation attempts already charged for the turn; the turn's own first run is not one
+  of them. The caller charges an attempt in the database before it starts; the store
+  clears the charge when the turn ends. When the third has failed, the user gets a notice
+  asking to resend and the session is quarantined: never left silent.
 - Only CONTINUE charges an attempt. Everything else is free, in particular what did not
   really try: another host's lease, not interrupted, still running, a queued user message.
 - Freshness: an interruption is fresh while `now - interrupted_at <= freshness`; exactly
@@ -49,7 +49,7 @@ Decisions: the first row that matches wins.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, NamedTuple, Protocol
@@ -100,6 +100,7 @@ class Trigger(Enum):
 
     FIRST_TOUCH = "first_touch"  # a request touched the session (lazy resume)
     USER_MESSAGE = "user_message"  # the user sent the session a message
+    WORKER_DEATH = "worker_death"  # its worker died during this boot (crash, OOM, hang)
     BOOT_SCAN = "boot_scan"  # the bounded scan for sessions nobody touches
     RETRY_TIMER = "retry_timer"  # the periodic pass for attempts that failed transiently
     AUTONOMOUS_RESUME = "autonomous_resume"  # an autonomous run resuming by itself
@@ -156,6 +157,10 @@ class RecoverySettings(Protocol):
     def freshness(self) -> float:
         """Seconds after which an interruption is finalized instead of continued."""
 
+    @property
+    def attempt_delays(self) -> tuple[float, ...]:
+        """The attempt schedule; its length is the number of attempts (`ATTEMPT_DELAYS`)."""
+
 
 @dataclass(frozen=True)
 class Decision:
@@ -175,16 +180,18 @@ class Decision:
         return self.action is Action.CONTINUE
 
 
-def next_attempt_at(attempts: int, since: float) -> float | None:
+def next_attempt_at(
+    attempts: int, since: float, delays: tuple[float, ...] = ATTEMPT_DELAYS
+) -> float | None:
     """When attempt `attempts + 1` may start, given the previous one started at `since`.
 
     None when all attempts are spent.
     """
     if attempts < 0:
         raise ValueError(f"attempts cannot be negative: {attempts}")
-    if attempts >= MAX_ATTEMPTS:
+    if attempts >= len(delays):
         return None
-    return since + ATTEMPT_DELAYS[attempts]
+    return since + delays[attempts]
 
 
 @dataclass(frozen=True)
@@ -204,8 +211,14 @@ class _Case:
         # Without a recorded start, the last committed event stands in for it.
         since = self.facts.last_attempt_at
         return next_attempt_at(
-            self.facts.attempts, self.facts.interrupted_at if since is None else since
+            self.facts.attempts,
+            self.facts.interrupted_at if since is None else since,
+            tuple(self.settings.attempt_delays),
         )
+
+    @property
+    def max_attempts(self) -> int:
+        return len(self.settings.attempt_delays)
 
     def not_due(self) -> bool:
         due = self.due_at
@@ -221,7 +234,7 @@ class _Case:
             "trigger": self.trigger.value,
             "attempts": f.attempts,
             "attempt": f.attempts + 1,
-            "max": MAX_ATTEMPTS,
+            "max": self.max_attempts,
             "age": self.age,
             "freshness": self.settings.freshness,
             "due_in": 0.0 if due is None else due - self.now,
@@ -263,7 +276,7 @@ _RULES: tuple[_Rule, ...] = (
         suppressed=True,
     ),
     _Rule(
-        lambda c: c.facts.attempts >= MAX_ATTEMPTS,
+        lambda c: c.facts.attempts >= c.max_attempts,
         Action.NOTICE_RESEND,
         "{attempts} attempts failed: asking the user to resend, quarantining",
         quarantine=True,
@@ -335,3 +348,73 @@ def boot_scan_plan(candidates: Iterable[tuple[str, float]], max_per_boot: int) -
             seen.add(session_id)
             plan.append(session_id)
     return plan
+
+
+class TailEvent(Protocol):
+    """What the classifier reads of an event (a `supervisor.store.EventRecord`)."""
+
+    @property
+    def type(self) -> str: ...
+    @property
+    def turn_id(self) -> str | None: ...
+    @property
+    def payload(self) -> dict[str, Any]: ...
+
+
+def classify_tail(events: Sequence[TailEvent], turn_id: str) -> TailClass:
+    """How the interrupted turn `turn_id` stands, from the session's latest events.
+
+    `events` oldest first, from at least the turn's `turn_started` (earlier ones are
+    ignored). User messages that arrived during the turn are not its tail: a queued
+    message is its own fact (`Interruption.queued_user_message`).
+
+    | the turn's events, latest last                      | tail                     |
+    |-----------------------------------------------------|--------------------------|
+    | a `turn_ended`, interrupted_by_operator             | OPERATOR_INTERRUPT       |
+    | a `turn_ended`, any other outcome                   | ENDED_IN_ERROR           |
+    | the last is a `continuation` note                   | LAST_IS_CONTINUATION_NOTE|
+    | a call the model asked for has no result            | TOOL_CALL_WITHOUT_RESULT |
+    | the last step is a `tool_result`                    | TOOL_RESULT_NOT_CONSUMED |
+    | the last step is an answer cut at the token limit   | CUT_BY_MAX_TOKENS        |
+    | the last step is a final answer                     | ANSWERED                 |
+    | no model or tool step yet                           | UNANSWERED_USER_MESSAGE  |
+    """
+    start = 0
+    for index, event in enumerate(events):
+        if event.type == "turn_started" and event.turn_id == turn_id:
+            start = index
+    own = [e for e in events[start:] if e.turn_id == turn_id]
+    for event in own:
+        if event.type == "turn_ended":
+            if event.payload.get("outcome") == "interrupted_by_operator":
+                return TailClass.OPERATOR_INTERRUPT
+            return TailClass.ENDED_IN_ERROR
+    steps = [e for e in own if e.type in ("model_response", "tool_result", "continuation")]
+    if not steps:
+        return TailClass.UNANSWERED_USER_MESSAGE
+    if steps[-1].type == "continuation":
+        return TailClass.LAST_IS_CONTINUATION_NOTE
+    asked = {
+        str(call.get("id"))
+        for e in own
+        if e.type == "model_response"
+        for call in e.payload.get("tool_calls") or []
+    }
+    answered = {str(e.payload.get("call_id")) for e in own if e.type == "tool_result"}
+    if asked - answered:
+        return TailClass.TOOL_CALL_WITHOUT_RESULT
+    last = steps[-1]
+    if last.type == "tool_result":
+        return TailClass.TOOL_RESULT_NOT_CONSUMED
+    if last.payload.get("finish_reason") == "length":
+        return TailClass.CUT_BY_MAX_TOKENS
+    return TailClass.ANSWERED
+
+
+def cause_of(tail: TailClass, trigger: Trigger, lease_expired: bool) -> str:
+    """What the continuation note tells as the cause of the interruption."""
+    if tail is TailClass.CUT_BY_MAX_TOKENS:
+        return "max_tokens"
+    if trigger is Trigger.WORKER_DEATH:
+        return "lease_expired" if lease_expired else "worker_crash"
+    return "daemon_restart"

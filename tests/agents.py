@@ -1,6 +1,8 @@
 """An agent plug-in for tests: the tool-loop agent, plus commands aimed at its own worker.
 
-/crash              SIGKILL the worker process running the turn (every time)
+/crash              run the `echo` tool, then SIGKILL the worker process running the
+                    turn (every time: each continuation runs the tool and dies again)
+/crash-at-start     SIGKILL the worker before the turn does anything (every time)
 /hang-once PATH     block the worker's event loop for good, unless PATH exists
                     (it is created first, so a continuation of the turn goes on)
 """
@@ -10,10 +12,12 @@ from __future__ import annotations
 import os
 import signal
 import time
+import uuid
 from pathlib import Path
 
 from workers.agent import Turn
 from workers.agents.tool_loop import ToolLoopAgent
+from workers.models import ToolCall
 
 
 class ChaosAgent(ToolLoopAgent):
@@ -21,6 +25,9 @@ class ChaosAgent(ToolLoopAgent):
         users = [m.content for m in turn.messages if m.role == "user" and not m.note]
         last = users[-1] if users else ""
         if last == "/crash":
+            await turn.call_tool(ToolCall(f"crash-{uuid.uuid4().hex[:8]}", "echo", {"text": "x"}))
+            os.kill(os.getpid(), signal.SIGKILL)
+        if last == "/crash-at-start":
             os.kill(os.getpid(), signal.SIGKILL)
         if last.startswith("/hang-once "):
             marker = Path(last.split(maxsplit=1)[1])

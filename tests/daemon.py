@@ -48,6 +48,8 @@ class Daemon:
             "pool": {"workers": 2, "spare": 1, "heartbeat_interval": 0.2, "hang_timeout": 5.0},
             "agent": {"class": "tests.agents:ChaosAgent"},
             "shutdown": {"kill_grace": 3.0},
+            # The attempt schedule shortened from 0, 5 and 30 s, so tests need not wait.
+            "recovery": {"attempt_delays": [0.0, 0.5, 1.0]},
         }
         for name, values in sections.items():
             config.setdefault(name, {}).update(values)

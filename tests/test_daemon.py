@@ -254,9 +254,15 @@ def test_a_turn_that_keeps_killing_its_worker_is_quarantined(daemons: Daemons) -
             "the poisoned session to be quarantined",
         )
         found = events(store, poisoned)
-        assert [e.type for e in found].count("continuation") == 2  # attempts 2 and 3
+        # The turn's own run, then 3 continuation attempts, each of which died too.
+        assert [e.type for e in found].count("continuation") == 3
+        assert [e.type for e in found].count("tool_call") == 4
         notice = next(e for e in found if e.type == "notice")
-        assert "quarantined" in notice.payload["text"]
+        assert "quarantined" in notice.payload["text"] and notice.payload["resend"] is True
+        assert "attempts to continue it failed" in notice.payload["text"]
+        # Recovery stopped it, not the breaker: this daemon never restarted.
+        assert "breaker TRIPPED" not in daemon.log()
+        assert re.search(r"\[recovery\].*3 attempts failed", daemon.log())
         assert found[-1].type == "turn_ended" and found[-1].payload["reason"] == "quarantined"
         seq = inject(store, healthy, "still serving")
         ended = wait_until(lambda: turn_ended(store, healthy, seq), 20, "the healthy turn")

@@ -39,12 +39,13 @@ HANDOFF = ("continuation", "t1", {"cause": "handoff"})
         ([USER, START], False, "t1", ("t1", 1)),
         ([USER, START, USER], True, "t1", ("t1", 1)),
         ([USER, START, END], False, None, (None, 0)),
-        ([USER, START, CRASHED], False, "t1", ("t1", 2)),
-        ([USER, START, CRASHED, CRASHED], False, "t1", ("t1", 3)),
+        # A note charges nothing: recovery charged the attempt before the worker wrote it.
+        ([USER, START, CRASHED], False, "t1", ("t1", 1)),
+        ([USER, START, CRASHED, CRASHED], False, "t1", ("t1", 1)),
         ([USER, START, HANDOFF], False, "t1", ("t1", 1)),
         ([USER, START, CRASHED, END], False, None, (None, 0)),
         ([USER, START, END, USER, ("turn_started", "t2", {})], False, "t2", ("t2", 1)),
-        ([("continuation", "t9", {"cause": "daemon_restart"})], False, None, ("t9", 1)),
+        ([("continuation", "t9", {"cause": "daemon_restart"})], False, None, (None, 0)),
     ],
 )
 def test_rules(

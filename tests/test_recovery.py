@@ -31,7 +31,7 @@ from supervisor.recovery import (
 NOW = 100_000.0
 ON = RecoveryConfig()
 OFF = RecoveryConfig(auto_continue=False)
-ATTENDED = (Trigger.FIRST_TOUCH, Trigger.USER_MESSAGE)
+ATTENDED = (Trigger.FIRST_TOUCH, Trigger.USER_MESSAGE, Trigger.WORKER_DEATH)
 UNATTENDED = (Trigger.BOOT_SCAN, Trigger.RETRY_TIMER, Trigger.AUTONOMOUS_RESUME)
 # A fresh interruption that would be continued: our lease expired mid-turn 10 s ago.
 BASE = Interruption(

@@ -580,6 +580,14 @@ def test_resume_with_all_results_in_continues_without_repairs() -> None:
     assert [m.role for m in runs.seen[0][1]] == ["user", "assistant", "tool", "user"]
 
 
+def test_an_answer_cut_by_max_tokens_is_continued_with_a_note_saying_so() -> None:
+    _, log, runs = resume([user("x"), ev("turn_started"), answer("echo", "length")], "max_tokens")
+    assert log.types == ["continuation"]
+    note = log.payloads("continuation")[0]
+    assert note["cause"] == "max_tokens" and "token limit" in note["text"]
+    assert len(runs.seen) == 1 and runs.seen[0][1][-1].note is True
+
+
 def test_resume_before_any_model_response_continues() -> None:
     _, log, runs = resume([user("x"), ev("turn_started")])
     assert log.types == ["continuation"]
@@ -593,9 +601,8 @@ def test_resume_before_any_model_response_continues() -> None:
         ([answer("echo: x"), user("next one")], "completed"),
         ([answer("echo: x"), ev("notice", {"text": "fyi"})], "completed"),
         ([asks("c1"), tool_result("c1"), answer("echo: ok")], "completed"),
-        ([answer("echo", "length")], "truncated"),
     ],
-    ids=["answered", "user-after-answer", "notice-after-answer", "after-tools", "truncated"],
+    ids=["answered", "user-after-answer", "notice-after-answer", "after-tools"],
 )
 def test_resume_of_a_finished_turn_only_ends_it(tail: list[EventRecord], outcome: str) -> None:
     result, log, runs = resume([user("x"), ev("turn_started"), *tail])

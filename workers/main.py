@@ -76,6 +76,7 @@ class Worker:
         self.runners: dict[str, SessionRunner] = {}
         self._mcp_rows: dict[int, int] = {}
         self._stop = asyncio.Event()
+        self.latency = control.Histogram(control.APPEND_BUCKETS)
         self.log = logger.bind(subsystem="worker")
 
     async def run(self) -> int:
@@ -161,11 +162,15 @@ class Worker:
         runner = self.runners.get(session_id)
         if kind == "assign":
             token, reason = int(message["token"]), str(message.get("reason", "new"))
+            cause = message.get("cause")
+            cause = str(cause) if cause else None
             if runner is None or runner.task is None or runner.task.done():
                 runner = SessionRunner(
                     session_id,
                     token,
                     reason,
+                    cause=cause,
+                    observe=self.latency.observe,
                     store=self.store,
                     make_agent=self._make_agent,
                     model=self.model,
@@ -175,7 +180,7 @@ class Worker:
                 self.runners[session_id] = runner
                 runner.start()
             else:
-                runner.reassign(token, reason)
+                runner.reassign(token, reason, cause)
         elif runner is None:
             return
         elif kind == "wake":
@@ -216,10 +221,15 @@ class Worker:
     async def _heartbeat(self) -> None:
         while True:
             self._forget_finished()
+            mcp: dict[str, int] = {}
+            for client in self.mcp.clients if self.mcp is not None else ():
+                mcp[client.state.value] = mcp.get(client.state.value, 0) + 1
             await self.send(
                 "heartbeat",
                 sessions=len(self.runners),
                 turns=sum(1 for r in self.runners.values() if r.in_turn),
+                mcp=mcp,
+                append_latency=self.latency.take(),
             )
             await asyncio.sleep(self.config.pool.heartbeat_interval)
 

@@ -34,21 +34,25 @@ class SessionRunner:
         token: int,
         reason: str,
         *,
+        cause: str | None = None,
         store: Store,
         make_agent: Callable[[str], Agent],
         model: Model,
         toolbox: Toolbox,
         notify: Notify,
+        observe: Callable[[float], None] = lambda seconds: None,
     ) -> None:
         self.session_id = session_id
         self.token = token
         self.reason = reason
+        self.cause = cause  # what recovery found stopped the turn, for the note
         self._store = store
         self._make_agent = make_agent
         self._agent: Agent | None = None
         self._model = model
         self._toolbox = toolbox
         self._notify = notify
+        self._observe = observe  # append latency, for the metrics
         self._kicked = asyncio.Event()
         self.released = asyncio.Event()
         self.in_turn = False
@@ -60,9 +64,9 @@ class SessionRunner:
         self.task = asyncio.create_task(self._loop(), name=f"session-{self.session_id}")
         self.kick()
 
-    def reassign(self, token: int, reason: str) -> None:
+    def reassign(self, token: int, reason: str, cause: str | None = None) -> None:
         """A newer assignment: write with its token from now on."""
-        self.token, self.reason = token, reason
+        self.token, self.reason, self.cause = token, reason, cause
         self.kick()
 
     def kick(self) -> None:
@@ -117,8 +121,15 @@ class SessionRunner:
                 self._agent = self._make_agent(info.agent)
             self.in_turn = True
             try:
-                if info.active_turn_id:
-                    cause = CONTINUATION_CAUSE.get(self.reason, "interrupted")
+                if info.active_turn_id and info.pending and self.reason != "handoff":
+                    # A queued user message drives the next turn itself, with no note.
+                    self.log.info("a queued message supersedes turn {}", info.active_turn_id)
+                    await turns.supersede_turn(
+                        info.active_turn_id, await self._read(), self._commit
+                    )
+                    turn_id, outcome = await turns.start_turn(self._commit, self._read, self._run)
+                elif info.active_turn_id:
+                    cause = self.cause or CONTINUATION_CAUSE.get(self.reason, "interrupted")
                     self.log.info("continuing turn {} ({})", info.active_turn_id, cause)
                     turn_id = info.active_turn_id
                     outcome = await turns.resume_turn(
@@ -129,7 +140,7 @@ class SessionRunner:
             finally:
                 self.in_turn = False
             # Whatever comes next is a fresh turn or another continuation of ours.
-            self.reason = "new"
+            self.reason, self.cause = "new", None
             await self._notify(
                 "turn_done", session=self.session_id, turn_id=turn_id, outcome=outcome
             )
@@ -152,9 +163,11 @@ class SessionRunner:
 
     async def _commit(self, type: str, payload: dict[str, Any], turn_id: str | None) -> int:
         now = time.time()
+        started = time.perf_counter()
         seq = await self._store.events.append_async(
             self.session_id, type, payload, token=self.token, turn_id=turn_id, created_at=now
         )
+        self._observe(time.perf_counter() - started)
         await self._notify(
             "committed",
             session=self.session_id,

@@ -32,6 +32,7 @@ CONTINUATION_NOTES = {
     "handoff": "the session moved to another worker during a rolling restart",
     "lease_expired": "the worker running it stopped responding and lost the session",
     "interrupted": "its previous owner stopped",
+    "max_tokens": "the model's answer was cut off by its output token limit",
 }
 
 
@@ -196,9 +197,7 @@ async def resume_turn(
     if tail is Tail.ANSWERED:
         await commit("turn_ended", {"outcome": "completed", "recovered": True}, turn_id)
         return "completed"
-    if tail is Tail.TRUNCATED:
-        await commit("turn_ended", {"outcome": "truncated", "recovered": True}, turn_id)
-        return "truncated"
+    # A TRUNCATED tail is continued too: the note asks the model to go on from the cut.
     last_at = events[-1].created_at if events else time.time()
     when = datetime.fromtimestamp(last_at, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
     note = (
@@ -211,6 +210,20 @@ async def resume_turn(
     messages = history.to_messages([*events, *repaired])
     messages.append(Message("user", note, note=True))
     return await run(turn_id, messages)
+
+
+async def supersede_turn(turn_id: str, events: list[EventRecord], commit: Commit) -> None:
+    """End an interrupted turn because a queued user message drives the next one.
+
+    Its calls without results are repaired first, under its own turn id.
+    """
+    for missing in history.missing_results(history.turn_events(events, turn_id)):
+        await _repair(missing, turn_id, commit)
+    await commit(
+        "turn_ended",
+        {"outcome": "interrupted", "reason": "a newer user message drives the next turn"},
+        turn_id,
+    )
 
 
 async def run_agent(agent: Agent, context: TurnContext, commit: Commit) -> str:

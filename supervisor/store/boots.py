@@ -74,9 +74,68 @@ class Boots:
             ),
         )
 
+    def set_breaker(self, boot_id: str, state: dict[str, Any]) -> None:
+        """Record the breaker as this boot judged it (kept with any reset time)."""
+
+        def work() -> None:
+            row = AgentBootLog.get_or_none(AgentBootLog.boot_id == boot_id)
+            if row is None:
+                return
+            merged = {**(json.loads(row.breaker) if row.breaker else {}), **state}
+            AgentBootLog.update(breaker=json.dumps(merged)).where(
+                AgentBootLog.boot_id == boot_id
+            ).execute()
+
+        run_write(self._db, work)
+
+    def reset_breaker(self, host: str) -> float:
+        """`turnkeeper breaker reset`: boots of `host` started until now stop counting.
+
+        The time is kept in the newest boot row of the host, so it outlives restarts.
+        Returns it (database clock).
+        """
+        at = db_now(self._db)
+
+        def work() -> None:
+            row = (
+                AgentBootLog.select()
+                .where(AgentBootLog.host == host)
+                .order_by(AgentBootLog.started_at.desc())
+                .first()
+            )
+            if row is None:
+                raise LookupError(f"no boot of host {host} is recorded")
+            merged = {**(json.loads(row.breaker) if row.breaker else {}), "reset_at": at}
+            AgentBootLog.update(breaker=json.dumps(merged)).where(
+                AgentBootLog.boot_id == row.boot_id
+            ).execute()
+
+        run_write(self._db, work)
+        return at
+
+    def of_host(self, host: str, since: float) -> list[Boot]:
+        """The boots of `host` started after `since`, newest first: what the breaker reads."""
+        where = (AgentBootLog.host == host) & (AgentBootLog.started_at >= since)
+        return self._query(where, limit=None)
+
+    def prune(self, before: float) -> int:
+        """Delete boot rows started before `before`; returns how many."""
+        deleted: int = run_write(
+            self._db,
+            lambda: AgentBootLog.delete().where(AgentBootLog.started_at < before).execute(),
+        )
+        return deleted
+
     def recent(self, limit: int = 20) -> list[Boot]:
         """The newest boots first."""
-        query = AgentBootLog.select().order_by(AgentBootLog.started_at.desc()).limit(limit)
+        return self._query(None, limit=limit)
+
+    def _query(self, where: Any, limit: int | None) -> list[Boot]:
+        query = AgentBootLog.select().order_by(AgentBootLog.started_at.desc())
+        if where is not None:
+            query = query.where(where)
+        if limit is not None:
+            query = query.limit(limit)
         return [
             Boot(
                 boot_id=row.boot_id,

@@ -85,8 +85,6 @@ class AppendRequest:
     writer: str
     idempotency_key: str | None
     created_at: float
-    # A continuation after a crash charges a turn attempt; a handoff (rolling restart) not.
-    charges_attempt: bool = False
     # Resolved by the committer: a thread's Future, or an asyncio future of `loop`.
     future: Any = None
     loop: asyncio.AbstractEventLoop | None = None
@@ -133,7 +131,6 @@ def make_request(
         writer=writer,
         idempotency_key=idempotency_key,
         created_at=time.time() if created_at is None else created_at,
-        charges_attempt=type == "continuation" and payload.get("cause") != "handoff",
     )
 
 
@@ -158,8 +155,11 @@ def advance(row: SessionRow, event: AppendRequest) -> None:
     - every event takes the next seq;
     - `user_message` marks the session pending (it needs a turn);
     - `turn_started` clears pending, makes its turn active and charges its first attempt;
-    - a charged `continuation` adds an attempt to its turn;
     - `turn_ended` clears the active turn and its attempts.
+
+    Continuation attempts are charged by recovery before it hands the turn to a worker
+    (`Sessions.charge_attempt`), not by the note the worker then writes: a worker that
+    dies before its note was still charged.
     """
     row.last_seq += 1
     if event.type == "user_message":
@@ -171,10 +171,6 @@ def advance(row: SessionRow, event: AppendRequest) -> None:
     elif event.type == "turn_ended":
         row.active_turn_id = None
         row.attempt_turn_id, row.attempt_count = None, 0
-    elif event.charges_attempt:
-        same = row.attempt_turn_id == event.turn_id
-        row.attempt_turn_id = event.turn_id
-        row.attempt_count = row.attempt_count + 1 if same else 1
 
 
 _ROW_COLUMNS = (

@@ -58,8 +58,8 @@ class Session(BaseModel):
     pending = peewee.BooleanField(default=False, index=True)
     # A turn in flight, set by `turn_started` and cleared by `turn_ended` in the same commit.
     active_turn_id = peewee.CharField(max_length=ID_LEN, null=True, index=True)
-    # Turn attempts, charged by `turn_started`/`continuation` before the turn runs and
-    # cleared by `turn_ended`.
+    # Turn attempts, charged before the turn runs (its first by `turn_started`, each
+    # continuation by recovery) and cleared by `turn_ended`.
     attempt_turn_id = peewee.CharField(max_length=ID_LEN, null=True)
     attempt_count = peewee.IntegerField(default=0)
     quarantined_at = peewee.DoubleField(null=True)

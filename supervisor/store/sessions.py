@@ -16,7 +16,7 @@ from supervisor.store.models import Session, SessionACL
 
 KINDS = ("attached", "channel", "autonomous", "subagent")
 QUARANTINE_NOTICE = (
-    "This session is quarantined: its turn stopped its worker process 3 times in a row, so "
+    "This session is quarantined: its turn failed every time it was run, so "
     "it will not be run again by itself. An operator can lift this with "
     "`turnkeeper sessions release ID`; then send your message again."
 )
@@ -135,16 +135,37 @@ class Sessions:
         Ends its turn as failed and tells the user with a `notice`, in one transaction,
         and drops its lease so no worker writes to it any more.
         """
+        self.finalize(session_id, None, QUARANTINE_NOTICE, reason, quarantine=True)
 
-        def work() -> None:
+    def finalize(
+        self,
+        session_id: str,
+        turn_id: str | None,
+        notice: str,
+        reason: str,
+        *,
+        quarantine: bool = False,
+    ) -> bool:
+        """End an interrupted turn with a `notice` for the user, in one transaction.
+
+        The turn ends `failed` with `reason` (stale, unsafe_tail, quarantined); the lease is
+        revoked so no worker writes to the session any more. With `turn_id`, nothing is
+        done (False) unless that turn is still the active one: recovery judged it from a
+        read that may be stale. `quarantine` also stops the session for good.
+        """
+
+        def work() -> bool:
             row = Session.get_or_none(Session.id == session_id)
             if row is None:
                 raise SessionNotFound(session_id)
+            if turn_id is not None and row.active_turn_id != turn_id:
+                return False
             events = [
                 make_request(
                     session_id,
                     "notice",
-                    {"text": QUARANTINE_NOTICE, "reason": reason},
+                    {"text": notice, "reason": reason, "resend": True},
+                    turn_id=row.active_turn_id,
                     writer="supervisor",
                 )
             ]
@@ -153,7 +174,7 @@ class Sessions:
                     make_request(
                         session_id,
                         "turn_ended",
-                        {"outcome": "failed", "reason": "quarantined"},
+                        {"outcome": "failed", "reason": reason},
                         turn_id=row.active_turn_id,
                         writer="supervisor",
                     )
@@ -161,16 +182,58 @@ class Sessions:
             for outcome in write_events(self._db, events):
                 if isinstance(outcome, Exception):
                     raise outcome
-            Session.update(
-                status="quarantined",
-                quarantined_at=time.time(),
-                quarantine_reason=reason,
-                owner=None,
-                lease_expires_at=None,
-                lease_token=Session.lease_token + 1,
-            ).where(Session.id == session_id).execute()
+            changes: dict[Any, Any] = {
+                Session.owner: None,
+                Session.lease_expires_at: None,
+                Session.lease_token: Session.lease_token + 1,
+            }
+            if quarantine:
+                changes |= {
+                    Session.status: "quarantined",
+                    Session.quarantined_at: time.time(),
+                    Session.quarantine_reason: reason,
+                }
+            Session.update(changes).where(Session.id == session_id).execute()
+            return True
 
-        run_write(self._db, work)
+        return bool(run_write(self._db, work))
+
+    def charge_attempt(self, session_id: str, turn_id: str) -> int | None:
+        """Charge a continuation attempt of `turn_id` before it starts (write-ahead).
+
+        Returns the session's attempt count for the turn (its first run included), or None
+        when that turn is no longer the active one (it ended, or another turn began).
+        """
+
+        def work() -> int | None:
+            row = Session.get_or_none(Session.id == session_id)
+            if row is None:
+                raise SessionNotFound(session_id)
+            if row.active_turn_id != turn_id:
+                return None
+            count = (row.attempt_count if row.attempt_turn_id == turn_id else 0) + 1
+            Session.update(attempt_turn_id=turn_id, attempt_count=count).where(
+                Session.id == session_id
+            ).execute()
+            return count
+
+        result: int | None = run_write(self._db, work)
+        return result
+
+    def refund_attempt(self, session_id: str, turn_id: str) -> None:
+        """Give back an attempt that was charged but never ran (no worker took it)."""
+        run_write(
+            self._db,
+            lambda: (
+                Session.update(attempt_count=Session.attempt_count - 1)
+                .where(
+                    (Session.id == session_id)
+                    & (Session.attempt_turn_id == turn_id)
+                    & (Session.attempt_count > 1)
+                )
+                .execute()
+            ),
+        )
 
     def interrupt(self, session_id: str, by: str) -> int | None:
         """End the turn in flight as `interrupted_by_operator`; None if none was running.

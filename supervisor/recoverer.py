@@ -1,0 +1,410 @@
+"""Recovery at work: the breaker, the boot scan and the retry timer, and each decision
+carried out.
+
+The rules live in `supervisor.breaker` and `supervisor.recovery` (pure code, tested on
+their own). This module looks the facts up, asks those rules, does what they say and
+logs every decision under subsystem `recovery` with the session id and the reason.
+
+Who triggers what:
+- the pool, when a session with a turn in flight has no live owner: a worker of this
+  boot died (WORKER_DEATH), a user message is queued (USER_MESSAGE), a request touched the
+  session (FIRST_TOUCH), or the boot scan or the retry timer picked it;
+- the boot scan, once the HTTP listener is up: sessions interrupted before this boot that
+  nobody touches, oldest first, at most `max_per_boot`, written to the boot row first;
+- the retry timer, every `retry_interval`: the same guarded pass, for attempts that
+  failed transiently;
+- the breaker loop, every few seconds: re-reads the boot log, so the breaker clears when
+  the window drains or after `turnkeeper breaker reset`, and then runs the boot scan that
+  it suppressed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from supervisor import breaker, recovery
+from supervisor.config import Config
+from supervisor.logs import log
+from supervisor.metrics import Metrics
+from supervisor.recovery import Action, Decision, Interruption, TailClass, Trigger
+from supervisor.store import EventRecord, SessionInfo, Store
+
+BREAKER_CHECK = 2.0  # seconds between readings of the boot log
+TAIL_EVENTS = 200  # events read to classify a turn's tail
+
+RESEND = "Please send your message again."
+
+
+@dataclass(frozen=True)
+class Judged:
+    """A decision with the facts it was made from."""
+
+    decision: Decision
+    facts: Interruption
+    trigger: Trigger
+
+
+class Recoverer:
+    """Carries out recovery decisions for one boot of the daemon."""
+
+    def __init__(
+        self,
+        config: Config,
+        store: Store,
+        boot_id: str,
+        host: str,
+        metrics: Metrics,
+        *,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        self.config = config
+        self.settings = config.recovery
+        self.store = store
+        self.boot_id = boot_id
+        self.host = host
+        self.metrics = metrics
+        self.clock = clock or store.now
+        self.breaker = breaker.BreakerState(False, 0, "not evaluated yet")
+        self.touched: set[str] = set()  # sessions a request touched (first touch)
+        self.died: set[str] = set()  # sessions whose worker died during this boot
+        self.picked: dict[str, Trigger] = {}  # chosen by the boot scan or the retry timer
+        self.due: dict[str, float] = {}  # session -> when its next attempt may start
+        self.quiet: dict[str, tuple[Any, ...]] = {}  # SKIPs already logged, by session
+        self.attempted: list[str] = []  # this boot's `attempted` list, as written
+        self.scanned = False  # the boot scan ran (not suppressed)
+        self.poke: Callable[[], None] = lambda: None
+        self._last_attempt: dict[tuple[str, str], float] = {}
+        self._settled: dict[str, tuple[Any, ...]] = {}  # SKIPs not worth judging again
+        self._tasks: list[asyncio.Task[None]] = []
+        self.log = log("recovery")
+
+    # --- the breaker ----------------------------------------------------------------
+
+    def evaluate_breaker(self) -> breaker.BreakerState:
+        """Read this host's boot log and judge the breaker (blocking; run in a thread)."""
+        s = self.settings
+        now = self.clock()
+        try:
+            rows = self.store.boots.of_host(self.host, breaker.prune_before(now))
+        except Exception as exc:
+            self.log.error("cannot read the boot log: {}", exc)
+            state = breaker.evaluate(None, now, s.breaker_threshold, s.breaker_window)
+        else:
+            resets = [
+                float(r.breaker["reset_at"]) for r in rows if r.breaker and "reset_at" in r.breaker
+            ]
+            records = [
+                breaker.BootRecord(r.started_at, r.ended_at, r.outcome, r.boot_id == self.boot_id)
+                for r in rows
+            ]
+            state = breaker.evaluate(
+                records,
+                now,
+                s.breaker_threshold,
+                s.breaker_window,
+                reset_at=max(resets) if resets else None,
+            )
+        previous, self.breaker = self.breaker, state
+        if state.tripped != previous.tripped or state.fails_open != previous.fails_open:
+            level = "WARNING" if state.tripped or state.fails_open else "INFO"
+            self.log.log(
+                level, "breaker {}: {}", "TRIPPED" if state.tripped else "clear", state.reason
+            )
+            self.quiet.clear()
+            with contextlib.suppress(Exception):
+                self.store.boots.set_breaker(self.boot_id, self.breaker_dict())
+        self.metrics.breaker_tripped.set(1 if state.tripped else 0)
+        return state
+
+    def breaker_dict(self) -> dict[str, Any]:
+        """The breaker for `/v1/status` and the boot row."""
+        b = self.breaker
+        return {
+            "tripped": b.tripped,
+            "unclean_boots": b.unclean_in_window,
+            "threshold": self.settings.breaker_threshold,
+            "window": self.settings.breaker_window,
+            "clears_at": b.clears_at,
+            "fails_open": b.fails_open,
+            "reason": b.reason,
+        }
+
+    def prune(self) -> None:
+        """Delete boot rows older than the retention (24 h)."""
+        with contextlib.suppress(Exception):
+            pruned = self.store.boots.prune(breaker.prune_before(self.clock()))
+            if pruned:
+                self.log.info("pruned {} boot rows older than 24 h", pruned)
+
+    # --- background work ------------------------------------------------------------
+
+    def start(self) -> None:
+        """The boot scan (now), the breaker loop and the retry timer."""
+        self._tasks = [
+            asyncio.create_task(self._breaker_loop(), name="recovery-breaker"),
+            asyncio.create_task(self._retry_loop(), name="recovery-retry"),
+        ]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _breaker_loop(self) -> None:
+        await self.scan(Trigger.BOOT_SCAN)
+        while True:
+            await asyncio.sleep(BREAKER_CHECK)
+            was = self.breaker.tripped
+            await asyncio.to_thread(self.evaluate_breaker)
+            if was and not self.breaker.tripped and not self.scanned:
+                await self.scan(Trigger.BOOT_SCAN)
+
+    async def _retry_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.retry_interval)
+            await self.scan(Trigger.RETRY_TIMER)
+
+    # --- the guarded pass -----------------------------------------------------------
+
+    async def scan(self, trigger: Trigger) -> None:
+        """Judge every interrupted session nobody is running; continue the oldest few."""
+        try:
+            await self._scan(trigger)
+        except Exception:
+            self.log.exception("{} failed; the retry timer tries again", trigger.value)
+
+    async def _scan(self, trigger: Trigger) -> None:
+        sessions = await asyncio.to_thread(self.store.sessions.with_work)
+        judged: list[tuple[SessionInfo, Judged]] = []
+        for info in sessions:
+            if info.active_turn_id is None or info.id in self.picked:
+                continue
+            if info.owner and not info.owner.startswith(self.host + "/"):
+                continue  # another host's session: its lease decides (the pool adopts)
+            judged.append((info, await self.judge(info, trigger)))
+        continuing = [(i.id, j.facts.interrupted_at) for i, j in judged if j.decision.charged]
+        plan = recovery.boot_scan_plan(continuing, self.settings.max_per_boot)
+        suppressed = sum(1 for _, j in judged if j.decision.suppressed)
+        if trigger is Trigger.BOOT_SCAN and not suppressed:
+            self.scanned = True
+        if plan:
+            try:
+                await asyncio.to_thread(
+                    self.store.boots.set_attempted, self.boot_id, [*self.attempted, *plan]
+                )
+            except Exception as exc:
+                self.log.error(
+                    "{}: cannot write the attempted list to the boot row ({}); not continuing "
+                    "{} sessions",
+                    trigger.value,
+                    exc,
+                    len(plan),
+                )
+                return
+            self.attempted += plan
+        for session_id in plan:
+            self.picked[session_id] = trigger
+        for info, j in judged:
+            if not j.decision.charged:
+                await self.carry_out(info, j)
+        left = len(continuing) - len(plan)
+        self.log.info(
+            "{}: {} interrupted sessions, {} to continue{}{}",
+            trigger.value,
+            len(judged),
+            len(plan),
+            f", {left} left for first touch or the retry timer (max_per_boot)" if left else "",
+            f", {suppressed} suppressed by the breaker" if suppressed else "",
+        )
+        if plan:
+            self.poke()
+
+    def trigger_for(self, info: SessionInfo, owner_prefix: str) -> Trigger | None:
+        """Why the pool should look at this ownerless session with a turn in flight."""
+        if info.pending:
+            return Trigger.USER_MESSAGE
+        if info.id in self.died or (info.owner or "").startswith(owner_prefix + "/"):
+            return Trigger.WORKER_DEATH
+        if info.owner and not info.owner.startswith(self.host + "/"):
+            return Trigger.WORKER_DEATH  # another host's lease ran out: it stopped
+        if info.id in self.touched:
+            return Trigger.FIRST_TOUCH
+        return self.picked.get(info.id)
+
+    def settled(self, info: SessionInfo, trigger: Trigger) -> bool:
+        """True when the session was judged SKIP and nothing it was judged on changed."""
+        return self._settled.get(info.id) == self._key(info, trigger)
+
+    def _key(self, info: SessionInfo, trigger: Trigger) -> tuple[Any, ...]:
+        return (
+            info.last_seq,
+            info.pending,
+            info.owner,
+            info.lease_token,
+            info.status,
+            trigger,
+            self.breaker.tripped,
+        )
+
+    def waiting(self, session_id: str, now: float) -> bool:
+        """True while the session's next attempt is not due yet."""
+        due = self.due.get(session_id)
+        return due is not None and now < due
+
+    # --- judging --------------------------------------------------------------------
+
+    async def judge(self, info: SessionInfo, trigger: Trigger) -> Judged:
+        """Look the facts up and decide."""
+        events = await asyncio.to_thread(self.store.events.tail, info.id, TAIL_EVENTS)
+        now = self.clock()
+        facts = self.facts(info, events, trigger, now)
+        decision = recovery.decide(facts, trigger, now, self.breaker.tripped, self.settings)
+        return Judged(decision, facts, trigger)
+
+    def facts(
+        self, info: SessionInfo, events: list[EventRecord], trigger: Trigger, now: float
+    ) -> Interruption:
+        turn = info.active_turn_id
+        tail = recovery.classify_tail(events, turn) if turn else TailClass.ANSWERED
+        own = [e for e in events if e.turn_id == turn]
+        last = own[-1] if own else (events[-1] if events else None)
+        notes = [e.created_at for e in own if e.type == "continuation"]
+        started = [t for t in (self._last_attempt.get((info.id, turn or "")), *notes) if t]
+        charged = info.attempt_turn_id == turn and turn is not None
+        lease_expired = info.lease_expires_at is not None and info.lease_expires_at < now
+        other_host = bool(info.owner) and not (info.owner or "").startswith(self.host + "/")
+        return Interruption(
+            active_turn_id=turn,
+            tail=tail,
+            interrupted_at=last.created_at if last else info.updated_at,
+            status=info.status,
+            lease_live=other_host and not lease_expired,
+            lease_other_host=other_host,
+            queued_user_message=info.pending,
+            attempts=max(0, info.attempt_count - 1) if charged else 0,
+            last_attempt_at=max(started) if started else None,
+            cause=recovery.cause_of(tail, trigger, lease_expired and info.id not in self.died),
+        )
+
+    # --- carrying out ---------------------------------------------------------------
+
+    async def charge(self, info: SessionInfo, j: Judged) -> bool:
+        """Charge the attempt in the database before it starts; False if the turn moved on."""
+        assert info.active_turn_id is not None
+        count = await asyncio.to_thread(
+            self.store.sessions.charge_attempt, info.id, info.active_turn_id
+        )
+        if count is None:
+            self._count(j, "skipped")
+            return False
+        self._last_attempt[info.id, info.active_turn_id] = self.clock()
+        self.due.pop(info.id, None)
+        self.picked.pop(info.id, None)
+        self.quiet.pop(info.id, None)
+        self._settled.pop(info.id, None)
+        self.metrics.recovery_age.observe(max(0.0, self.clock() - j.facts.interrupted_at))
+        self._count(j, "started")
+        self._log(info, j).info("{}", j.decision.reason)
+        return True
+
+    async def refund(self, info: SessionInfo, j: Judged) -> None:
+        """An attempt that was charged but never handed to a worker is given back."""
+        assert info.active_turn_id is not None
+        await asyncio.to_thread(self.store.sessions.refund_attempt, info.id, info.active_turn_id)
+        self._last_attempt.pop((info.id, info.active_turn_id), None)
+        self.metrics.recovery_refunds.inc()
+        self._log(info, j).info("attempt refunded: no worker took the session")
+
+    async def carry_out(self, info: SessionInfo, j: Judged) -> None:
+        """Every decision but CONTINUE and DRIVE (the pool assigns those)."""
+        d, f = j.decision, j.facts
+        if d.action is Action.SKIP:
+            self._settled[info.id] = self._key(info, j.trigger)
+            key = (d.reason, j.trigger)
+            if self.quiet.get(info.id) != key:
+                self.quiet[info.id] = key
+                self._count(j, "suppressed" if d.suppressed else "skipped")
+                self._log(info, j).log("WARNING" if d.suppressed else "DEBUG", "{}", d.reason)
+            return
+        if d.action is Action.CONTINUE_AT:
+            assert d.at is not None
+            if self.due.get(info.id) != d.at:
+                self.due[info.id] = d.at
+                self._count(j, "scheduled")
+                self._log(info, j).info("{}", d.reason)
+            return
+        if d.action is Action.FINALIZE_STALE:
+            text = (
+                f"This turn was interrupted ({_cause_text(f.cause)}) at {_when(f.interrupted_at)}, "
+                f"longer ago than recovery continues turns by itself. {RESEND}"
+            )
+            outcome = "finalized"
+        elif d.quarantine:
+            text = (
+                f"This turn was interrupted ({_cause_text(f.cause)}) and each of the "
+                f"{f.attempts} attempts to continue it failed, so this session is "
+                "quarantined: it will not be run again by itself. An operator can lift this "
+                f"with `turnkeeper sessions release {info.id}`; then {RESEND[0].lower()}"
+                f"{RESEND[1:]}"
+            )
+            outcome = "quarantined"
+        else:
+            text = (
+                f"This turn was interrupted ({_cause_text(f.cause)}) at a point where going "
+                f"on by itself would not be safe. {RESEND}"
+            )
+            outcome = "noticed"
+        reason = {"finalized": "stale", "quarantined": "quarantined"}.get(outcome, "unsafe_tail")
+        assert info.active_turn_id is not None
+        done = await asyncio.to_thread(
+            self.store.sessions.finalize,
+            info.id,
+            info.active_turn_id,
+            text,
+            reason,
+            quarantine=d.quarantine,
+        )
+        self._count(j, outcome if done else "skipped")
+        level = "ERROR" if d.quarantine else "WARNING"
+        self._log(info, j).log(level, "{}{}", d.reason, "" if done else " (turn moved on)")
+        self.due.pop(info.id, None)
+        self.picked.pop(info.id, None)
+
+    def drive(self, info: SessionInfo, j: Judged) -> None:
+        """A queued user message drives the next turn (the pool assigns it)."""
+        self.due.pop(info.id, None)
+        self.picked.pop(info.id, None)
+        self._count(j, "started")
+        self._log(info, j).info("{}", j.decision.reason)
+
+    def _count(self, j: Judged, outcome: str) -> None:
+        self.metrics.recovery.labels(j.decision.action.value, j.facts.cause, outcome).inc()
+
+    def _log(self, info: SessionInfo, j: Judged) -> Any:
+        return log(
+            "recovery",
+            session=info.id,
+            action=j.decision.action.value,
+            trigger=j.trigger.value,
+        )
+
+
+_CAUSES = {
+    "worker_crash": "the worker process running it stopped unexpectedly",
+    "daemon_restart": "the turnkeeper daemon restarted",
+    "lease_expired": "the worker running it stopped responding",
+    "max_tokens": "the model's answer was cut off by its token limit",
+}
+
+
+def _cause_text(cause: str) -> str:
+    return _CAUSES.get(cause, cause)
+
+
+def _when(at: float) -> str:
+    return datetime.fromtimestamp(at, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
