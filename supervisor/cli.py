@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import sys
 import time
 from datetime import datetime
@@ -420,7 +421,7 @@ def boots(ctx: click.Context, limit: int) -> None:
         return
     click.echo(
         table(
-            ["BOOT", "HOST", "PID", "VERSION", "STARTED", "ENDED", "OUTCOME"],
+            ["BOOT", "HOST", "PID", "VERSION", "STARTED", "ENDED", "OUTCOME", "BREAKER"],
             [
                 [
                     b.boot_id,
@@ -430,11 +431,84 @@ def boots(ctx: click.Context, limit: int) -> None:
                     when(b.started_at),
                     when(b.ended_at),
                     b.outcome or "-",
+                    _breaker_cell(b.breaker),
                 ]
                 for b in rows
             ],
         )
     )
+
+
+def _breaker_cell(state: dict[str, Any] | None) -> str:
+    """How the boot found the breaker, and a reset recorded in its row."""
+    if not state or "tripped" not in state:
+        cell = "-"
+    else:
+        cell = "TRIPPED" if state["tripped"] else "clear"
+    if "reset_at" in (state or {}):
+        cell += f" (reset {when(state['reset_at'])})"  # type: ignore[index]
+    return cell
+
+
+@main.group("breaker")
+def breaker_group() -> None:
+    """The crash-loop breaker: unclean boots in a short window suppress side work."""
+
+
+@breaker_group.command("status")
+@click.pass_context
+def breaker_status(ctx: click.Context) -> None:
+    """Judge the breaker of this host from the boot log, as the next boot would."""
+    from supervisor import breaker
+
+    config = load(ctx)
+    host = socket.gethostname()
+    with open_store(ctx, migrate=False) as store:
+        now = store.now()
+        rows = store.boots.of_host(host, breaker.prune_before(now))
+    resets = [float((r.breaker or {})["reset_at"]) for r in rows if "reset_at" in (r.breaker or {})]
+    # A boot still running here is the current one, as it judges itself; without one,
+    # this is how a boot starting now would judge it.
+    state = breaker.evaluate(
+        [
+            breaker.BootRecord(
+                r.started_at, r.ended_at, r.outcome, is_current=r.ended_at is None and _alive(r.pid)
+            )
+            for r in rows
+        ],
+        now,
+        config.recovery.breaker_threshold,
+        config.recovery.breaker_window,
+        reset_at=max(resets) if resets else None,
+    )
+    click.echo(f"{'TRIPPED' if state.tripped else 'clear'}: {state.reason}")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@breaker_group.command("reset")
+@click.pass_context
+def breaker_reset(ctx: click.Context) -> None:
+    """Clear a tripped breaker: boots of this host until now stop counting.
+
+    A running daemon picks the reset up within seconds and runs the boot scan it held
+    back; a new crash loop trips the breaker again.
+    """
+    host = socket.gethostname()
+    with open_store(ctx, migrate=False) as store:
+        try:
+            at = store.boots.reset_breaker(host)
+        except LookupError as exc:
+            raise click.ClickException(str(exc)) from None
+    click.echo(f"breaker reset for host {host} at {when(at)}")
 
 
 def _register_client_commands() -> None:

@@ -184,6 +184,10 @@ def status(ctx: click.Context) -> None:
     boot = data["boot"]
     state = "stopping" if boot["stopping"] else "ready" if boot["ready"] else "starting"
     click.echo(f"boot {boot['id']}  {state}")
+    breaker = data.get("breaker") or {}
+    if breaker:
+        word = "TRIPPED" if breaker["tripped"] else "clear"
+        click.echo(f"breaker {word}: {breaker['reason']}")
     rows = [
         [
             str(s["slot"]),

@@ -1,0 +1,169 @@
+"""Recovery with the daemon as a real process: the breaker, the boot scan, the metrics."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from supervisor.store import Store
+from tests.conftest import PYTHON, REPO, python_env
+from tests.daemon import Daemon, daemons, events, inject, turn_ended, wait_until
+
+__all__ = ["daemons"]  # the fixture
+
+Daemons = Callable[..., Daemon]
+pytestmark = pytest.mark.timeout(240)
+
+
+def cli(daemon: Daemon, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [PYTHON, "-m", "supervisor", "--config", str(daemon.config_path), *args],
+        cwd=REPO,
+        env=python_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def sigkill(daemon: Daemon) -> None:
+    """SIGKILL the supervisor alone; its workers die with it (parent-death signal)."""
+    daemon.signal(signal.SIGKILL)
+    daemon.wait(10)
+
+
+def started(store: Store, session_id: str, after: int) -> bool:
+    return any(e.type == "turn_started" for e in store.events.read(session_id, after=after))
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """The value of one sample of the Prometheus text `text`, 0 if it is absent."""
+    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    pattern = rf"^{re.escape(name)}(?:\{{{re.escape(want)}\}})? ([0-9.e+-]+)$"
+    if labels:
+        pattern = rf"^{re.escape(name)}\{{{re.escape(want)}\}} ([0-9.e+-]+)$"
+    found = re.search(pattern, text, re.MULTILINE)
+    return float(found.group(1)) if found else 0.0
+
+
+def test_three_sigkills_trip_the_breaker_and_a_reset_lets_the_boot_scan_run(
+    daemons: Daemons, tmp_path: Path
+) -> None:
+    daemon = daemons(
+        http={"listen": f"unix:{tmp_path / 'api.sock'}"},
+        recovery={"breaker_threshold": 3, "breaker_window": 300},
+    )
+    # Boots 1 and 2 are SIGKILLed as soon as they are ready.
+    for _ in range(2):
+        daemon.start()
+        sigkill(daemon)
+    # Boot 3 dies with a turn in flight.
+    daemon.start()
+    with Store(daemon.url, migrate=False) as store:
+        victim = store.sessions.create("admin").id
+        seq = inject(store, victim, "/sleep 3 slow")
+        wait_until(lambda: started(store, victim, seq), 20, "the slow turn to start")
+        sigkill(daemon)
+
+        # Boot 4: three unclean boots within the window trip the breaker.
+        daemon.start()
+        wait_until(lambda: "boot_scan: 1 interrupted" in daemon.log(), 20, "the boot scan")
+        assert "breaker TRIPPED" in daemon.log()
+        with daemon.client() as client:
+            status = client.get("/v1/status").json()
+            assert status["breaker"]["tripped"] is True
+            assert status["breaker"]["unclean_boots"] == 3
+            scraped = client.get("/metrics").text
+            assert metric(scraped, "turnkeeper_breaker_tripped") == 1.0
+        shown = cli(daemon, "status")
+        assert shown.returncode == 0, shown.stderr
+        assert "breaker TRIPPED: 3 unclean boots" in shown.stdout
+        boots = cli(daemon, "boots")
+        assert boots.returncode == 0 and "TRIPPED" in boots.stdout, boots.stdout + boots.stderr
+        # The boot scan was suppressed, and said so once for the session.
+        suppressed = re.findall(r"\[recovery\].*boot_scan suppressed", daemon.log())
+        assert len(suppressed) == 1, daemon.log()
+        time.sleep(2.0)
+        assert store.sessions.get(victim).active_turn_id is not None
+        assert "continuation" not in [e.type for e in events(store, victim)]
+
+        # The control plane still serves: a new session's message is answered, and attach
+        # streams the reply.
+        with daemon.client() as client:
+            fresh = client.post("/v1/sessions", json={}).json()["id"]
+            accepted = client.post(f"/v1/sessions/{fresh}/inject", json={"text": "still here"})
+            assert accepted.status_code == 202, accepted.text
+            wait_until(lambda: turn_ended(store, fresh), 20, "the fresh session's turn")
+            with client.stream("GET", f"/v1/sessions/{fresh}/attach", params={"after": 0}) as sse:
+                body = ""
+                for chunk in sse.iter_text():
+                    body += chunk
+                    if "turn_ended" in body:
+                        break
+            assert "echo: still here" in body
+
+        # `turnkeeper breaker reset` clears it, and the held-back boot scan runs.
+        reset = cli(daemon, "breaker", "reset")
+        assert reset.returncode == 0 and "breaker reset" in reset.stdout, reset.stderr
+        ended = wait_until(lambda: turn_ended(store, victim, seq), 30, "the held-back turn")
+        assert ended.payload["outcome"] == "completed"
+        found = events(store, victim)
+        notes = [e for e in found if e.type == "continuation"]
+        assert len(notes) == 1 and notes[0].payload["cause"] == "daemon_restart"
+        replies = [e for e in found if e.type == "model_response" and e.payload["text"]]
+        assert [r.payload["text"] for r in replies] == ["echo: slow"]
+        assert "breaker clear" in daemon.log()
+        after = cli(daemon, "breaker", "status")
+        assert after.returncode == 0 and after.stdout.startswith("clear"), after.stdout
+
+
+def test_a_metrics_scrape_after_a_worker_crash_shows_the_restart_and_the_recovery(
+    daemons: Daemons, tmp_path: Path
+) -> None:
+    daemon = daemons(http={"listen": f"unix:{tmp_path / 'api.sock'}"})
+    daemon.start()
+    with Store(daemon.url, migrate=False) as store, daemon.client() as client:
+        before = client.get("/metrics").text
+        assert metric(before, "turnkeeper_worker_restarts_total") == 0.0
+        session = client.post("/v1/sessions", json={}).json()["id"]
+        seq = client.post(f"/v1/sessions/{session}/inject", json={"text": "/sleep 2 hi"})
+        seq = seq.json()["seq"]
+        wait_until(lambda: started(store, session, seq), 20, "the turn to start")
+        owner = wait_until(lambda: daemon.owner_pid(store, session), 10, "the owner")
+        os.kill(owner, signal.SIGKILL)
+        ended = wait_until(lambda: turn_ended(store, session, seq), 30, "the continued turn")
+        assert ended.payload["outcome"] == "completed"
+        scraped = client.get("/metrics").text
+    assert metric(scraped, "turnkeeper_worker_restarts_total") == 1.0
+    assert (
+        metric(
+            scraped,
+            "turnkeeper_session_recovery_total",
+            action="continue",
+            cause="worker_crash",
+            outcome="started",
+        )
+        == 1.0
+    ), scraped
+    assert metric(scraped, "turnkeeper_session_recovery_age_seconds_count") == 1.0
+    # The other families an operator relies on are there too.
+    assert metric(scraped, "turnkeeper_append_latency_seconds_count") > 0
+    assert metric(scraped, "turnkeeper_sessions", state="open") == 1.0
+    assert metric(scraped, "turnkeeper_workers", state="running") == 3.0
+    assert metric(scraped, "turnkeeper_events_committed_total", type="continuation") == 1.0
+    assert "turnkeeper_mcp_servers" in scraped
+    assert metric(scraped, "turnkeeper_breaker_tripped") == 0.0
+    # A clean stop's step durations are shown by the next boot.
+    daemon.signal(signal.SIGTERM)
+    assert daemon.wait(30) == 0
+    daemon.start()
+    with daemon.client() as client:
+        scraped = client.get("/metrics").text
+    assert metric(scraped, "turnkeeper_shutdown_step_seconds", step="descendants") > 0
