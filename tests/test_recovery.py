@@ -24,6 +24,8 @@ from supervisor.recovery import (
     TailClass,
     Trigger,
     boot_scan_plan,
+    cause_of,
+    classify_tail,
     decide,
     next_attempt_at,
 )
@@ -418,3 +420,92 @@ def test_the_breaker_never_changes_an_attended_decision(
     f: Interruption, s: RecoveryConfig, trigger: Trigger
 ) -> None:
     assert decide(f, trigger, NOW, True, s) == decide(f, trigger, NOW, False, s)
+
+
+# --- the tail classifier ------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Ev:
+    type: str
+    turn_id: str | None = "t1"
+    payload: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def _asks(*ids: str) -> Ev:
+    return Ev("model_response", payload={"tool_calls": [{"id": i, "name": "echo"} for i in ids]})
+
+
+def _answer(finish: str = "stop") -> Ev:
+    return Ev("model_response", payload={"text": "echo: x", "finish_reason": finish})
+
+
+def _result(call_id: str) -> Ev:
+    return Ev("tool_result", payload={"call_id": call_id})
+
+
+USER = Ev("user_message", None, {"text": "x"})
+START = Ev("turn_started")
+NOTE = Ev("continuation", payload={"cause": "worker_crash"})
+
+
+@pytest.mark.parametrize(
+    ("tail", "expected"),
+    [
+        ([USER, START], TailClass.UNANSWERED_USER_MESSAGE),
+        ([USER, START, USER], TailClass.UNANSWERED_USER_MESSAGE),
+        ([USER, START, _asks("c1")], TailClass.TOOL_CALL_WITHOUT_RESULT),
+        ([USER, START, _asks("c1"), Ev("tool_call")], TailClass.TOOL_CALL_WITHOUT_RESULT),
+        ([USER, START, _asks("c1", "c2"), _result("c1")], TailClass.TOOL_CALL_WITHOUT_RESULT),
+        ([USER, START, _asks("c1"), _result("c1")], TailClass.TOOL_RESULT_NOT_CONSUMED),
+        ([USER, START, _answer("length")], TailClass.CUT_BY_MAX_TOKENS),
+        ([USER, START, _answer()], TailClass.ANSWERED),
+        ([USER, START, _answer(), USER], TailClass.ANSWERED),
+        ([USER, START, NOTE], TailClass.LAST_IS_CONTINUATION_NOTE),
+        ([USER, START, NOTE, USER], TailClass.LAST_IS_CONTINUATION_NOTE),
+        ([USER, START, _asks("c1"), _result("c1"), NOTE], TailClass.LAST_IS_CONTINUATION_NOTE),
+        ([USER, START, NOTE, _asks("c1"), _result("c1")], TailClass.TOOL_RESULT_NOT_CONSUMED),
+        (
+            [USER, START, Ev("turn_ended", payload={"outcome": "interrupted_by_operator"})],
+            TailClass.OPERATOR_INTERRUPT,
+        ),
+        ([USER, START, Ev("turn_ended", payload={"outcome": "failed"})], TailClass.ENDED_IN_ERROR),
+        # An earlier turn's events do not count: only this turn's, from its turn_started.
+        (
+            [Ev("turn_started", "t0"), _answer("length"), USER, START],
+            TailClass.UNANSWERED_USER_MESSAGE,
+        ),
+        ([_asks("c9"), USER, START], TailClass.UNANSWERED_USER_MESSAGE),
+    ],
+)
+def test_classify_tail(tail: list[Ev], expected: TailClass) -> None:
+    assert classify_tail(tail, "t1") is expected
+
+
+@pytest.mark.parametrize(
+    ("tail", "trigger", "lease_expired", "cause"),
+    [
+        (TailClass.CUT_BY_MAX_TOKENS, Trigger.WORKER_DEATH, False, "max_tokens"),
+        (TailClass.CUT_BY_MAX_TOKENS, Trigger.BOOT_SCAN, False, "max_tokens"),
+        (TailClass.TOOL_RESULT_NOT_CONSUMED, Trigger.WORKER_DEATH, False, "worker_crash"),
+        (TailClass.TOOL_RESULT_NOT_CONSUMED, Trigger.WORKER_DEATH, True, "lease_expired"),
+        (TailClass.UNANSWERED_USER_MESSAGE, Trigger.BOOT_SCAN, False, "daemon_restart"),
+        (TailClass.UNANSWERED_USER_MESSAGE, Trigger.FIRST_TOUCH, True, "daemon_restart"),
+    ],
+)
+def test_the_note_names_the_real_cause(
+    tail: TailClass, trigger: Trigger, lease_expired: bool, cause: str
+) -> None:
+    assert cause_of(tail, trigger, lease_expired) == cause
+
+
+def test_a_shorter_attempt_schedule_from_the_settings() -> None:
+    quick = RecoveryConfig(attempt_delays=(0.0, 1.0))
+    assert run(facts(attempts=1, last_attempt_at=NOW - 0.5), settings=quick).action is (
+        Action.CONTINUE_AT
+    )
+    assert run(facts(attempts=1, last_attempt_at=NOW - 1.0), settings=quick).action is (
+        Action.CONTINUE
+    )
+    spent = run(facts(attempts=2), settings=quick)
+    assert (spent.action, spent.quarantine) == (Action.NOTICE_RESEND, True)
