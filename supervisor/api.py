@@ -12,13 +12,14 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Literal, TypeVar
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from supervisor import attach, openapi
+from supervisor import attach, autonomy, openapi
 from supervisor.auth import ADMIN, Tokens
 from supervisor.config import Config
 from supervisor.logs import log
@@ -71,11 +72,33 @@ def error_response(
     )
 
 
+class RunBody(BaseModel):
+    """An autonomous run: what to achieve, how to go on, and what it may spend."""
+
+    model_config = ConfigDict(extra="forbid")
+    goal: str = Field(min_length=1, max_length=100_000)
+    prompt: str = Field(
+        "Continue working towards the goal. Say [goal met] when it is achieved.",
+        min_length=1,
+        max_length=100_000,
+    )
+    max_turns: int = Field(ge=1, le=100_000)
+    max_tokens: int | None = Field(None, ge=1)
+    deadline_seconds: float | None = Field(None, gt=0)
+
+
 class CreateSession(BaseModel):
     model_config = ConfigDict(extra="forbid")
     kind: Literal["attached", "channel", "autonomous", "subagent"] = "attached"
     title: str = Field("", max_length=200)
     agent: str = Field("", max_length=200, pattern=r"^$|^[\w.]+:\w+$")
+    run: RunBody | None = None
+
+    @model_validator(mode="after")
+    def _run_for_autonomous(self) -> CreateSession:
+        if (self.kind == "autonomous") != (self.run is not None):
+            raise ValueError("run (goal, max_turns, ...) goes with kind autonomous, and only there")
+        return self
 
 
 class Inject(BaseModel):
@@ -248,13 +271,23 @@ class Api:
     async def create(self, request: web.Request) -> web.Response:
         self._refuse_while_stopping()
         body = await self._body(request, CreateSession)
+        first: list[tuple[str, dict[str, Any]]] = []
+        if body.run is not None:
+            now = time.time()
+            r = body.run
+            deadline = None if r.deadline_seconds is None else now + r.deadline_seconds
+            run = autonomy.Run(r.goal, r.prompt, r.max_turns, r.max_tokens, deadline)
+            first = [("checkpoint", run.start_payload(now)), ("user_message", {"text": r.goal})]
         info = await asyncio.to_thread(
             self.store.sessions.create,
             request["principal"],
             kind=body.kind,
             title=body.title,
             agent=body.agent,
+            events=first,
         )
+        if first and self.pool is not None:
+            self.pool.input(info.id)
         return web.json_response(
             info.to_dict(), status=201, headers={"Location": f"/v1/sessions/{info.id}"}
         )

@@ -450,6 +450,56 @@ def _breaker_cell(state: dict[str, Any] | None) -> str:
     return cell
 
 
+@main.group("autonomous")
+def autonomous_group() -> None:
+    """Autonomous runs: sessions that work towards a goal on their own, within budgets."""
+
+
+@autonomous_group.command("resume")
+@click.argument("session_id", metavar="[ID]", required=False)
+@click.pass_context
+def autonomous_resume(ctx: click.Context, session_id: str | None) -> None:
+    """Resume autonomous runs that have not stopped: ID, or every one between turns.
+
+    Works while the breaker is tripped (it holds back only what nobody asked for). A run
+    with a turn in flight is continued by recovery instead; a stopped run stays stopped.
+    """
+    from supervisor import autonomy
+
+    with open_store(ctx, migrate=False) as store:
+        if session_id is None:
+            candidates = store.sessions.idle_autonomous()
+        else:
+            try:
+                candidates = [store.sessions.get(session_id)]
+            except SessionNotFound:
+                fail(f"no session {session_id}")
+        resumed = 0
+        for info in candidates:
+            events = store.events.read(info.id, 0, 1_000_000)
+            found = autonomy.run_of(events)
+            last = autonomy.last_checkpoint(events) or {}
+            if found is None:
+                click.echo(f"{info.id}: not an autonomous run")
+            elif last.get("stop_reason") is not None:
+                click.echo(f"{info.id}: stopped ({last['stop_reason']}); nothing to resume")
+            elif info.status != "open":
+                click.echo(f"{info.id}: {info.status}; release it first")
+            elif info.active_turn_id or info.pending:
+                click.echo(f"{info.id}: has a turn in flight or waiting; recovery goes on with it")
+            else:
+                store.events.append(
+                    info.id,
+                    "user_message",
+                    {"text": found[0].prompt, "autonomous": True, "resumed": True},
+                    writer="cli",
+                )
+                resumed += 1
+                click.echo(f"{info.id}: resumed after {last.get('turns', 0)} turns")
+    if session_id is None:
+        click.echo(f"{resumed} runs resumed")
+
+
 @main.group("breaker")
 def breaker_group() -> None:
     """The crash-loop breaker: unclean boots in a short window suppress side work."""

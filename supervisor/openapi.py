@@ -119,6 +119,26 @@ def document() -> dict[str, Any]:
                             "maxLength": 200,
                             "description": "package.module:Class, or empty for the default",
                         },
+                        "run": {
+                            "type": "object",
+                            "description": "required for kind autonomous, and only there",
+                            "additionalProperties": False,
+                            "required": ["goal", "max_turns"],
+                            "properties": {
+                                "goal": {"type": "string", "minLength": 1},
+                                "prompt": {
+                                    "type": "string",
+                                    "minLength": 1,
+                                    "description": "sent as the user message of each next turn",
+                                },
+                                "max_turns": {"type": "integer", "minimum": 1, "maximum": 100000},
+                                "max_tokens": {"type": ["integer", "null"], "minimum": 1},
+                                "deadline_seconds": {
+                                    "type": ["number", "null"],
+                                    "exclusiveMinimum": 0,
+                                },
+                            },
+                        },
                     },
                 },
                 "Inject": {

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from supervisor import breaker, recovery
+from supervisor import autonomy, breaker, recovery
 from supervisor.config import Config
 from supervisor.logs import log
 from supervisor.metrics import Metrics
@@ -186,11 +186,13 @@ class Recoverer:
                 continue
             if info.owner and not info.owner.startswith(self.host + "/"):
                 continue  # another host's session: its lease decides (the pool adopts)
-            judged.append((info, await self.judge(info, trigger)))
+            own = Trigger.AUTONOMOUS_RESUME if info.kind == "autonomous" else trigger
+            judged.append((info, await self.judge(info, own)))
+        held = await self._resume_runs(trigger)
         continuing = [(i.id, j.facts.interrupted_at) for i, j in judged if j.decision.charged]
         plan = recovery.boot_scan_plan(continuing, self.settings.max_per_boot)
         suppressed = sum(1 for _, j in judged if j.decision.suppressed)
-        if trigger is Trigger.BOOT_SCAN and not suppressed:
+        if trigger is Trigger.BOOT_SCAN and not suppressed and not held:
             self.scanned = True
         if plan:
             try:
@@ -223,6 +225,44 @@ class Recoverer:
         )
         if plan:
             self.poke()
+
+    async def _resume_runs(self, trigger: Trigger) -> int:
+        """Autonomous runs that stopped between turns (no turn in flight) go on by
+        themselves: their prompt is appended as the next user message. Returns how many
+        the breaker held back."""
+        held = 0
+        for info in await asyncio.to_thread(self.store.sessions.idle_autonomous):
+            events = await asyncio.to_thread(self.store.events.read, info.id, 0, 1_000_000)
+            found = autonomy.run_of(events)
+            if found is None or not autonomy.unfinished(events):
+                continue
+            checkpoint = autonomy.last_checkpoint(events) or {}
+            wake = checkpoint.get("next_wake_at")
+            if wake is not None and float(wake) > self.clock():
+                continue
+            if self.breaker.tripped:
+                held += 1
+                key = ("autonomous resume suppressed", trigger)
+                if self.quiet.get(info.id) != key:
+                    self.quiet[info.id] = key
+                    self.metrics.recovery.labels("resume_run", "daemon_restart", "suppressed").inc()
+                    log("recovery", session=info.id).warning(
+                        "breaker tripped: autonomous resume suppressed"
+                    )
+                continue
+            await asyncio.to_thread(
+                self.store.events.append,
+                info.id,
+                "user_message",
+                {"text": found[0].prompt, "autonomous": True, "resumed": True},
+                writer="supervisor",
+            )
+            self.metrics.recovery.labels("resume_run", "daemon_restart", "started").inc()
+            log("recovery", session=info.id).info(
+                "autonomous run resumed after {} turns", checkpoint.get("turns", 0)
+            )
+            self.poke()
+        return held
 
     def trigger_for(self, info: SessionInfo, owner_prefix: str) -> Trigger | None:
         """Why the pool should look at this ownerless session with a turn in flight."""

@@ -15,6 +15,7 @@ from typing import Any
 
 from loguru import logger
 
+from supervisor import autonomy
 from supervisor.control import CONTINUATION_CAUSE
 from supervisor.store import EventRecord, Lease, LeaseLost, Store
 from workers import turns
@@ -141,9 +142,25 @@ class SessionRunner:
                 self.in_turn = False
             # Whatever comes next is a fresh turn or another continuation of ours.
             self.reason, self.cause = "new", None
+            if info.kind == "autonomous":
+                await self._checkpoint()
             await self._notify(
                 "turn_done", session=self.session_id, turn_id=turn_id, outcome=outcome
             )
+
+    async def _checkpoint(self) -> None:
+        """An autonomous run: record its counters; while no budget is spent, go on."""
+        events = await self._read()
+        progress = autonomy.progress(events, time.time())
+        found = autonomy.run_of(events)
+        if progress is None or found is None:
+            return
+        await self._commit("checkpoint", progress, None)
+        if progress["stop_reason"] is not None:
+            reason, done = progress["stop_reason"], progress["turns"]
+            self.log.info("autonomous run stopped ({}) after {} turns", reason, done)
+            return
+        await self._commit("user_message", {"text": found[0].prompt, "autonomous": True}, None)
 
     async def _read(self) -> list[EventRecord]:
         return await asyncio.to_thread(self._store.events.read, self.session_id, 0, 1_000_000)

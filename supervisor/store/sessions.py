@@ -83,8 +83,10 @@ class Sessions:
         title: str = "",
         agent: str = "",
         parent: str | None = None,
+        events: list[tuple[str, dict[str, Any]]] = (),  # type: ignore[assignment]
     ) -> SessionInfo:
-        """A new session and its creator's `admin` ACL row, in one transaction."""
+        """A new session, its creator's `admin` ACL row and its first `events` (type,
+        payload), in one transaction: an autonomous run starts whole or not at all."""
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {', '.join(KINDS)}, not {kind!r}")
         if not principal:
@@ -103,6 +105,12 @@ class Sessions:
                 updated_at=now,
             ).execute()
             SessionACL.insert(session=session_id, principal=principal, permission="admin").execute()
+            for outcome in write_events(
+                self._db,
+                [make_request(session_id, t, p, writer="intake") for t, p in events],
+            ):
+                if isinstance(outcome, Exception):
+                    raise outcome
 
         run_write(self._db, work)
         return self.get(session_id)
@@ -124,6 +132,21 @@ class Sessions:
             Session.select()
             .where(Session.pending | Session.active_turn_id.is_null(False))
             .where(Session.status == "open")
+            .order_by(Session.updated_at)
+            .limit(limit)
+        )
+        return [_info(row) for row in query]
+
+    def idle_autonomous(self, limit: int = 1000) -> list[SessionInfo]:
+        """Open autonomous sessions with no turn in flight and no input waiting."""
+        query = (
+            Session.select()
+            .where(
+                (Session.kind == "autonomous")
+                & (Session.status == "open")
+                & ~Session.pending
+                & Session.active_turn_id.is_null()
+            )
             .order_by(Session.updated_at)
             .limit(limit)
         )
