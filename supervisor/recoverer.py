@@ -36,6 +36,7 @@ from supervisor.store import EventRecord, SessionInfo, Store
 
 BREAKER_CHECK = 2.0  # seconds between readings of the boot log
 TAIL_EVENTS = 200  # events read to classify a turn's tail
+NOT_EVALUATED = "not evaluated yet"
 
 RESEND = "Please send your message again."
 
@@ -69,7 +70,7 @@ class Recoverer:
         self.host = host
         self.metrics = metrics
         self.clock = clock or store.now
-        self.breaker = breaker.BreakerState(False, 0, "not evaluated yet")
+        self.breaker = breaker.BreakerState(False, 0, NOT_EVALUATED)
         self.touched: set[str] = set()  # sessions a request touched (first touch)
         self.died: set[str] = set()  # sessions whose worker died during this boot
         self.picked: dict[str, Trigger] = {}  # chosen by the boot scan or the retry timer
@@ -110,7 +111,8 @@ class Recoverer:
                 reset_at=max(resets) if resets else None,
             )
         previous, self.breaker = self.breaker, state
-        if state.tripped != previous.tripped or state.fails_open != previous.fails_open:
+        first = previous.reason == NOT_EVALUATED
+        if first or state.tripped != previous.tripped or state.fails_open != previous.fails_open:
             level = "WARNING" if state.tripped or state.fails_open else "INFO"
             self.log.log(
                 level, "breaker {}: {}", "TRIPPED" if state.tripped else "clear", state.reason
