@@ -217,7 +217,7 @@ def doctor_command(ctx: click.Context, unit: str | None, supervisord: str | None
     paths = resolve_paths(cfg)
     db_file = sqlite_path(paths.db_url)
     findings += doctor.check_files(paths.state_dir, db_file)
-    findings += _doctor_database(paths.db_url, cfg.store.synchronous, paths.state_dir)
+    findings += _doctor_database(cfg, paths.db_url, cfg.store.synchronous, paths.state_dir)
     for finding in findings:
         click.echo(f"{finding.status:4}  {finding.check}: {finding.detail}")
         if finding.fix and finding.status != doctor.PASS:
@@ -225,7 +225,7 @@ def doctor_command(ctx: click.Context, unit: str | None, supervisord: str | None
     sys.exit(doctor.exit_code(findings))
 
 
-def _doctor_database(url: str, synchronous: str, state_dir: Path) -> list[Any]:
+def _doctor_database(cfg: Config, url: str, synchronous: str, state_dir: Path) -> list[Any]:
     from supervisor import doctor
 
     try:
@@ -267,6 +267,23 @@ def _doctor_database(url: str, synchronous: str, state_dir: Path) -> list[Any]:
             if s.active_turn_id and s.owner and (s.lease_expires_at or 0) < store.now()
         ]
         running = locks.holder(state_dir / locks.LEADER_LOCK) is not None
+        state = breaker_state(store, cfg)
+        if state.tripped:
+            findings.append(
+                doctor.Finding(
+                    doctor.WARN,
+                    "breaker",
+                    f"tripped: {state.reason}",
+                    "find why the daemon keeps dying (`turnkeeper boots`, the log); once fixed, "
+                    "`turnkeeper breaker reset`",
+                )
+            )
+        elif state.fails_open:
+            findings.append(
+                doctor.Finding(doctor.WARN, "breaker", state.reason, "check the database")
+            )
+        else:
+            findings.append(doctor.Finding(doctor.PASS, "breaker", f"clear: {state.reason}"))
         if stale and running:
             findings.append(
                 doctor.Finding(
@@ -509,18 +526,29 @@ def breaker_group() -> None:
 @click.pass_context
 def breaker_status(ctx: click.Context) -> None:
     """Judge the breaker of this host from the boot log, as the next boot would."""
+    config = load(ctx)
+    with open_store(ctx, migrate=False) as store:
+        state = breaker_state(store, config)
+    click.echo(f"{'TRIPPED' if state.tripped else 'clear'}: {state.reason}")
+
+
+def breaker_state(store: Store, config: Config) -> Any:
+    """This host's breaker judged from the boot log, as the running (or next) boot would."""
     from supervisor import breaker
 
-    config = load(ctx)
-    host = socket.gethostname()
-    with open_store(ctx, migrate=False) as store:
-        now = store.now()
-        rows = store.boots.of_host(host, breaker.prune_before(now))
-    resets = [float((r.breaker or {})["reset_at"]) for r in rows if "reset_at" in (r.breaker or {})]
+    now = store.now()
+    try:
+        rows = store.boots.of_host(socket.gethostname(), breaker.prune_before(now))
+    except Exception:
+        rows = None
+    marks = [r.breaker or {} for r in rows or []]
+    resets = [float(m["reset_at"]) for m in marks if "reset_at" in m]
     # A boot still running here is the current one, as it judges itself; without one,
     # this is how a boot starting now would judge it.
-    state = breaker.evaluate(
-        [
+    return breaker.evaluate(
+        None
+        if rows is None
+        else [
             breaker.BootRecord(
                 r.started_at, r.ended_at, r.outcome, is_current=r.ended_at is None and _alive(r.pid)
             )
@@ -531,7 +559,6 @@ def breaker_status(ctx: click.Context) -> None:
         config.recovery.breaker_window,
         reset_at=max(resets) if resets else None,
     )
-    click.echo(f"{'TRIPPED' if state.tripped else 'clear'}: {state.reason}")
 
 
 def _alive(pid: int) -> bool:

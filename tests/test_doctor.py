@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from supervisor.doctor import (
     check_unit,
     parse_timespan,
 )
+from supervisor.store import Store
 from tests.conftest import PYTHON, REPO, python_env
 
 UNIT = (REPO / "systemd" / "turnkeeper.service").read_text()
@@ -137,3 +139,34 @@ def test_doctor_flags_a_bad_unit_and_exits_1(tmp_path: Path) -> None:
     assert result.returncode == 1
     assert "FAIL  stop timeout" in result.stdout and "FAIL  KillMode" in result.stdout
     assert "fix: set KillMode=mixed" in result.stdout
+
+
+def test_doctor_and_breaker_status_show_a_tripped_breaker_and_reset_clears_it(
+    tmp_path: Path,
+) -> None:
+    env = python_env(TURNKEEPER_DAEMON__STATE_DIR=str(tmp_path / "state"), TURNKEEPER_CONFIG="")
+    subprocess.run(
+        [PYTHON, "-m", "supervisor", "db", "migrate"],
+        cwd=REPO,
+        check=True,
+        env=env,
+        capture_output=True,
+    )
+    with Store(f"sqlite:///{tmp_path / 'state' / 'turnkeeper.db'}", migrate=False) as store:
+        for _ in range(3):  # three boots of this host that died (never ended)
+            store.boots.begin(socket.gethostname(), 999_999_999, "test")
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [PYTHON, "-m", "supervisor", *args], cwd=REPO, env=env, capture_output=True, text=True
+        )
+
+    result = doctor(tmp_path)
+    assert result.returncode == 0, result.stdout  # a warning, not a failure
+    assert "WARN  breaker" in result.stdout and "3 unclean boots" in result.stdout
+    assert "turnkeeper breaker reset" in result.stdout
+    assert run("breaker", "status").stdout.startswith("TRIPPED: 3 unclean boots")
+    reset = run("breaker", "reset")
+    assert reset.returncode == 0 and "breaker reset for host" in reset.stdout, reset.stderr
+    assert run("breaker", "status").stdout.startswith("clear: 0 unclean boots")
+    assert "PASS  breaker" in doctor(tmp_path).stdout
