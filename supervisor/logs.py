@@ -1,7 +1,9 @@
 """Logging: loguru to stderr, one line per record, with the subsystem that wrote it.
 
-Under systemd (`JOURNAL_STREAM` set) text lines carry `<N>` syslog priority prefixes and
-no timestamp, since journald adds its own. Each process (supervisor, every worker)
+When stderr is journald's stream (`JOURNAL_STREAM` names stderr's device and inode, the
+rule systemd documents) text lines carry `<N>` syslog priority prefixes and no timestamp,
+since journald adds its own. A `JOURNAL_STREAM` inherited by a process whose stderr
+goes elsewhere (a file of supervisord's, say) is ignored. Each process (supervisor, every worker)
 configures its own logger; a loguru logger cannot be handed to a spawned child.
 """
 
@@ -46,8 +48,19 @@ def setup_logging(level: str = "INFO", fmt: str = "text", process: str = "superv
     if fmt == "json":
         logger.add(sys.stderr, level=level, serialize=True, backtrace=False, diagnose=False)
     else:
-        line = _JOURNAL if os.environ.get("JOURNAL_STREAM") else _TEXT
+        line = _JOURNAL if to_journal() else _TEXT
         logger.add(sys.stderr, level=level, format=line, backtrace=False, diagnose=False)
+
+
+def to_journal(environ: dict[str, str] | None = None, fd: int | None = None) -> bool:
+    """True when stderr is the journal stream systemd connected (`JOURNAL_STREAM=dev:ino`)."""
+    value = (os.environ if environ is None else environ).get("JOURNAL_STREAM", "")
+    device, _, inode = value.partition(":")
+    try:
+        stat = os.fstat(sys.stderr.fileno() if fd is None else fd)
+        return (stat.st_dev, stat.st_ino) == (int(device), int(inode))
+    except (ValueError, OSError, AttributeError):
+        return False
 
 
 def log(subsystem: str, **context: object) -> Logger:
