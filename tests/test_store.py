@@ -354,3 +354,71 @@ def test_session_rows_are_plain_data(store: Store) -> None:
     assert data["id"] == sid and data["title"] == "t" and data["last_seq"] == 0
     assert Session.select().count() == 1
     assert isinstance(store.db, peewee.Database)
+
+
+def test_recovery_charges_refunds_and_finalizes_only_the_active_turn(store: Store) -> None:
+    sid = store.sessions.create("alice").id
+    lease = store.leases.acquire(sid, "w1", 30)
+    assert lease is not None
+    store.events.append(sid, "user_message", {"text": "hi"}, writer="intake")
+    store.events.append(sid, "turn_started", {}, token=lease.token, turn_id="t1")
+    assert store.sessions.charge_attempt(sid, "t2") is None  # not the active turn
+    assert store.sessions.charge_attempt(sid, "t1") == 2  # its first run was attempt 1
+    assert store.sessions.charge_attempt(sid, "t1") == 3
+    store.sessions.refund_attempt(sid, "t1")
+    assert store.sessions.get(sid).attempt_count == 2
+    # The continuation note itself charges nothing: the charge came before it.
+    store.events.append(
+        sid, "continuation", {"cause": "worker_crash"}, token=lease.token, turn_id="t1"
+    )
+    assert store.sessions.get(sid).attempt_count == 2
+    assert not store.sessions.finalize(sid, "t2", "resend please", "stale")
+    assert store.sessions.finalize(sid, "t1", "resend please", "stale")
+    info = store.sessions.get(sid)
+    assert (info.active_turn_id, info.status, info.owner, info.attempt_count) == (
+        None,
+        "open",
+        None,
+        0,
+    )
+    assert info.lease_token > lease.token  # the old owner is fenced out
+    *_, notice, ended = store.events.read(sid)
+    assert (notice.type, notice.payload["resend"], notice.payload["reason"]) == (
+        "notice",
+        True,
+        "stale",
+    )
+    assert (ended.type, ended.payload) == ("turn_ended", {"outcome": "failed", "reason": "stale"})
+    with pytest.raises(LeaseLost):
+        store.events.append(
+            sid, "model_response", {"text": "late"}, token=lease.token, turn_id="t1"
+        )
+
+
+def test_a_session_is_created_with_its_first_events_or_not_at_all(store: Store) -> None:
+    info = store.sessions.create(
+        "alice",
+        kind="autonomous",
+        events=[("checkpoint", {"turns": 0}), ("user_message", {"text": "go"})],
+    )
+    assert [e.type for e in store.events.read(info.id)] == ["checkpoint", "user_message"]
+    assert store.sessions.get(info.id).pending
+    before = len(store.sessions.list())
+    with pytest.raises(ValueError):
+        store.sessions.create("alice", events=[("no_such_type", {})])
+    assert len(store.sessions.list()) == before
+    assert [s.id for s in store.sessions.idle_autonomous()] == []  # it has input waiting
+
+
+def test_the_breaker_reads_this_hosts_boots_and_keeps_a_reset(store: Store) -> None:
+    first = store.boots.begin("host-a", 1, "v")
+    store.boots.begin("host-b", 2, "v")
+    store.boots.set_breaker(first, {"tripped": True})
+    at = store.boots.reset_breaker("host-a")
+    [row] = store.boots.of_host("host-a", 0.0)
+    assert row.boot_id == first and row.breaker == {"tripped": True, "reset_at": at}
+    assert store.boots.of_host("host-a", at + 3600) == []
+    with pytest.raises(LookupError):
+        store.boots.reset_breaker("host-c")
+    assert store.boots.prune(store.now() + 1) == 2
+    assert store.boots.recent() == []
