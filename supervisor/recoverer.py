@@ -371,7 +371,7 @@ class Recoverer:
             if self.quiet.get(info.id) != key:
                 self.quiet[info.id] = key
                 self._count(j, "suppressed" if d.suppressed else "skipped")
-                self._log(info, j).log("WARNING" if d.suppressed else "DEBUG", "{}", d.reason)
+                self._log(info, j).log("WARNING" if d.suppressed else "INFO", "{}", d.reason)
             return
         if d.action is Action.CONTINUE_AT:
             assert d.at is not None
