@@ -203,8 +203,7 @@ async def resume_turn(
     note = (
         f"[turnkeeper] This turn was interrupted because "
         f"{CONTINUATION_NOTES.get(cause, 'it stopped')}; the last event was recorded at "
-        f"{when}. Everything above was recorded before that, and the tool results above are "
-        f"real: there is no need to repeat those calls. Continue the turn from there."
+        f"{when}. Everything above was recorded before that. Continue the turn from there."
     )
     await commit("continuation", {"cause": cause, "text": note, "last_event_at": last_at}, turn_id)
     # The repaired results go right after the calls they answer, as the log now has them.
