@@ -92,6 +92,7 @@ class Pool:
         self.boot_id = boot_id
         self.address = address
         self.owner_prefix = owner_prefix  # "<host>/<boot>": lease owners of this boot
+        assert owner_prefix == recovery.owner_prefix, "one boot, one owner prefix"
         self.host_prefix = owner_prefix.split("/", 1)[0] + "/"
         self.clock = clock
         self.recovery = recovery
@@ -464,6 +465,8 @@ class Pool:
         trigger = recovery.trigger_for(info, self.owner_prefix)
         if trigger is None or recovery.waiting(info.id, now) or recovery.settled(info, trigger):
             return  # left for the boot scan, the retry timer or a first touch
+        if self._pick(prefer_spare=True) is None:
+            return  # no worker is ready (yet): judge it when one is
         judged = await recovery.judge(info, trigger)
         action = judged.decision.action
         if action is Action.CONTINUE:

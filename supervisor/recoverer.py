@@ -68,6 +68,7 @@ class Recoverer:
         self.store = store
         self.boot_id = boot_id
         self.host = host
+        self.owner_prefix = f"{host}/{boot_id[:8]}"  # lease owners of this boot's workers
         self.metrics = metrics
         self.clock = clock or store.now
         self.breaker = breaker.BreakerState(False, 0, NOT_EVALUATED)
@@ -188,6 +189,8 @@ class Recoverer:
                 continue
             if info.owner and not info.owner.startswith(self.host + "/"):
                 continue  # another host's session: its lease decides (the pool adopts)
+            if info.owner and info.owner.startswith(self.owner_prefix + "/"):
+                continue  # a worker of this boot runs it, or died with it: the pool's call
             own = Trigger.AUTONOMOUS_RESUME if info.kind == "autonomous" else trigger
             judged.append((info, await self.judge(info, own)))
         held = await self._resume_runs(trigger)
@@ -214,7 +217,9 @@ class Recoverer:
         for session_id in plan:
             self.picked[session_id] = trigger
         for info, j in judged:
-            if not j.decision.charged:
+            if j.decision.action is Action.DRIVE_WITH_QUEUED_MESSAGE:
+                self.poke()  # the pool hands it to a worker, as for any queued message
+            elif not j.decision.charged:
                 await self.carry_out(info, j)
         left = len(continuing) - len(plan)
         self.log.info(
@@ -365,6 +370,8 @@ class Recoverer:
     async def carry_out(self, info: SessionInfo, j: Judged) -> None:
         """Every decision but CONTINUE and DRIVE (the pool assigns those)."""
         d, f = j.decision, j.facts
+        if d.action in (Action.CONTINUE, Action.DRIVE_WITH_QUEUED_MESSAGE):
+            raise ValueError(f"{d.action.value} is the pool's to carry out")
         if d.action is Action.SKIP:
             self._settled[info.id] = self._key(info, j.trigger)
             key = (d.reason, j.trigger)

@@ -182,7 +182,8 @@ def test_status_shows_the_daemon_and_its_slots(daemon: Daemon) -> None:
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert re.fullmatch(r"boot [0-9a-f]+  ready", lines[0]), lines[0]
-    assert lines[1].split() == ["SLOT", "STATE", "WORKER", "PID", "SPARE", "SESSIONS", "TURNS"]
+    assert lines[1].startswith("breaker clear: 0 unclean boots in the last 300 s"), lines[1]
+    assert lines[2].split() == ["SLOT", "STATE", "WORKER", "PID", "SPARE", "SESSIONS", "TURNS"]
     slots = [line for line in lines if re.match(r"\d+\s+\w+\s+w\d+\.\d+\s+\d+\s", line)]
     assert len(slots) == 3, result.stdout  # 2 workers + 1 spare
     assert "worker restarts 0" in lines

@@ -275,3 +275,35 @@ TAILS: list[tuple[str, list[EventRecord], Tail]] = [
 @pytest.mark.parametrize(("events", "tail"), [t[1:] for t in TAILS], ids=[t[0] for t in TAILS])
 def test_classify_tail(events: list[EventRecord], tail: Tail) -> None:
     assert classify_tail(events) is tail
+
+
+def test_a_message_the_turn_did_not_read_goes_after_the_turn() -> None:
+    first = user("/tool add 1")
+    started = ev("turn_started", {"read_to": first.seq})
+    late = user("/tool add 2")  # committed while the turn ran, after it read the log
+    steps = [asks(("c1", "add")), ev("tool_result", {"call_id": "c1", "content": "3"})]
+    done = answer("echo: 3")
+    ended = ev("turn_ended", {"outcome": "completed"})
+    messages = to_messages([first, started, late, *steps, done, ended])
+    assert [m.content for m in messages if m.role != "tool"] == [
+        "/tool add 1",
+        "",
+        "echo: 3",
+        "/tool add 2",
+    ]
+
+
+def test_a_message_the_turn_read_keeps_its_place() -> None:
+    first = user("one")
+    second = user("two")  # landed before the turn read the log: it saw both
+    started = ev("turn_started", {"read_to": second.seq})
+    messages = to_messages([first, second, started, answer("echo: two")])
+    assert [m.content for m in messages] == ["one", "two", "echo: two"]
+
+
+def test_an_unread_message_of_a_turn_in_flight_comes_last() -> None:
+    first = user("one")
+    started = ev("turn_started", {"read_to": first.seq})
+    late = user("two")
+    messages = to_messages([first, started, late, answer("echo: one")])
+    assert [m.content for m in messages] == ["one", "echo: one", "two"]

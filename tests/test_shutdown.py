@@ -181,7 +181,8 @@ def test_sigterm_with_20_turns_in_flight_and_a_client_injecting(
     daemons: Daemons, tmp_path: Path
 ) -> None:
     socket = tmp_path / "api.sock"
-    daemon = daemons(http={"listen": f"unix:{socket}"}).start()
+    # All 20 interrupted sessions are continued by the boot scan (10 by default).
+    daemon = daemons(http={"listen": f"unix:{socket}"}, recovery={"max_per_boot": 20}).start()
     client = daemon.client()
     sessions = [client.post("/v1/sessions", json={}).json()["id"] for _ in range(20)]
     for sid in sessions:
@@ -241,9 +242,20 @@ def test_sigterm_with_20_turns_in_flight_and_a_client_injecting(
             found = events(store, sid)
             first = next(e for e in found if e.type == "turn_started")
             ends = [e for e in found if e.type == "turn_ended" and e.turn_id == first.turn_id]
-            assert [e.payload["outcome"] for e in ends] == ["completed"]
             notes = [e for e in found if e.type == "continuation"]
-            assert notes and notes[0].payload["cause"] == "daemon_restart"
+            queued = any(
+                e.type == "user_message" and first.seq < e.seq < ends[0].seq for e in found
+            )
+            if queued:
+                # A message that arrived during the turn drives the next turn, with no note.
+                assert [e.payload["outcome"] for e in ends] == ["interrupted"]
+                assert not [n for n in notes if n.turn_id == first.turn_id]
+                last = [e for e in found if e.type == "turn_ended"][-1]
+                assert last.turn_id != first.turn_id and last.payload["outcome"] == "completed"
+            else:
+                assert [e.payload["outcome"] for e in ends] == ["completed"]
+                assert notes and notes[0].payload["cause"] == "daemon_restart"
+            assert not [e for e in found if e.type == "notice"], "nobody was asked to resend"
         accepted = {(sid, text) for sid, text, status in answers if status == 202}
         stored = {
             (sid, e.payload["text"])

@@ -422,3 +422,21 @@ def test_the_breaker_reads_this_hosts_boots_and_keeps_a_reset(store: Store) -> N
         store.boots.reset_breaker("host-c")
     assert store.boots.prune(store.now() + 1) == 2
     assert store.boots.recent() == []
+
+
+def test_turn_started_keeps_pending_for_a_message_it_did_not_read(store: Store) -> None:
+    sid = store.sessions.create("alice").id
+    lease = store.leases.acquire(sid, "w1", 30)
+    assert lease is not None
+    read = store.events.append(sid, "user_message", {"text": "one"}, writer="intake")
+    store.events.append(sid, "user_message", {"text": "two"}, writer="intake")  # unread
+    store.events.append(sid, "turn_started", {"read_to": read}, token=lease.token, turn_id="t1")
+    assert store.sessions.get(sid).pending  # "two" still needs a turn
+    store.events.append(
+        sid, "turn_ended", {"outcome": "completed"}, token=lease.token, turn_id="t1"
+    )
+    last = store.events.read(sid)[-1].seq
+    store.events.append(sid, "turn_started", {"read_to": last}, token=lease.token, turn_id="t2")
+    assert not store.sessions.get(sid).pending  # it read everything
+    with pytest.raises(ValueError, match="read_to"):
+        store.events.append(sid, "turn_started", {"read_to": "x"}, token=lease.token, turn_id="t3")

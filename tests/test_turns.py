@@ -478,7 +478,7 @@ def test_a_release_during_a_tool_call_lets_it_finish_and_records_its_result() ->
 # --- start_turn ----------------------------------------------------------------------------
 
 
-def test_start_turn_commits_turn_started_before_reading() -> None:
+def test_start_turn_reads_then_says_how_far_in_turn_started() -> None:
     log = Log()
     events = [user("hi"), ev("turn_started", turn_id="t0"), answer("echo: hi"), user("again")]
     seen: list[tuple[str, list[Message]]] = []
@@ -493,8 +493,8 @@ def test_start_turn_commits_turn_started_before_reading() -> None:
         return "completed"
 
     turn_id, outcome = asyncio.run(start_turn(log.commit, read, run))
-    assert log.calls == ["commit turn_started", "read", "run"]
-    assert log.entries == [("turn_started", {}, turn_id)]
+    assert log.calls == ["read", "commit turn_started", "run"]
+    assert log.entries == [("turn_started", {"read_to": events[-1].seq}, turn_id)]
     assert outcome == "completed"
     assert seen == [(turn_id, to_messages(events))]
 

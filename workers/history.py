@@ -45,26 +45,49 @@ def calls_of(payload: dict[str, Any]) -> list[ToolCall]:
 def to_messages(events: Iterable[EventRecord]) -> list[Message]:
     """The conversation, oldest first, in an order chat models accept.
 
-    A user message can be committed while a tool runs (intake needs no lease); it is
-    placed after the results of the calls still open then, so that an assistant message
-    asking for tools is always followed by their results.
+    A user message can be committed while a turn runs (intake needs no lease). One that
+    the turn did not read (after its `turn_started`'s `read_to`) is placed after the
+    turn's end, as the model saw it: the turn answered what came before, and the message
+    drives the next turn. Any user message is placed after the results of the calls still
+    open then, so that an assistant message asking for tools is always followed by their
+    results.
     """
     messages: list[Message] = []
     open_calls: set[str] = set()
-    held: list[Message] = []
-    for message in filter(None, map(message_of, events)):
+    held: list[Message] = []  # waiting for open calls' results
+    unseen: list[Message] = []  # waiting for the end of the turn that did not read them
+    read_to: int | None = None  # of the turn in the log, until its turn_ended
+
+    def place(message: Message) -> None:
+        nonlocal open_calls, held
         if message.role == "user" and open_calls:
             held.append(message)
-            continue
+            return
         messages.append(message)
         if message.role == "assistant":
             open_calls = {call.id for call in message.tool_calls}
         elif message.role == "tool":
             open_calls.discard(message.tool_call_id or "")
         if not open_calls and held:
-            messages += held
+            messages.extend(held)
             held = []
-    return messages + held
+
+    for event in events:
+        if event.type in ("turn_started", "turn_ended"):
+            for message in unseen:
+                place(message)
+            unseen = []
+            value = event.payload.get("read_to") if event.type == "turn_started" else None
+            read_to = value if isinstance(value, int) else None
+            continue
+        found = message_of(event)
+        if found is None:
+            continue
+        if event.type == "user_message" and read_to is not None and event.seq > read_to:
+            unseen.append(found)
+            continue
+        place(found)
+    return messages + held + unseen
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,7 @@ class SessionRunner:
         self.token = token
         self.reason = reason
         self.cause = cause  # what recovery found stopped the turn, for the note
+        self._turn_token = token
         self._store = store
         self._make_agent = make_agent
         self._agent: Agent | None = None
@@ -120,6 +121,9 @@ class SessionRunner:
                 return
             if self._agent is None:
                 self._agent = self._make_agent(info.agent)
+            # The turn writes with the token it started under: a newer assignment arriving
+            # mid-turn fences this run out (LeaseLost) instead of lending it the new token.
+            self._turn_token = self.token
             self.in_turn = True
             try:
                 if info.active_turn_id and info.pending and self.reason != "handoff":
@@ -182,7 +186,7 @@ class SessionRunner:
         now = time.time()
         started = time.perf_counter()
         seq = await self._store.events.append_async(
-            self.session_id, type, payload, token=self.token, turn_id=turn_id, created_at=now
+            self.session_id, type, payload, token=self._turn_token, turn_id=turn_id, created_at=now
         )
         self._observe(time.perf_counter() - started)
         await self._notify(

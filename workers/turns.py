@@ -147,15 +147,17 @@ async def start_turn(
 ) -> tuple[str, str]:
     """A new turn for pending input; returns (turn id, outcome).
 
-    `turn_started` (which clears the pending mark and charges the first attempt) is
-    committed before the history is read, so a message that lands in between is either
-    read by this turn or marks the session pending again for the next one. A tool call an
-    earlier turn left without a result (an operator interrupt, say) gets its synthetic
-    error result first, so the model never sees a call without an answer.
+    The history is read first; `turn_started` says how far (`read_to`), which clears the
+    pending mark unless a user message came after that point: such a message was not
+    seen by this turn and drives the next one, and the rebuilt history places it after
+    this turn's answer, where it arrived as far as the model knows. `turn_started` also
+    charges the turn's first attempt. A tool call an earlier turn left without a result
+    (an operator interrupt, say) gets its synthetic error result first, so the model never
+    sees a call without an answer.
     """
     turn_id = uuid.uuid4().hex
-    await commit("turn_started", {}, turn_id)
     events = await read()
+    await commit("turn_started", {"read_to": events[-1].seq if events else 0}, turn_id)
     repaired = [
         await _repair(missing, turn_id, commit) for missing in history.missing_results(events)
     ]

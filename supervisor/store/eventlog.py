@@ -85,6 +85,9 @@ class AppendRequest:
     writer: str
     idempotency_key: str | None
     created_at: float
+    # `turn_started` only: the last seq the turn read before it started. The session stays
+    # pending if a user message came after it (the turn did not see that message).
+    read_to: int | None = None
     # Resolved by the committer: a thread's Future, or an asyncio future of `loop`.
     future: Any = None
     loop: asyncio.AbstractEventLoop | None = None
@@ -131,7 +134,17 @@ def make_request(
         writer=writer,
         idempotency_key=idempotency_key,
         created_at=time.time() if created_at is None else created_at,
+        read_to=_read_to(type, payload),
     )
+
+
+def _read_to(type: str, payload: dict[str, Any]) -> int | None:
+    value = payload.get("read_to") if type == "turn_started" else None
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"turn_started read_to must be a seq (a whole number), not {value!r}")
+    return value
 
 
 TURN_EVENTS = frozenset({"turn_started", "turn_ended", "continuation"})
@@ -154,7 +167,8 @@ def advance(row: SessionRow, event: AppendRequest) -> None:
 
     - every event takes the next seq;
     - `user_message` marks the session pending (it needs a turn);
-    - `turn_started` clears pending, makes its turn active and charges its first attempt;
+    - `turn_started` clears pending, makes its turn active and charges its first attempt
+      (`write_events` keeps pending when a user message came after the turn's `read_to`);
     - `turn_ended` clears the active turn and its attempts.
 
     Continuation attempts are charged by recovery before it hands the turn to a worker
@@ -277,6 +291,7 @@ def write_events(db: peewee.Database, requests: Sequence[AppendRequest]) -> list
             )
     events: list[tuple[Any, ...]] = []
     keys: list[tuple[str, str, int]] = []
+    last_user: dict[str, int] = {}  # user messages appended in this batch
     for i in todo:
         req = requests[i]
         row = rows.get(req.session_id)
@@ -287,6 +302,12 @@ def write_events(db: peewee.Database, requests: Sequence[AppendRequest]) -> list
             outcomes[i] = LeaseLost(req.session_id, req.token, row.lease_token)
             continue
         advance(row, req)
+        if req.type == "user_message":
+            last_user[req.session_id] = row.last_seq
+        elif req.read_to is not None:
+            # The turn read up to `read_to`; a message after that is still waiting for one.
+            latest = last_user.get(req.session_id) or _last_user_seq(req.session_id)
+            row.pending = latest > req.read_to
         outcomes[i] = row.last_seq
         events.append(
             (
@@ -329,6 +350,18 @@ def write_events(db: peewee.Database, requests: Sequence[AppendRequest]) -> list
     done = [o for o in outcomes if o is not None]
     assert len(done) == len(requests), "every append has an outcome"
     return done
+
+
+def _last_user_seq(session_id: str) -> int:
+    """The seq of the session's newest user message (0 if none); read under the lock."""
+    seq = (
+        Event.select(Event.seq)
+        .where((Event.session_id == session_id) & (Event.type == "user_message"))
+        .order_by(Event.seq.desc())
+        .limit(1)
+        .scalar()
+    )
+    return int(seq or 0)
 
 
 _STOP = object()
