@@ -1,0 +1,507 @@
+"""Chaos: SIGKILL the supervisor and its workers while a client keeps injecting.
+
+A real daemon (slow echo model, a real MCP server, 2 workers + 1 spare) serves 20
+sessions. One thread injects messages into random sessions through the HTTP API, each
+with its own Idempotency-Key, and retries the very same request until it gets a 202.
+Meanwhile the test SIGKILLs the supervisor (then starts it again on the same state dir)
+or a ready worker, 30 times at random moments, and interrupts a turn in flight now and
+then through `POST /interrupt`. At the end the daemon is brought to rest, stopped
+cleanly, and its database must show that nothing acknowledged was lost or duplicated,
+that no reply was given twice, that every message was answered or the user was asked to
+resend it, and that no operator-interrupted turn was resumed.
+
+The seed is printed; TURNKEEPER_CHAOS_SEED=N reruns the same plan (which session, which
+message, which kill when). The daemon's own timing is not seeded, so a rerun hits
+similar, not identical, interleavings.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import re
+import signal
+import sys
+import threading
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+import pytest
+
+from supervisor.store import EventRecord, Store
+from tests.daemon import Daemon, daemons, wait_until
+
+__all__ = ["daemons"]  # the fixture
+
+Daemons = Callable[..., Daemon]
+
+SEED = int(os.environ.get("TURNKEEPER_CHAOS_SEED", "20261129"))
+SESSIONS = 20
+KILLS = 30
+SUPERVISOR_KILLS = 6  # of the 30; each costs a boot (~5 s with the MCP SDK on 2 cores)
+INTERRUPTS = 3
+PAUSE = (0.3, 2.0)  # seconds between kills
+MODEL_DELAY = 0.25  # seconds added to every echo model call
+IDLE_TIMEOUT = 60.0  # at the end: every session at rest (even with a 30 s attempt due)
+TOOL_OFFSET = 1_000_000  # `add(n, TOOL_OFFSET)`: a tool result that names its message
+WORKER_READY = re.compile(r"ready as w\d+\.\d+ \(pid (\d+)\)")
+# A notice that asks the user to send the message again (quarantine, unsafe tail, stale).
+RESEND = re.compile(r"\bresend\b|\bsend\b.{0,40}\bagain\b", re.IGNORECASE)
+OPERATOR = "interrupted_by_operator"
+WORK = frozenset({"model_response", "tool_call", "tool_result", "continuation"})
+
+
+def mcp_server() -> dict[str, Any]:
+    return {
+        "name": "calc",
+        "command": [sys.executable, "-m", "tests.mcp_servers.basic"],
+        "start_timeout": 60.0,
+        "call_timeout": 20.0,
+    }
+
+
+@dataclass
+class Message:
+    """One message the client sends, and what became of it."""
+
+    n: int
+    session: str
+    kind: str  # plain, slow, tool
+    key: str
+    tries: int = 0
+    status: int | None = None  # the final answer: 202, or 409 for a quarantined session
+    seq: int | None = None  # from the 202
+
+    @property
+    def text(self) -> str:
+        if self.kind == "plain":
+            return f"hello {self.n}"
+        if self.kind == "slow":
+            return f"/sleep 0.5 text {self.n}"
+        return f'/tool add {{"a": {self.n}, "b": {TOOL_OFFSET}}}'
+
+    @property
+    def reply(self) -> str:
+        """What echo answers to this message alone."""
+        if self.kind == "plain":
+            return f"echo: hello {self.n}"
+        if self.kind == "slow":
+            return f"echo: text {self.n}"
+        return f"echo: {self.n + TOOL_OFFSET}"
+
+
+@dataclass
+class Injector:
+    """Injects into random sessions until stopped; every request is retried until it gets
+    a final answer (202, or 409 for a quarantined session), with the same key."""
+
+    daemon: Daemon
+    sessions: list[str]
+    rng: random.Random
+    sent: list[Message] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    failures: Counter[str] = field(default_factory=Counter)
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def run(self) -> None:
+        client = self.daemon.client()
+        open_sessions = list(self.sessions)
+        try:
+            while not self.stop.is_set() and open_sessions:
+                n = len(self.sent) + 1
+                kind = self.rng.choices(["plain", "slow", "tool"], [5, 2, 3])[0]
+                message = Message(n, self.rng.choice(open_sessions), kind, f"chaos-{SEED}-{n}")
+                self.sent.append(message)
+                self._deliver(client, message)
+                if message.status == 409:
+                    open_sessions.remove(message.session)
+                time.sleep(self.rng.uniform(0.1, 0.3))
+        finally:
+            client.close()
+
+    def _deliver(self, client: httpx.Client, message: Message) -> None:
+        # Once stopped, the request in hand is still retried (the daemon is up by then).
+        give_up = None
+        while give_up is None or time.monotonic() < give_up:
+            if give_up is None and self.stop.is_set():
+                give_up = time.monotonic() + 30.0
+            message.tries += 1
+            try:
+                answer = client.post(
+                    f"/v1/sessions/{message.session}/inject",
+                    json={"text": message.text},
+                    headers={"Idempotency-Key": message.key},
+                )
+            except httpx.TransportError as exc:
+                self.failures[type(exc).__name__] += 1
+                time.sleep(0.05)
+                continue
+            if answer.status_code == 202:
+                message.status, message.seq = 202, int(answer.json()["seq"])
+                return
+            if answer.status_code == 409:
+                message.status = 409
+                return
+            if answer.status_code == 503:
+                self.failures["503"] += 1
+                time.sleep(0.05)
+                continue
+            self.unexpected.append(f"message {message.n}: {answer.status_code} {answer.text}")
+            return
+
+
+def ready_workers(daemon: Daemon) -> list[psutil.Process]:
+    """Workers of the current run that said they are ready and are still alive."""
+    run_log = daemon.log().rsplit(f"--- run {daemon.runs} ---", 1)[-1]
+    ready = {int(pid) for pid in WORKER_READY.findall(run_log)}
+    alive = []
+    for proc in daemon.live_workers():
+        with contextlib.suppress(psutil.Error):
+            if proc.pid in ready and proc.status() != psutil.STATUS_ZOMBIE:
+                alive.append(proc)
+    return alive
+
+
+def interrupt_a_turn(client: httpx.Client, rng: random.Random) -> tuple[str, int] | None:
+    """Interrupt a random turn in flight; (session, seq of its `turn_ended`) or None."""
+    until = time.monotonic() + 2.0
+    while time.monotonic() < until:
+        with contextlib.suppress(httpx.TransportError):
+            listed = client.get("/v1/sessions", params={"limit": 100}).json()["sessions"]
+            running = [s["id"] for s in listed if s["active_turn_id"] and s["status"] == "open"]
+            if running:
+                sid = rng.choice(running)
+                answer = client.post(f"/v1/sessions/{sid}/interrupt").json()
+                if answer["interrupted"]:
+                    return sid, int(answer["seq"])
+        time.sleep(0.05)
+    return None
+
+
+def wait_ready(daemon: Daemon) -> None:
+    """Wait until the daemon's latest run is serving (it may be booting after a kill)."""
+    proc = daemon.proc
+    assert proc is not None
+    wait_until(
+        lambda: daemon.ready_count() >= daemon.runs or proc.poll() is not None,
+        60,
+        "the daemon to be ready",
+    )
+    assert proc.poll() is None, daemon.log()[-5000:]
+
+
+def busy(client: httpx.Client, sessions: list[str]) -> list[str]:
+    """The sessions that are neither quarantined nor without work. Each GET is also a
+    request that touches the session (the first touch continues an interrupted turn even
+    while the breaker is tripped)."""
+    try:
+        rows = [client.get(f"/v1/sessions/{sid}").json() for sid in sessions]
+    except httpx.TransportError:
+        return list(sessions)
+    return [
+        r["id"]
+        for r in rows
+        if r["status"] != "quarantined" and (r["active_turn_id"] is not None or r["pending"])
+    ]
+
+
+@dataclass
+class Verdict:
+    """What the database says about the messages; `problems` must stay empty."""
+
+    problems: list[str] = field(default_factory=list)
+    outcome: Counter[str] = field(default_factory=Counter)  # per acknowledged message
+    continuations: int = 0
+    quarantined: int = 0
+
+
+def answered_message(
+    log: list[EventRecord], answer: EventRecord, by_reply: dict[str, int]
+) -> int | None:
+    """The message (its n) a final answer answers.
+
+    Echo answers the most recent user message of what it was shown, and its answer names
+    that message: `echo: hello N`, `echo: text N`, or `echo: <N + TOOL_OFFSET>` (the add
+    tool's result). A tool call whose result was lost to a crash gets the repaired error
+    result, which names nothing; echo answers with it, and the call asked for last before
+    the answer (in this turn or, for a turn that found the result already there, an
+    earlier one) names the message.
+    """
+    n = by_reply.get(answer.payload.get("text", ""))
+    if n is not None:
+        return n
+    for event in reversed([e for e in log if e.seq < answer.seq]):
+        if event.type == "model_response":
+            for call in event.payload.get("tool_calls") or []:
+                if call["name"] == "add":
+                    return int(call["arguments"]["a"])
+    return None
+
+
+def resend_notices(url: str) -> int:
+    """Notices recovery wrote to ask a user to send a message again."""
+    with Store(url, migrate=False) as store:
+        return sum(
+            1
+            for info in store.sessions.list(limit=1_000)
+            for e in store.events.read(info.id, limit=1_000_000)
+            if e.type == "notice" and e.payload.get("resend")
+        )
+
+
+def describe(turn: list[EventRecord]) -> str:
+    """A turn for a problem report: its id, where it started, and its continuations."""
+    causes = [str(e.payload.get("cause")) for e in turn if e.type == "continuation"]
+    resumed = f", continued after {'+'.join(causes)}" if causes else ""
+    return f"turn {turn[0].turn_id} (started at seq {turn[0].seq}{resumed})"
+
+
+def judge(
+    store: Store,
+    sessions: list[str],
+    sent: list[Message],
+    interrupted: list[tuple[str, int]],
+) -> Verdict:
+    verdict = Verdict()
+    problems = verdict.problems
+    by_n = {m.n: m for m in sent}
+    by_reply = {m.reply: m.n for m in sent}
+    by_key = {(m.session, m.text): m for m in sent}
+    for sid in sessions:
+        found = store.events.read(sid, limit=1_000_000)
+        info = store.sessions.get(sid)
+        verdict.quarantined += info.status == "quarantined"
+        seqs = [e.seq for e in found]
+        if seqs != list(range(1, len(found) + 1)) or info.last_seq != len(found):
+            problems.append(f"{sid}: seqs not contiguous from 1 (last_seq {info.last_seq})")
+        # Each user message is in the log once, and at the seq its 202 named.
+        stored: dict[int, int] = {}
+        for event in found:
+            if event.type != "user_message":
+                continue
+            message = by_key.get((sid, str(event.payload.get("text"))))
+            if message is None:
+                problems.append(f"{sid} seq {event.seq}: a message nobody sent: {event.payload}")
+            elif message.n in stored:
+                problems.append(
+                    f"{sid}: message {message.n} stored twice (seqs {stored[message.n]}, "
+                    f"{event.seq})"
+                )
+            else:
+                stored[message.n] = event.seq
+        for message in sent:
+            if message.session != sid or message.status != 202:
+                continue
+            if stored.get(message.n) != message.seq:
+                problems.append(
+                    f"{sid}: acknowledged message {message.n} (seq {message.seq}) is stored "
+                    f"at {stored.get(message.n)}"
+                )
+        # Turns: one start, one end, no work after the end.
+        turns: dict[str, list[EventRecord]] = defaultdict(list)
+        for event in found:
+            if event.turn_id:
+                turns[event.turn_id].append(event)
+        ended: dict[str, EventRecord] = {}
+        for turn_id, turn in turns.items():
+            kinds = [e.type for e in turn]
+            if kinds.count("turn_started") != 1 or kinds[0] != "turn_started":
+                problems.append(f"{sid} turn {turn_id}: does not begin with one turn_started")
+            if kinds.count("turn_ended") != 1:
+                problems.append(f"{sid} turn {turn_id}: {kinds.count('turn_ended')} turn_ended")
+                continue
+            end = next(e for e in turn if e.type == "turn_ended")
+            ended[turn_id] = end
+            late = [e for e in turn if e.seq > end.seq and e.type in WORK]
+            if late:
+                problems.append(
+                    f"{sid} turn {turn_id}: {[e.type for e in late]} after its turn_ended "
+                    f"({end.payload})"
+                )
+            verdict.continuations += kinds.count("continuation")
+        # Replies. A turn reads every user message committed before it reads the log and
+        # echo answers the most recent one, so a turn that read several messages answers
+        # only the last; the earlier ones were shown to the model, not dropped. Each final
+        # answer is attributed to the message it answers (see answered_message), and then:
+        # - no message is answered twice (the check for duplicated replies);
+        # - an acknowledged message M is settled when it got its own answer, or a later
+        #   message of the session was answered (a turn that saw the later one saw M: a
+        #   session's messages are committed in seq order), or a notice after M asks the
+        #   user to resend, or an operator interrupt after M ended the turn that had it.
+        answers: dict[int, list[EventRecord]] = defaultdict(list)
+        for turn in turns.values():
+            for event in turn:
+                if event.type != "model_response" or event.payload.get("tool_calls"):
+                    continue
+                n = answered_message(found, event, by_reply)
+                if n is None or by_n[n].session != sid:
+                    problems.append(f"{sid} seq {event.seq}: an answer to no message: {event}")
+                    continue
+                answers[n].append(event)
+                if n not in stored or stored[n] > event.seq:
+                    problems.append(f"{sid}: message {n} answered at seq {event.seq}, before it")
+        for n, given in answers.items():
+            if len(given) > 1:
+                where = ", ".join(
+                    f"seq {e.seq} in {describe(turns[e.turn_id or ''])}" for e in given
+                )
+                problems.append(
+                    f"{sid}: message {n} ({by_n[n].text!r}, seq {stored.get(n)}) answered "
+                    f"{len(given)} times: {where}"
+                )
+        answered_seqs = sorted(stored[n] for n in answers if n in stored)
+        resend_at = [
+            e.seq
+            for e in found
+            if e.type == "notice" and RESEND.search(str(e.payload.get("text", "")))
+        ]
+        operator_at = [
+            e.seq for e in found if e.type == "turn_ended" and e.payload["outcome"] == OPERATOR
+        ]
+        for message in sent:
+            if message.session != sid or message.status != 202 or message.seq is None:
+                continue
+            seq = message.seq
+            if message.n in answers:
+                its_end = ended.get(answers[message.n][0].turn_id or "")
+                completed = its_end is not None and its_end.payload.get("outcome") == "completed"
+                verdict.outcome["replied" if completed else "replied_turn_not_completed"] += 1
+            elif any(s > seq for s in answered_seqs):
+                verdict.outcome["superseded"] += 1
+            elif any(s > seq for s in resend_at):
+                verdict.outcome["notice"] += 1
+            elif any(s > seq for s in operator_at):
+                verdict.outcome["operator_interrupt"] += 1
+            else:
+                verdict.outcome["dropped"] += 1
+                problems.append(
+                    f"{sid}: message {message.n} ({message.text!r}, seq {seq}) got neither a "
+                    f"reply nor a notice"
+                )
+    # Operator interrupts: never resumed.
+    for sid, seq in interrupted:
+        found = store.events.read(sid, limit=1_000_000)
+        stop = next((e for e in found if e.seq == seq), None)
+        if stop is None or stop.type != "turn_ended" or stop.payload.get("outcome") != OPERATOR:
+            problems.append(f"{sid}: the interrupt's seq {seq} is not its turn_ended: {stop}")
+            continue
+        after = [e for e in found if e.seq > seq and e.turn_id == stop.turn_id]
+        if after:
+            problems.append(
+                f"{sid}: operator-interrupted turn {stop.turn_id} went on: "
+                f"{[(e.seq, e.type) for e in after]}"
+            )
+    return verdict
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_chaos_loses_duplicates_and_resumes_nothing_it_must_not(
+    daemons: Daemons, tmp_path: Path
+) -> None:
+    started = time.monotonic()
+    print(f"chaos seed {SEED} (rerun with TURNKEEPER_CHAOS_SEED={SEED})")
+    rng = random.Random(SEED)
+    daemon = daemons(
+        http={"listen": f"unix:{tmp_path / 'api.sock'}"},
+        pool={"workers": 2, "spare": 1},
+        model={"delay": MODEL_DELAY},
+        mcp={"servers": [mcp_server()]},
+    ).start()
+    control = daemon.client()
+    sessions = [control.post("/v1/sessions", json={}).json()["id"] for _ in range(SESSIONS)]
+    injector = Injector(daemon, sessions, random.Random(rng.random()))
+    sender = threading.Thread(target=injector.run, name="chaos-injector")
+    supervisor_kills = set(rng.sample(range(KILLS), SUPERVISOR_KILLS))
+    interrupt_at = set(rng.sample(range(KILLS), INTERRUPTS))
+    kills: Counter[str] = Counter()
+    interrupted: list[tuple[str, int]] = []
+    not_at_rest: list[str] = []
+    waited = 0.0  # for boots that outlasted the pause
+    sender.start()
+    try:
+        for step in range(KILLS):
+            time.sleep(rng.uniform(*PAUSE))
+            # Every kill hits a daemon that is serving; a restart boots during the pause.
+            waiting = time.monotonic()
+            wait_ready(daemon)
+            waited += time.monotonic() - waiting
+            if step in interrupt_at and (hit := interrupt_a_turn(control, rng)) is not None:
+                interrupted.append(hit)
+            if step in supervisor_kills:
+                daemon.signal(signal.SIGKILL)
+                daemon.wait(10)
+                kills["supervisor"] += 1
+                daemon.start(wait=False)
+                continue
+            workers = wait_until(lambda: ready_workers(daemon), 30, "a ready worker to kill")
+            victim = rng.choice(sorted(workers, key=lambda p: p.pid))
+            with contextlib.suppress(psutil.NoSuchProcess):
+                victim.kill()
+                kills["worker"] += 1
+        chaos_done = time.monotonic()
+        wait_ready(daemon)
+        injector.stop.set()
+        sender.join(60)
+        assert not sender.is_alive(), "the injector did not stop"
+        until = time.monotonic() + IDLE_TIMEOUT
+        while (not_at_rest := busy(control, sessions)) and time.monotonic() < until:
+            time.sleep(0.5)
+        rest_done = time.monotonic()
+    finally:
+        injector.stop.set()
+        sender.join(60)
+        control.close()
+    daemon.signal(signal.SIGTERM)
+    assert daemon.wait(30) == 0, "the daemon did not stop cleanly"
+
+    # What the client saw, next to the daemon's log and database, for a failure's autopsy.
+    record = {"seed": SEED, "interrupted": interrupted, "sent": [vars(m) for m in injector.sent]}
+    (tmp_path / "chaos.json").write_text(json.dumps(record))
+    with Store(daemon.url, migrate=False) as store:
+        verdict = judge(store, sessions, injector.sent, interrupted)
+    problems = [f"{sid}: not at rest after {IDLE_TIMEOUT:g} s" for sid in not_at_rest]
+    problems += verdict.problems
+    acked = [m for m in injector.sent if m.status == 202]
+    summary = {
+        "seed": SEED,
+        "seconds": round(time.monotonic() - started, 1),
+        "chaos_seconds": round(chaos_done - started, 1),
+        "settle_seconds": round(rest_done - chaos_done, 1),
+        "waited_for_boots_seconds": round(waited, 1),
+        "kills": dict(kills),
+        "operator_interrupts": len(interrupted),
+        "sent": len(injector.sent),
+        "acknowledged": len(acked),
+        "refused_quarantined": sum(1 for m in injector.sent if m.status == 409),
+        "retried_requests": sum(1 for m in injector.sent if m.tries > 1),
+        "request_failures": dict(injector.failures),
+        # How each acknowledged message was settled; "notice": the user was asked to
+        # resend it and nothing later was answered.
+        "messages": {
+            k: verdict.outcome.get(k, 0)
+            for k in ("replied", "superseded", "notice", "operator_interrupt", "dropped")
+        }
+        | dict(verdict.outcome),
+        "resend_notices": resend_notices(daemon.url),
+        "continuations": verdict.continuations,
+        "quarantined_sessions": verdict.quarantined,
+        "problems": len(problems),
+    }
+    print(json.dumps({"chaos": summary}))
+    for problem in problems:
+        print("PROBLEM", problem)
+    assert not injector.unexpected, injector.unexpected[:10]
+    assert acked, "no message was acknowledged"
+    assert kills["supervisor"] == SUPERVISOR_KILLS and kills["worker"] > 0
+    assert not problems, f"{len(problems)} problems (seed {SEED}); first: " + "\n".join(
+        problems[:15]
+    )
