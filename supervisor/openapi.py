@@ -92,6 +92,12 @@ def document() -> dict[str, Any]:
                         "last_seq": {"type": "integer"},
                         "pending": {"type": "boolean"},
                         "active_turn_id": {"type": "string", "nullable": True},
+                        "resend_requested_at": {
+                            "type": "number",
+                            "nullable": True,
+                            "description": "recovery ended a turn it could not continue and "
+                            "asked the user to resend; cleared by the next message",
+                        },
                     },
                 },
                 "Event": {

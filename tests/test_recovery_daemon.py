@@ -167,3 +167,29 @@ def test_a_metrics_scrape_after_a_worker_crash_shows_the_restart_and_the_recover
     with daemon.client() as client:
         scraped = client.get("/metrics").text
     assert metric(scraped, "turnkeeper_shutdown_step_seconds", step="descendants") > 0
+
+
+def test_a_turn_that_dies_before_doing_anything_again_gets_a_resend_notice(
+    daemons: Daemons,
+) -> None:
+    daemon = daemons().start()
+    with Store(daemon.url, migrate=False) as store:
+        sid = store.sessions.create("admin").id
+        seq = inject(store, sid, "/crash-at-start")
+        ended = wait_until(lambda: turn_ended(store, sid, seq), 30, "recovery to end the turn")
+        assert ended.payload == {"outcome": "failed", "reason": "unsafe_tail"}
+        found = events(store, sid)
+        # One continuation note, and no second note on top of it: a notice instead.
+        assert [e.type for e in found].count("continuation") == 1
+        notice = next(e for e in found if e.type == "notice")
+        assert (
+            notice.payload["resend"] is True and "send your message again" in notice.payload["text"]
+        )
+        info = store.sessions.get(sid)
+        assert info.status == "open" and info.resend_requested_at is not None
+        # The user resends: it is answered, and the mark is gone.
+        again = inject(store, sid, "hello again")
+        reply = wait_until(lambda: turn_ended(store, sid, again), 30, "the answer")
+        assert reply.payload["outcome"] == "completed"
+        assert store.sessions.get(sid).resend_requested_at is None
+        assert re.search(r"\[recovery\].*unsafe tail \(last_is_continuation_note\)", daemon.log())

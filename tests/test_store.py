@@ -8,6 +8,8 @@ import time
 
 import peewee
 import pytest
+from playhouse.migrate import SchemaMigrator
+from playhouse.migrate import migrate as run_migrations
 
 from supervisor.store import (
     LeaseLost,
@@ -42,6 +44,24 @@ def test_migrate_is_idempotent_and_stamps_latest(db_url: str) -> None:
         assert second.schema_before == migrations.LATEST
     with Store(db_url, migrate=False) as reader:
         assert reader.schema_version == migrations.LATEST
+
+
+def test_a_version_1_database_is_migrated_and_keeps_its_rows(db_url: str) -> None:
+    with Store(db_url) as store:  # made at LATEST; turned back into version 1 below
+        sid = store.sessions.create("alice").id
+        store.events.append(sid, "user_message", {"text": "kept"}, writer="intake")
+        run_migrations(
+            SchemaMigrator.from_database(store.db).drop_column("session", "resend_requested_at")
+        )
+        SchemaVersion.update(version=1).execute()
+    with Store(db_url) as store:
+        assert (store.schema_before, store.schema_version) == (1, migrations.LATEST)
+        assert store.sessions.get(sid).resend_requested_at is None
+        assert [e.payload["text"] for e in store.events.read(sid)] == ["kept"]
+        assert store.sessions.finalize(sid, None, "please resend", "unsafe_tail")
+        assert store.sessions.get(sid).resend_requested_at is not None
+        store.events.append(sid, "user_message", {"text": "again"}, writer="intake")
+        assert store.sessions.get(sid).resend_requested_at is None  # the user did
 
 
 def test_a_newer_schema_is_refused(db_url: str) -> None:

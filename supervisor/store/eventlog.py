@@ -160,13 +160,15 @@ class SessionRow:
     active_turn_id: str | None
     attempt_turn_id: str | None
     attempt_count: int
+    resend_requested_at: float | None = None
 
 
 def advance(row: SessionRow, event: AppendRequest) -> None:
     """Apply one appended event to its session row (pure; the rules of the event log).
 
     - every event takes the next seq;
-    - `user_message` marks the session pending (it needs a turn);
+    - `user_message` marks the session pending (it needs a turn), and clears a request
+      to resend (recovery's mark after it ended a turn it could not continue);
     - `turn_started` clears pending, makes its turn active and charges its first attempt
       (`write_events` keeps pending when a user message came after the turn's `read_to`);
     - `turn_ended` clears the active turn and its attempts.
@@ -178,6 +180,7 @@ def advance(row: SessionRow, event: AppendRequest) -> None:
     row.last_seq += 1
     if event.type == "user_message":
         row.pending = True
+        row.resend_requested_at = None
     elif event.type == "turn_started":
         row.pending = False
         row.active_turn_id = event.turn_id
@@ -194,6 +197,7 @@ _ROW_COLUMNS = (
     "active_turn_id",
     "attempt_turn_id",
     "attempt_count",
+    "resend_requested_at",
 )
 _EVENT_COLUMNS = (
     "session_id",
@@ -285,9 +289,9 @@ def write_events(db: peewee.Database, requests: Sequence[AppendRequest]) -> list
     rows: dict[str, SessionRow] = {}
     if session_ids:
         cursor = db.execute_sql(sql.lock_rows(len(session_ids)), session_ids)
-        for sid, last, token, pending, active, attempt_turn, attempts in cursor.fetchall():
+        for sid, last, token, pending, active, attempt_turn, attempts, resend in cursor:
             rows[sid] = SessionRow(
-                int(last), int(token), bool(pending), active, attempt_turn, int(attempts)
+                int(last), int(token), bool(pending), active, attempt_turn, int(attempts), resend
             )
     events: list[tuple[Any, ...]] = []
     keys: list[tuple[str, str, int]] = []
@@ -335,6 +339,7 @@ def write_events(db: peewee.Database, requests: Sequence[AppendRequest]) -> list
                     r.active_turn_id,
                     r.attempt_turn_id,
                     r.attempt_count,
+                    r.resend_requested_at,
                     now,
                     sid,
                 )

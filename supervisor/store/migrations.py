@@ -16,15 +16,26 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import peewee
+from playhouse.migrate import SchemaMigrator
+from playhouse.migrate import migrate as run_migrations
 
 from supervisor.store.db import backend
 from supervisor.store.errors import SchemaMissing, SchemaTooNew
 from supervisor.store.models import MODELS, SchemaVersion
 
-LATEST = 1
+LATEST = 2
+
+
+def _resend_mark(db: peewee.Database) -> None:
+    """2: `session.resend_requested_at`, recovery's request to the user to resend."""
+    migrator = SchemaMigrator.from_database(db)
+    run_migrations(
+        migrator.add_column("session", "resend_requested_at", peewee.DoubleField(null=True))
+    )
+
 
 # version -> the step that migrates version-1 to version.
-STEPS: dict[int, Callable[[peewee.Database], None]] = {}
+STEPS: dict[int, Callable[[peewee.Database], None]] = {2: _resend_mark}
 
 _LOCK_NAME = "turnkeeper_migrate"
 _PG_LOCK_KEY = 0x7475726E  # "turn"

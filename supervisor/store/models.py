@@ -64,6 +64,9 @@ class Session(BaseModel):
     attempt_count = peewee.IntegerField(default=0)
     quarantined_at = peewee.DoubleField(null=True)
     quarantine_reason = peewee.TextField(null=True)
+    # Recovery ended a turn it could not continue and asked the user to resend (a
+    # `notice`); cleared by the user's next message.
+    resend_requested_at = peewee.DoubleField(null=True)
 
     class Meta:
         table_name = "session"

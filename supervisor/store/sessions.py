@@ -45,6 +45,7 @@ class SessionInfo:
     attempt_count: int
     quarantined_at: float | None
     quarantine_reason: str | None
+    resend_requested_at: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The API shape of a session."""
@@ -60,6 +61,7 @@ class SessionInfo:
             "last_seq": self.last_seq,
             "pending": self.pending,
             "active_turn_id": self.active_turn_id,
+            "resend_requested_at": self.resend_requested_at,
         }
 
 
@@ -210,6 +212,7 @@ class Sessions:
                 Session.lease_expires_at: None,
                 Session.lease_token: Session.lease_token + 1,
             }
+            changes[Session.resend_requested_at] = time.time()
             if quarantine:
                 changes |= {
                     Session.status: "quarantined",
