@@ -410,6 +410,13 @@ def sessions_show(ctx: click.Context, session_id: str, after: int, limit: int) -
         f"owner {info.owner or '-'} (token {info.lease_token})"
     )
     click.echo("acl " + ", ".join(f"{p}={perm}" for p, perm in sorted(acl.items())))
+    if info.quarantined_at is not None:
+        click.echo(f"quarantined {when(info.quarantined_at)}: {info.quarantine_reason}")
+    if info.resend_requested_at is not None:
+        click.echo(
+            f"asked the user to resend {when(info.resend_requested_at)} "
+            "(recovery could not continue a turn)"
+        )
     for event in events:
         turn = f" turn={event.turn_id}" if event.turn_id else ""
         click.echo(
