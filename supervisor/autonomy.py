@@ -124,6 +124,7 @@ def progress(events: Sequence[RunEvent], now: float) -> dict[str, Any] | None:
         "tokens": tokens,
         "stop_reason": stop,
         "next_wake_at": None if stop else now,
+        "prompt": run.prompt,  # so that resuming needs only the log's tail
     }
 
 

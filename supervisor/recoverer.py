@@ -37,6 +37,7 @@ from supervisor.store import EventRecord, SessionInfo, Store
 BREAKER_CHECK = 2.0  # seconds between readings of the boot log
 TAIL_EVENTS = 200  # events read to classify a turn's tail
 NOT_EVALUATED = "not evaluated yet"
+RUN_TAIL = 20  # events read to find an autonomous run's newest checkpoint
 
 RESEND = "Please send your message again."
 
@@ -239,11 +240,19 @@ class Recoverer:
         the breaker held back."""
         held = 0
         for info in await asyncio.to_thread(self.store.sessions.idle_autonomous):
-            events = await asyncio.to_thread(self.store.events.read, info.id, 0, 1_000_000)
-            found = autonomy.run_of(events)
-            if found is None or not autonomy.unfinished(events):
+            # The newest checkpoint is among the last events: a stopped run costs a short
+            # index range scan, not a read of its log.
+            events = await asyncio.to_thread(self.store.events.tail, info.id, RUN_TAIL)
+            if not autonomy.unfinished(events):
                 continue
             checkpoint = autonomy.last_checkpoint(events) or {}
+            prompt = checkpoint.get("prompt")
+            if not isinstance(prompt, str):
+                everything = await asyncio.to_thread(self.store.events.read, info.id, 0, 10**9)
+                found = autonomy.run_of(everything)
+                if found is None:
+                    continue
+                prompt = found[0].prompt
             wake = checkpoint.get("next_wake_at")
             if wake is not None and float(wake) > self.clock():
                 continue
@@ -261,7 +270,7 @@ class Recoverer:
                 self.store.events.append,
                 info.id,
                 "user_message",
-                {"text": found[0].prompt, "autonomous": True, "resumed": True},
+                {"text": prompt, "autonomous": True, "resumed": True},
                 writer="supervisor",
             )
             self.metrics.recovery.labels("resume_run", "daemon_restart", "started").inc()

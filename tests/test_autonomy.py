@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import re
 import signal
+import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -13,6 +15,7 @@ import pytest
 
 from supervisor.autonomy import Run, progress, run_of, unfinished
 from supervisor.store import Store
+from tests.conftest import PYTHON, REPO, python_env
 from tests.daemon import Daemon, daemons, wait_until
 
 __all__ = ["daemons"]  # the fixture
@@ -70,6 +73,7 @@ def test_progress(
         "tokens": tokens,
         "stop_reason": stop,
         "next_wake_at": None if stop else now,
+        "prompt": "go on",
     }
 
 
@@ -138,3 +142,67 @@ def test_an_autonomous_run_sigkilled_mid_turn_resumes_and_stops_at_its_budget(
         assert tokens == sorted(tokens) and tokens[-1] > 0
         assert store.sessions.get(sid).active_turn_id is None
         assert "[recovery]" in daemon.log()
+
+
+def between_turns(store: Store, max_turns: int) -> str:
+    """An autonomous run whose first turn ended and was checkpointed, and whose next
+    prompt was never written (the daemon died in between)."""
+    run = Run("/sleep 0.2 work", "/sleep 0.2 more", max_turns, None, None)
+    sid = store.sessions.create(
+        "admin",
+        kind="autonomous",
+        events=[("checkpoint", run.start_payload(time.time())), ("user_message", {"text": "x"})],
+    ).id
+    lease = store.leases.acquire(sid, "gone/boot/w0.1", 30)
+    assert lease is not None
+    read = store.events.read(sid)[-1].seq
+    store.events.append(sid, "turn_started", {"read_to": read}, token=lease.token, turn_id="t1")
+    store.events.append(
+        sid, "turn_ended", {"outcome": "completed"}, token=lease.token, turn_id="t1"
+    )
+    payload = progress(store.events.read(sid), time.time())
+    assert payload is not None  # stopped already when max_turns is 1
+    store.events.append(sid, "checkpoint", payload, token=lease.token)
+    store.leases.release(lease)
+    return sid
+
+
+@pytest.mark.timeout(120)
+def test_a_run_stopped_between_turns_is_resumed_by_the_boot_scan(daemons: Daemons) -> None:
+    daemon = daemons()
+    daemon.state.mkdir(parents=True)
+    with Store(daemon.url) as store:
+        sid = between_turns(store, max_turns=3)
+    daemon.start()
+    with Store(daemon.url, migrate=False) as store:
+        wait_until(lambda: checkpoints(store, sid)[-1]["stop_reason"] == "max_turns", 30, "the run")
+        assert checkpoints(store, sid)[-1]["turns"] == 3
+        resumed = [e for e in store.events.read(sid) if e.payload.get("resumed")]
+        assert len(resumed) == 1 and resumed[0].writer == "supervisor"
+    assert re.search(r"\[recovery\].*autonomous run resumed after 1 turns", daemon.log())
+
+
+def test_autonomous_resume_writes_the_prompt_once_and_leaves_stopped_runs(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    env = python_env(TURNKEEPER_DAEMON__STATE_DIR=str(state), TURNKEEPER_CONFIG="")
+    state.mkdir()
+    with Store(f"sqlite:///{state / 'turnkeeper.db'}") as store:
+        sid = between_turns(store, max_turns=1)  # its only turn is done: stopped
+        other = between_turns(store, max_turns=5)
+
+    def resume(*args: str) -> str:
+        done = subprocess.run(
+            [PYTHON, "-m", "supervisor", "autonomous", "resume", *args],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    assert "resumed after 1 turns" in resume(other)
+    assert "has a turn in flight or waiting" in resume(other)  # not twice
+    out = resume()
+    assert f"{sid}: stopped (max_turns)" in out and "0 runs resumed" in out
