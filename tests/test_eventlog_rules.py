@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from supervisor.store.eventlog import SessionRow, advance, make_request
+from supervisor.store.events import SessionRow, advance, make_request
 
 
 def row() -> SessionRow:

@@ -11,6 +11,7 @@ from types import TracebackType
 import peewee
 
 from supervisor.store import migrations
+from supervisor.store.acl import PERMISSIONS, Acl
 from supervisor.store.boots import Boot, Boots, Child, Children
 from supervisor.store.db import backend, db_now, open_database, sqlite_path
 from supervisor.store.errors import (
@@ -23,8 +24,9 @@ from supervisor.store.errors import (
     StoreError,
 )
 from supervisor.store.eventlog import EVENT_TYPES, EventLog, EventRecord
+from supervisor.store.leases import Lease, Leases
 from supervisor.store.models import MODELS
-from supervisor.store.sessions import KINDS, PERMISSIONS, Acl, Lease, Leases, SessionInfo, Sessions
+from supervisor.store.sessions import KINDS, SessionInfo, Sessions
 
 __all__ = [
     "EVENT_TYPES",

@@ -1,4 +1,7 @@
-"""Sessions, their access control lists, and their leases."""
+"""Sessions: create, find and list them; recovery's writes to their rows.
+
+Their access control lists are in `acl.py`, their leases in `leases.py`.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +12,8 @@ from typing import Any
 
 import peewee
 
-from supervisor.store.db import db_now, now_sql, run_write
-from supervisor.store.errors import LeaseLost, SessionNotFound
+from supervisor.store.db import run_write
+from supervisor.store.errors import SessionNotFound
 from supervisor.store.eventlog import make_request, write_events
 from supervisor.store.models import Session, SessionACL
 
@@ -20,7 +23,6 @@ QUARANTINE_NOTICE = (
     "it will not be run again by itself. An operator can lift this with "
     "`turnkeeper sessions release ID`; then send your message again."
 )
-PERMISSIONS = ("read", "write", "admin")  # each includes the ones before it
 
 
 @dataclass(frozen=True)
@@ -357,174 +359,3 @@ class Sessions:
         if principal is not None:
             query = query.join(SessionACL).where(SessionACL.principal == principal)
         return [_info(row) for row in query]
-
-
-class Acl:
-    """Who may read, write or administer a session."""
-
-    def __init__(self, db: peewee.Database) -> None:
-        self._db = db
-
-    def grant(self, session_id: str, principal: str, permission: str, *, by: str = "") -> int:
-        """Set `principal`'s permission; records an `acl` event in the same transaction.
-
-        Returns the seq of that event.
-        """
-        if permission not in PERMISSIONS:
-            raise ValueError(f"permission must be one of {', '.join(PERMISSIONS)}")
-        return self._change(session_id, principal, permission, by)
-
-    def revoke(self, session_id: str, principal: str, *, by: str = "") -> int:
-        """Remove `principal`'s permission; records an `acl` event. Returns its seq."""
-        return self._change(session_id, principal, None, by)
-
-    def _change(self, session_id: str, principal: str, permission: str | None, by: str) -> int:
-        event = make_request(
-            session_id,
-            "acl",
-            {"principal": principal, "permission": permission, "by": by},
-            writer="supervisor",
-        )
-
-        def work() -> int:
-            if not Session.select().where(Session.id == session_id).exists():
-                raise SessionNotFound(session_id)
-            SessionACL.delete().where(
-                (SessionACL.session == session_id) & (SessionACL.principal == principal)
-            ).execute()
-            if permission is not None:
-                SessionACL.insert(
-                    session=session_id, principal=principal, permission=permission
-                ).execute()
-            (outcome,) = write_events(self._db, [event])
-            if isinstance(outcome, Exception):
-                raise outcome
-            return outcome
-
-        return run_write(self._db, work)
-
-    def permission(self, session_id: str, principal: str) -> str | None:
-        """`principal`'s permission on the session, or None."""
-        value: str | None = (
-            SessionACL.select(SessionACL.permission)
-            .where((SessionACL.session == session_id) & (SessionACL.principal == principal))
-            .scalar()
-        )
-        return value
-
-    def allows(self, session_id: str, principal: str, needed: str) -> bool:
-        """Whether `principal` holds `needed` or a stronger permission."""
-        held = self.permission(session_id, principal)
-        return held is not None and PERMISSIONS.index(held) >= PERMISSIONS.index(needed)
-
-    def entries(self, session_id: str) -> dict[str, str]:
-        """Every principal's permission on the session."""
-        query = SessionACL.select().where(SessionACL.session == session_id)
-        return {row.principal: row.permission for row in query}
-
-
-@dataclass(frozen=True)
-class Lease:
-    """The right to write a session; `token` fences out every earlier holder."""
-
-    session_id: str
-    owner: str
-    token: int
-    expires_at: float
-
-
-class Leases:
-    """Acquire, renew and release session leases; expiry is judged by the database clock."""
-
-    def __init__(self, db: peewee.Database) -> None:
-        self._db = db
-
-    def acquire(
-        self, session_id: str, owner: str, ttl: float, *, force: bool = False
-    ) -> Lease | None:
-        """Take the lease if it is free or stale (or always, with `force`).
-
-        Every acquisition gets a larger token than any before it. Returns None when
-        another owner holds a live lease.
-        """
-        now = now_sql(self._db)
-
-        def work() -> Lease | None:
-            update = Session.update(
-                owner=owner, lease_token=Session.lease_token + 1, lease_expires_at=now + ttl
-            ).where(Session.id == session_id)
-            if not force:
-                update = update.where(
-                    Session.owner.is_null()
-                    | Session.lease_expires_at.is_null()
-                    | (Session.lease_expires_at < now)
-                )
-            if update.execute() == 0:
-                if not Session.select().where(Session.id == session_id).exists():
-                    raise SessionNotFound(session_id)
-                return None
-            row = Session.get(Session.id == session_id)
-            assert row.lease_expires_at is not None
-            return Lease(session_id, owner, row.lease_token, row.lease_expires_at)
-
-        return run_write(self._db, work)
-
-    def renew(self, lease: Lease, ttl: float) -> Lease:
-        """Extend the lease; LeaseLost if its token is no longer current."""
-        now = now_sql(self._db)
-
-        def work() -> Lease:
-            updated = (
-                Session.update(lease_expires_at=now + ttl)
-                .where((Session.id == lease.session_id) & (Session.lease_token == lease.token))
-                .execute()
-            )
-            if updated == 0:
-                current = (
-                    Session.select(Session.lease_token)
-                    .where(Session.id == lease.session_id)
-                    .scalar()
-                )
-                raise LeaseLost(lease.session_id, lease.token, current)
-            expires = (
-                Session.select(Session.lease_expires_at)
-                .where(Session.id == lease.session_id)
-                .scalar()
-            )
-            return Lease(lease.session_id, lease.owner, lease.token, float(expires))
-
-        return run_write(self._db, work)
-
-    def release(self, lease: Lease) -> bool:
-        """Give the lease up; False if it was no longer ours. The token is never reused."""
-
-        def work() -> bool:
-            updated = (
-                Session.update(owner=None, lease_expires_at=None)
-                .where((Session.id == lease.session_id) & (Session.lease_token == lease.token))
-                .execute()
-            )
-            return bool(updated)
-
-        return run_write(self._db, work)
-
-    def renew_owner(self, owner: str, ttl: float) -> int:
-        """Extend every lease `owner` holds, in one statement; returns how many."""
-        now = now_sql(self._db)
-        return run_write(
-            self._db,
-            lambda: (
-                Session.update(lease_expires_at=now + ttl).where(Session.owner == owner).execute()
-            ),
-        )
-
-    def holder(self, session_id: str) -> Lease | None:
-        """The live lease on the session, or None if it is free or stale."""
-        row = Session.get_or_none(Session.id == session_id)
-        if row is None:
-            raise SessionNotFound(session_id)
-        if row.owner is None or row.lease_expires_at is None:
-            return None
-        if row.lease_expires_at < db_now(self._db):
-            return None
-        return Lease(session_id, row.owner, row.lease_token, row.lease_expires_at)

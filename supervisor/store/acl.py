@@ -1,0 +1,76 @@
+"""Who may read, write or administer a session: its access control list."""
+
+from __future__ import annotations
+
+import peewee
+
+from supervisor.store.db import run_write
+from supervisor.store.errors import SessionNotFound
+from supervisor.store.eventlog import make_request, write_events
+from supervisor.store.models import Session, SessionACL
+
+PERMISSIONS = ("read", "write", "admin")  # each includes the ones before it
+
+
+class Acl:
+    """Who may read, write or administer a session."""
+
+    def __init__(self, db: peewee.Database) -> None:
+        self._db = db
+
+    def grant(self, session_id: str, principal: str, permission: str, *, by: str = "") -> int:
+        """Set `principal`'s permission; records an `acl` event in the same transaction.
+
+        Returns the seq of that event.
+        """
+        if permission not in PERMISSIONS:
+            raise ValueError(f"permission must be one of {', '.join(PERMISSIONS)}")
+        return self._change(session_id, principal, permission, by)
+
+    def revoke(self, session_id: str, principal: str, *, by: str = "") -> int:
+        """Remove `principal`'s permission; records an `acl` event. Returns its seq."""
+        return self._change(session_id, principal, None, by)
+
+    def _change(self, session_id: str, principal: str, permission: str | None, by: str) -> int:
+        event = make_request(
+            session_id,
+            "acl",
+            {"principal": principal, "permission": permission, "by": by},
+            writer="supervisor",
+        )
+
+        def work() -> int:
+            if not Session.select().where(Session.id == session_id).exists():
+                raise SessionNotFound(session_id)
+            SessionACL.delete().where(
+                (SessionACL.session == session_id) & (SessionACL.principal == principal)
+            ).execute()
+            if permission is not None:
+                SessionACL.insert(
+                    session=session_id, principal=principal, permission=permission
+                ).execute()
+            (outcome,) = write_events(self._db, [event])
+            if isinstance(outcome, Exception):
+                raise outcome
+            return outcome
+
+        return run_write(self._db, work)
+
+    def permission(self, session_id: str, principal: str) -> str | None:
+        """`principal`'s permission on the session, or None."""
+        value: str | None = (
+            SessionACL.select(SessionACL.permission)
+            .where((SessionACL.session == session_id) & (SessionACL.principal == principal))
+            .scalar()
+        )
+        return value
+
+    def allows(self, session_id: str, principal: str, needed: str) -> bool:
+        """Whether `principal` holds `needed` or a stronger permission."""
+        held = self.permission(session_id, principal)
+        return held is not None and PERMISSIONS.index(held) >= PERMISSIONS.index(needed)
+
+    def entries(self, session_id: str) -> dict[str, str]:
+        """Every principal's permission on the session."""
+        query = SessionACL.select().where(SessionACL.session == session_id)
+        return {row.principal: row.permission for row in query}

@@ -1,0 +1,169 @@
+"""Events and the rules of the log, as pure code: what an append is, what it does to its
+session's row. `eventlog.py` writes them; nothing here touches the database.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+EVENT_TYPES = frozenset(
+    {
+        "user_message",
+        "turn_started",
+        "model_response",
+        "tool_call",
+        "tool_result",
+        "turn_ended",
+        "repair",
+        "continuation",
+        "checkpoint",
+        "notice",
+        "acl",
+    }
+)
+WRITERS = frozenset({"worker", "boot", "intake", "supervisor", "cli"})
+
+
+@dataclass(frozen=True)
+class EventRecord:
+    """One committed event as read back from the log."""
+
+    session_id: str
+    seq: int
+    type: str
+    turn_id: str | None
+    payload: dict[str, Any]
+    created_at: float
+    writer: str
+    lease_token: int | None = None  # the token the writer held; None for intake
+
+    def to_dict(self) -> dict[str, Any]:
+        """The API shape of an event."""
+        return {
+            "seq": self.seq,
+            "type": self.type,
+            "turn_id": self.turn_id,
+            "payload": self.payload,
+            "created_at": self.created_at,
+        }
+
+
+@dataclass
+class AppendRequest:
+    """An event to append; built by `make_request`, which validates it."""
+
+    session_id: str
+    type: str
+    payload_json: str
+    turn_id: str | None
+    token: int | None
+    writer: str
+    idempotency_key: str | None
+    created_at: float
+    # `turn_started` only: the last seq the turn read before it started. The session stays
+    # pending if a user message came after it (the turn did not see that message).
+    read_to: int | None = None
+    # Resolved by the committer: a thread's Future, or an asyncio future of `loop`.
+    future: Any = None
+    loop: asyncio.AbstractEventLoop | None = None
+
+
+def make_request(
+    session_id: str,
+    type: str,
+    payload: dict[str, Any] | None = None,
+    *,
+    token: int | None = None,
+    turn_id: str | None = None,
+    writer: str = "worker",
+    idempotency_key: str | None = None,
+    created_at: float | None = None,
+) -> AppendRequest:
+    """Validate an append in the caller's thread, so a bad one never reaches a batch.
+
+    `created_at` defaults to now; a caller that also publishes the event live passes its
+    own, so the live copy and the stored one agree.
+    """
+    if type not in EVENT_TYPES:
+        raise ValueError(f"unknown event type {type!r}; known: {', '.join(sorted(EVENT_TYPES))}")
+    if writer not in WRITERS:
+        raise ValueError(f"unknown writer {writer!r}; known: {', '.join(sorted(WRITERS))}")
+    if payload is None:
+        payload = {}
+    if not isinstance(payload, dict):
+        raise ValueError(f"event payload must be a JSON object, not {payload.__class__.__name__}")
+    try:
+        payload_json = json.dumps(payload, ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"event payload is not JSON-serializable: {exc}") from exc
+    if idempotency_key is not None and not 0 < len(idempotency_key) <= 200:
+        raise ValueError("idempotency key must be 1 to 200 characters")
+    if type in TURN_EVENTS and not turn_id:
+        raise ValueError(f"a {type} event needs a turn_id")
+    return AppendRequest(
+        session_id=session_id,
+        type=type,
+        payload_json=payload_json,
+        turn_id=turn_id,
+        token=token,
+        writer=writer,
+        idempotency_key=idempotency_key,
+        created_at=time.time() if created_at is None else created_at,
+        read_to=_read_to(type, payload),
+    )
+
+
+def _read_to(type: str, payload: dict[str, Any]) -> int | None:
+    value = payload.get("read_to") if type == "turn_started" else None
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"turn_started read_to must be a seq (a whole number), not {value!r}")
+    return value
+
+
+TURN_EVENTS = frozenset({"turn_started", "turn_ended", "continuation"})
+
+
+@dataclass
+class SessionRow:
+    """The columns of a session row that appends maintain."""
+
+    last_seq: int
+    lease_token: int
+    pending: bool
+    active_turn_id: str | None
+    attempt_turn_id: str | None
+    attempt_count: int
+    resend_requested_at: float | None = None
+
+
+def advance(row: SessionRow, event: AppendRequest) -> None:
+    """Apply one appended event to its session row (pure; the rules of the event log).
+
+    - every event takes the next seq;
+    - `user_message` marks the session pending (it needs a turn), and clears a request
+      to resend (recovery's mark after it ended a turn it could not continue);
+    - `turn_started` clears pending, makes its turn active and charges its first attempt
+      (`write_events` keeps pending when a user message came after the turn's `read_to`);
+    - `turn_ended` clears the active turn and its attempts.
+
+    Continuation attempts are charged by recovery before it hands the turn to a worker
+    (`Sessions.charge_attempt`), not by the note the worker then writes: a worker that
+    dies before its note was still charged.
+    """
+    row.last_seq += 1
+    if event.type == "user_message":
+        row.pending = True
+        row.resend_requested_at = None
+    elif event.type == "turn_started":
+        row.pending = False
+        row.active_turn_id = event.turn_id
+        row.attempt_turn_id, row.attempt_count = event.turn_id, 1
+    elif event.type == "turn_ended":
+        row.active_turn_id = None
+        row.attempt_turn_id, row.attempt_count = None, 0
