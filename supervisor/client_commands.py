@@ -150,7 +150,8 @@ def attach(ctx: click.Context, session_id: str, after: int) -> None:
 
 def event_line(event: dict[str, Any]) -> str:
     """One line of an event: seq, time, type, summary."""
-    from supervisor.cli import summarize, when
+    from supervisor.cli import when
+    from supervisor.store_commands import summarize
 
     return (
         f"{event['seq']:>6}  {when(event['created_at'])}  {event['type']:<15}  "
