@@ -8,13 +8,10 @@ wrong and where the value came from; the command line turns it into exit code 78
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import re
-import stat
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args, get_origin
 
@@ -30,6 +27,12 @@ from pydantic import (
 )
 from pydantic.fields import FieldInfo
 from pydantic_core import ErrorDetails, PydanticCustomError
+
+# Re-exported: most callers take the paths with the configuration.
+from supervisor.paths import Paths as Paths
+from supervisor.paths import make_private_dir as make_private_dir
+from supervisor.paths import parse_listen as parse_listen
+from supervisor.paths import resolve_paths as resolve_paths
 
 DEFAULT_PATH = Path("/etc/turnkeeper/turnkeeper.toml")
 ENV_PREFIX = "TURNKEEPER_"
@@ -206,31 +209,6 @@ class Config(_Section):
     attach: AttachConfig = Field(default_factory=AttachConfig)
     recovery: RecoveryConfig = Field(default_factory=RecoveryConfig)
     log: LogConfig = Field(default_factory=LogConfig)
-
-
-_HOST_PORT = re.compile(r"(?:\[(?P<v6>[^\]]+)\]|(?P<host>[A-Za-z0-9.-]+)):(?P<port>[0-9]{1,5})")
-
-
-def parse_listen(value: str) -> tuple[str, int] | Path:
-    """`http.listen` as (host, port), or as the socket path for `unix:/path`.
-
-    Raises ValueError saying what is expected.
-    """
-    if value.startswith("unix:"):
-        path = value.removeprefix("unix:")
-        if not path.startswith("/"):
-            raise ValueError("a unix socket path must be absolute, as in unix:/run/tk.sock")
-        return Path(path)
-    match = _HOST_PORT.fullmatch(value)
-    if match is None or not 1 <= int(match["port"]) <= 65535:
-        raise ValueError("expected HOST:PORT (port 1-65535), [IPv6]:PORT or unix:/absolute/path")
-    if match["v6"] is not None:
-        try:
-            ipaddress.IPv6Address(match["v6"])
-        except ValueError:
-            raise ValueError(f"{match['v6']!r} is not an IPv6 address") from None
-        return match["v6"], int(match["port"])
-    return match["host"], int(match["port"])
 
 
 def _section_models() -> dict[str, type[BaseModel]]:
@@ -426,57 +404,3 @@ def _mask_url(url: str) -> str:
             for name, eq, value in params
         )
     return f"{match['scheme']}{authority}{match['path']}{query}{hash_}{fragment}"
-
-
-@dataclass(frozen=True)
-class Paths:
-    """Where the daemon keeps its files, resolved from the configuration and environment."""
-
-    state_dir: Path
-    runtime_dir: Path
-    db_url: str
-    admin_token_file: Path
-
-
-def resolve_paths(cfg: Config, environ: Mapping[str, str] | None = None) -> Paths:
-    """The absolute state and runtime directories, database URL and admin token file.
-
-    Reads no files: systemd's $STATE_DIRECTORY and $RUNTIME_DIRECTORY, then
-    $XDG_RUNTIME_DIR and ~/.local/state fill in what the configuration leaves empty.
-    """
-    env = os.environ if environ is None else environ
-    state_dir = _absolute(
-        cfg.daemon.state_dir
-        or _first(env.get("STATE_DIRECTORY", ""))
-        or "~/.local/state/turnkeeper",
-        env,
-    )
-    runtime = cfg.daemon.runtime_dir or _first(env.get("RUNTIME_DIRECTORY", ""))
-    if runtime:
-        runtime_dir = _absolute(runtime, env)
-    elif env.get("XDG_RUNTIME_DIR"):
-        runtime_dir = _absolute(env["XDG_RUNTIME_DIR"], env) / "turnkeeper"
-    else:
-        runtime_dir = state_dir / "run"
-    db_url = cfg.store.url or f"sqlite:///{state_dir / 'turnkeeper.db'}"
-    return Paths(state_dir, runtime_dir, db_url, state_dir / "admin.token")
-
-
-def _first(paths: str) -> str:
-    # systemd joins several configured directories with colons.
-    return paths.split(":")[0]
-
-
-def _absolute(path: str, env: Mapping[str, str]) -> Path:
-    if path == "~" or path.startswith("~/"):
-        path = (env.get("HOME") or str(Path.home())) + path[1:]
-    return Path(os.path.abspath(os.path.expanduser(path)))
-
-
-def make_private_dir(path: Path) -> None:
-    """Create `path` and its missing parents as 0700; tighten it to 0700 if it is looser."""
-    missing = [p for p in (path, *path.parents) if not p.exists()]
-    for directory in reversed(missing):
-        directory.mkdir(mode=0o700, exist_ok=True)
-    if stat.S_IMODE(path.stat().st_mode) & 0o077:
-        path.chmod(0o700)
