@@ -38,8 +38,9 @@ Rules
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 RETENTION = 24 * 3600.0  # boot rows older than this (by started_at) are pruned
 CLEAN = "clean"  # the only outcome that is not unclean
@@ -121,3 +122,35 @@ def evaluate(
         ),
         clears_at=clears_at,
     )
+
+
+class BootRow(Protocol):
+    """A boot row as the store returns it (`supervisor.store.Boot`)."""
+
+    @property
+    def started_at(self) -> float: ...
+    @property
+    def ended_at(self) -> float | None: ...
+    @property
+    def outcome(self) -> str | None: ...
+    @property
+    def breaker(self) -> dict[str, Any] | None: ...
+
+
+def judge_rows(
+    rows: Sequence[BootRow] | None,
+    now: float,
+    threshold: int,
+    window: float,
+    is_current: Callable[[Any], bool],
+) -> BreakerState:
+    """`evaluate` over boot rows: the newest reset recorded in any of them applies.
+
+    `is_current(row)` says which row is the boot doing the judging. None: unreadable.
+    """
+    if rows is None:
+        return evaluate(None, now, threshold, window)
+    marks = [row.breaker or {} for row in rows]
+    resets = [float(mark["reset_at"]) for mark in marks if "reset_at" in mark]
+    records = [BootRecord(r.started_at, r.ended_at, r.outcome, is_current(r)) for r in rows]
+    return evaluate(records, now, threshold, window, max(resets) if resets else None)

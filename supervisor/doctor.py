@@ -84,17 +84,23 @@ def _stop_timeout(setting: str, raw: str, parse: Callable[[str], float], budget:
     )
 
 
-def check_unit(text: str, name: str, budget: Budget) -> list[Finding]:
-    """A systemd unit: stop timeout above the budget, KillMode=mixed, Type=notify."""
-    service: dict[str, str] = {}
-    section = ""
+def unit_settings(text: str, section: str = "Service") -> dict[str, str]:
+    """The settings of one section of a unit file (the last one wins, as in systemd)."""
+    settings: dict[str, str] = {}
+    current = ""
     for raw in text.splitlines():
         line = raw.strip()
         if line.startswith("[") and line.endswith("]"):
-            section = line[1:-1]
-        elif section == "Service" and "=" in line and not line.startswith(("#", ";")):
+            current = line[1:-1]
+        elif current == section and "=" in line and not line.startswith(("#", ";")):
             key, _, value = line.partition("=")
-            service[key.strip()] = value.strip()
+            settings[key.strip()] = value.strip()
+    return settings
+
+
+def check_unit(text: str, name: str, budget: Budget) -> list[Finding]:
+    """A systemd unit: stop timeout above the budget, KillMode=mixed, Type=notify."""
+    service = unit_settings(text)
     findings = []
     raw_timeout = service.get("TimeoutStopSec", "90")  # systemd's DefaultTimeoutStopSec
     findings.append(_stop_timeout(f"{name}: TimeoutStopSec", raw_timeout, parse_timespan, budget))

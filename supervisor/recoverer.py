@@ -96,22 +96,14 @@ class Recoverer:
             rows = self.store.boots.of_host(self.host, breaker.prune_before(now))
         except Exception as exc:
             self.log.error("cannot read the boot log: {}", exc)
-            state = breaker.evaluate(None, now, s.breaker_threshold, s.breaker_window)
-        else:
-            resets = [
-                float(r.breaker["reset_at"]) for r in rows if r.breaker and "reset_at" in r.breaker
-            ]
-            records = [
-                breaker.BootRecord(r.started_at, r.ended_at, r.outcome, r.boot_id == self.boot_id)
-                for r in rows
-            ]
-            state = breaker.evaluate(
-                records,
-                now,
-                s.breaker_threshold,
-                s.breaker_window,
-                reset_at=max(resets) if resets else None,
-            )
+            rows = None
+        state = breaker.judge_rows(
+            rows,
+            now,
+            s.breaker_threshold,
+            s.breaker_window,
+            is_current=lambda row: row.boot_id == self.boot_id,
+        )
         previous, self.breaker = self.breaker, state
         first = previous.reason == NOT_EVALUATED
         if first or state.tripped != previous.tripped or state.fails_open != previous.fails_open:

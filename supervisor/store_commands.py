@@ -242,23 +242,14 @@ def breaker_state(store: Store, config: Config) -> Any:
         rows = store.boots.of_host(socket.gethostname(), breaker.prune_before(now))
     except Exception:
         rows = None
-    marks = [r.breaker or {} for r in rows or []]
-    resets = [float(m["reset_at"]) for m in marks if "reset_at" in m]
     # A boot still running here is the current one, as it judges itself; without one,
     # this is how a boot starting now would judge it.
-    return breaker.evaluate(
-        None
-        if rows is None
-        else [
-            breaker.BootRecord(
-                r.started_at, r.ended_at, r.outcome, is_current=r.ended_at is None and _alive(r.pid)
-            )
-            for r in rows
-        ],
+    return breaker.judge_rows(
+        rows,
         now,
         config.recovery.breaker_threshold,
         config.recovery.breaker_window,
-        reset_at=max(resets) if resets else None,
+        is_current=lambda row: row.ended_at is None and _alive(row.pid),
     )
 
 

@@ -22,6 +22,7 @@ import tomli_w
 
 from supervisor.budget import teardown_budget
 from supervisor.config import Config
+from supervisor.doctor import unit_settings
 from supervisor.store import Store
 from tests.conftest import PYTHON, REPO
 from tests.daemon import wait_until
@@ -34,20 +35,6 @@ NOT_INSTALLED = (
     "(apt-get install supervisor; .ci/run installs it). Never `pip install supervisor`: "
     "PyPI's package shares turnkeeper's `supervisor` import name."
 )
-
-
-def unit_settings(text: str, section: str = "Service") -> dict[str, str]:
-    """The settings of one section of a unit file (the last one wins, as in systemd)."""
-    settings: dict[str, str] = {}
-    current = ""
-    for raw in text.splitlines():
-        line = raw.strip()
-        if line.startswith("[") and line.endswith("]"):
-            current = line[1:-1]
-        elif current == section and "=" in line and not line.startswith(("#", ";")):
-            key, _, value = line.partition("=")
-            settings[key.strip()] = value.strip()
-    return settings
 
 
 def test_the_shipped_unit_has_the_settings_restarts_rely_on() -> None:
