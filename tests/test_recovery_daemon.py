@@ -193,3 +193,37 @@ def test_a_turn_that_dies_before_doing_anything_again_gets_a_resend_notice(
         assert reply.payload["outcome"] == "completed"
         assert store.sessions.get(sid).resend_requested_at is None
         assert re.search(r"\[recovery\].*unsafe tail \(last_is_continuation_note\)", daemon.log())
+
+
+def test_with_auto_continue_off_a_turn_waits_for_the_users_next_message(
+    daemons: Daemons,
+) -> None:
+    daemon = daemons(recovery={"auto_continue": False}).start()
+    with Store(daemon.url, migrate=False) as store:
+        sid = store.sessions.create("admin").id
+        seq = inject(store, sid, "/sleep 3 first")
+        wait_until(lambda: started(store, sid, seq), 20, "the turn to start")
+        owner = wait_until(lambda: daemon.owner_pid(store, sid), 10, "the owner")
+        os.kill(owner, signal.SIGKILL)
+        wait_until(
+            lambda: re.search(r"\[recovery\].*auto_continue is off", daemon.log()), 20, "the skip"
+        )
+        time.sleep(1.0)
+        assert "continuation" not in [e.type for e in events(store, sid)]
+        assert store.sessions.get(sid).active_turn_id is not None  # left as it was
+        # The user's next message drives a new turn, with no note; the old one ends.
+        again = inject(store, sid, "second")
+        wait_until(
+            lambda: any(
+                e.type == "turn_ended" and e.payload["outcome"] == "completed"
+                for e in store.events.read(sid, after=again)
+            ),
+            30,
+            "the next turn",
+        )
+        found = events(store, sid)
+        assert "continuation" not in [e.type for e in found]
+        first_end = next(e for e in found if e.type == "turn_ended")
+        assert first_end.payload["outcome"] == "interrupted"
+        replies = [e.payload["text"] for e in found if e.type == "model_response"]
+        assert replies == ["echo: second"]
