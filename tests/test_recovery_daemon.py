@@ -227,3 +227,46 @@ def test_with_auto_continue_off_a_turn_waits_for_the_users_next_message(
         assert first_end.payload["outcome"] == "interrupted"
         replies = [e.payload["text"] for e in found if e.type == "model_response"]
         assert replies == ["echo: second"]
+
+
+def test_the_boot_scan_is_bounded_and_old_interruptions_are_finalized(
+    daemons: Daemons, tmp_path: Path
+) -> None:
+    daemon = daemons(
+        http={"listen": f"unix:{tmp_path / 'api.sock'}"},
+        recovery={"max_per_boot": 1, "freshness": 4},
+    ).start()
+    with Store(daemon.url, migrate=False) as store:
+        old = store.sessions.create("admin").id
+        seq_old = inject(store, old, "/sleep 30 old")
+        wait_until(lambda: started(store, old, seq_old), 20, "the old turn")
+        time.sleep(4.5)  # it will be older than the freshness window
+        fresh = [store.sessions.create("admin").id for _ in range(3)]
+        seqs = [inject(store, sid, f"/sleep 2 fresh {n}") for n, sid in enumerate(fresh)]
+        for sid, seq in zip(fresh, seqs, strict=True):
+            wait_until(lambda sid=sid, seq=seq: started(store, sid, seq), 20, "the fresh turns")
+        sigkill(daemon)
+        daemon.start()
+        # The stale turn is ended with a notice asking to resend, not continued.
+        ended = wait_until(lambda: turn_ended(store, old, seq_old), 20, "the stale turn")
+        assert ended.payload == {"outcome": "failed", "reason": "stale"}
+        notice = next(e for e in events(store, old) if e.type == "notice")
+        assert "longer ago than recovery continues turns" in notice.payload["text"]
+        assert store.sessions.get(old).resend_requested_at is not None
+        # One fresh session is continued by the boot scan (max_per_boot 1), written to
+        # the boot row's attempted list first; the others wait for a first touch.
+        done = wait_until(
+            lambda: [s for s, q in zip(fresh, seqs, strict=True) if turn_ended(store, s, q)],
+            20,
+            "the boot scan's continuation",
+        )
+        time.sleep(1.5)
+        assert len(done) == 1
+        assert store.boots.recent(1)[0].attempted == done
+        assert re.search(r"boot_scan: 4 interrupted sessions, 1 to continue, 2 left", daemon.log())
+        waiting = [s for s in fresh if s not in done]
+        with daemon.client() as client:
+            assert client.get(f"/v1/sessions/{waiting[0]}").status_code == 200  # first touch
+        first = dict(zip(fresh, seqs, strict=True))
+        wait_until(lambda: turn_ended(store, waiting[0], first[waiting[0]]), 20, "touched one")
+        assert store.sessions.get(waiting[1]).active_turn_id is not None  # still untouched
