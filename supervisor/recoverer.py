@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -71,7 +72,9 @@ class Recoverer:
         self.host = host
         self.owner_prefix = f"{host}/{boot_id[:8]}"  # lease owners of this boot's workers
         self.metrics = metrics
-        self.clock = clock or store.now
+        # Decisions compare with events' times, which workers stamp from the wall clock;
+        # the breaker reads boot rows, stamped by the database clock, in a thread.
+        self.clock = clock or time.time
         self.breaker = breaker.BreakerState(False, 0, NOT_EVALUATED)
         self.touched: set[str] = set()  # sessions a request touched (first touch)
         self.died: set[str] = set()  # sessions whose worker died during this boot
@@ -91,8 +94,9 @@ class Recoverer:
     def evaluate_breaker(self) -> breaker.BreakerState:
         """Read this host's boot log and judge the breaker (blocking; run in a thread)."""
         s = self.settings
-        now = self.clock()
+        now = time.time()
         try:
+            now = self.store.now()
             rows = self.store.boots.of_host(self.host, breaker.prune_before(now))
         except Exception as exc:
             self.log.error("cannot read the boot log: {}", exc)
@@ -133,7 +137,7 @@ class Recoverer:
     def prune(self) -> None:
         """Delete boot rows older than the retention (24 h)."""
         with contextlib.suppress(Exception):
-            pruned = self.store.boots.prune(breaker.prune_before(self.clock()))
+            pruned = self.store.boots.prune(breaker.prune_before(self.store.now()))
             if pruned:
                 self.log.info("pruned {} boot rows older than 24 h", pruned)
 

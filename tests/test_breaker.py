@@ -233,3 +233,29 @@ def test_stays_tripped_until_clears_at_then_clears(
     assert evaluate(boots, before, threshold, window).tripped
     after = evaluate(boots, state.clears_at, threshold, window)
     assert not after.tripped and after.unclean_in_window < threshold
+
+
+def test_the_daemon_fails_open_when_the_boot_log_cannot_be_read() -> None:
+    from types import SimpleNamespace
+
+    from supervisor.config import Config
+    from supervisor.metrics import Metrics
+    from supervisor.recoverer import Recoverer
+
+    def unreadable(host: str, since: float) -> list[object]:
+        raise OSError("disk I/O error")
+
+    recorded: list[dict[str, object]] = []
+    store = SimpleNamespace(
+        now=lambda: 1000.0,
+        boots=SimpleNamespace(
+            of_host=unreadable, set_breaker=lambda boot, state: recorded.append(state)
+        ),
+    )
+    metrics = Metrics()
+    recoverer = Recoverer(Config(), store, "b" * 32, "host", metrics)  # type: ignore[arg-type]
+    state = recoverer.evaluate_breaker()
+    assert (state.tripped, state.fails_open) == (False, True)
+    assert "could not be read" in state.reason and "fails open" in state.reason
+    assert recorded and recorded[0]["fails_open"] is True
+    assert b"turnkeeper_breaker_tripped 0.0" in metrics.render()
