@@ -128,15 +128,16 @@ class Ownership:
             if info.active_turn_id is None:
                 await self._assign(info, "new")
             else:
-                await self._recover(info, now)
+                await self._recover(info)
 
     def _sessions_with_work(self) -> tuple[float, list[SessionInfo]]:
         return self.store.now(), self.store.sessions.with_work()
 
-    async def _recover(self, info: SessionInfo, now: float) -> None:
+    async def _recover(self, info: SessionInfo) -> None:
         recovery = self.recovery
         trigger = recovery.trigger_for(info, self.owner_prefix)
-        if trigger is None or recovery.waiting(info.id, now) or recovery.settled(info, trigger):
+        due = recovery.waiting(info.id, recovery.clock())
+        if trigger is None or due or recovery.settled(info, trigger):
             return  # left for the boot scan, the retry timer or a first touch
         if self._pick(prefer_spare=True) is None:
             return  # no worker is ready (yet): judge it when one is
