@@ -307,3 +307,29 @@ def test_an_unread_message_of_a_turn_in_flight_comes_last() -> None:
     late = user("two")
     messages = to_messages([first, started, late, answer("echo: one")])
     assert [m.content for m in messages] == ["one", "echo: one", "two"]
+
+
+def test_a_message_that_landed_between_the_read_and_turn_started_goes_after_the_turn() -> None:
+    first = user("/tool add 1")
+    late = user("/tool add 2")  # committed after the turn read the log, before turn_started
+    started = ev("turn_started", {"read_to": first.seq})
+    steps = [asks(("c1", "add")), ev("tool_result", {"call_id": "c1", "content": "3"})]
+    done = answer("echo: 3")
+    ended = ev("turn_ended", {"outcome": "completed"})
+    messages = to_messages([first, late, started, *steps, done, ended])
+    assert [m.content for m in messages if m.role != "tool"] == [
+        "/tool add 1",
+        "",
+        "echo: 3",
+        "/tool add 2",
+    ]
+
+
+def test_a_message_after_a_turn_ended_is_read_by_the_next_one() -> None:
+    first = user("one")
+    started = ev("turn_started", {"read_to": first.seq})
+    done, ended = answer("echo: one"), ev("turn_ended", {"outcome": "completed"})
+    second = user("two")
+    next_turn = ev("turn_started", {"read_to": second.seq}, turn_id="t2")
+    messages = to_messages([first, started, done, ended, second, next_turn])
+    assert [m.content for m in messages] == ["one", "echo: one", "two"]

@@ -6,6 +6,7 @@ it (re)builds a session on first touch and before it continues an interrupted tu
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -46,17 +47,19 @@ def to_messages(events: Iterable[EventRecord]) -> list[Message]:
     """The conversation, oldest first, in an order chat models accept.
 
     A user message can be committed while a turn runs (intake needs no lease). One that
-    the turn did not read (after its `turn_started`'s `read_to`) is placed after the
-    turn's end, as the model saw it: the turn answered what came before, and the message
-    drives the next turn. Any user message is placed after the results of the calls still
-    open then, so that an assistant message asking for tools is always followed by their
-    results.
+    a turn did not read (after its `turn_started`'s `read_to`, and before its end; it may
+    even precede the `turn_started`, if it landed between the read and that commit) is
+    placed after the turn's end, as the model saw it: the turn answered what came
+    before, and the message drives the next turn. Any user message is placed after the
+    results of the calls still open then, so that an assistant message asking for tools
+    is always followed by their results.
     """
+    events = list(events)
+    unread = _unread_by(events)
     messages: list[Message] = []
     open_calls: set[str] = set()
     held: list[Message] = []  # waiting for open calls' results
-    unseen: list[Message] = []  # waiting for the end of the turn that did not read them
-    read_to: int | None = None  # of the turn in the log, until its turn_ended
+    waiting: dict[str, list[Message]] = {}  # turn id -> messages it did not read
 
     def place(message: Message) -> None:
         nonlocal open_calls, held
@@ -73,21 +76,40 @@ def to_messages(events: Iterable[EventRecord]) -> list[Message]:
             held = []
 
     for event in events:
-        if event.type in ("turn_started", "turn_ended"):
-            for message in unseen:
+        if event.type == "turn_ended" and event.turn_id in waiting:
+            for message in waiting.pop(event.turn_id):
                 place(message)
-            unseen = []
-            value = event.payload.get("read_to") if event.type == "turn_started" else None
-            read_to = value if isinstance(value, int) else None
             continue
         found = message_of(event)
         if found is None:
             continue
-        if event.type == "user_message" and read_to is not None and event.seq > read_to:
-            unseen.append(found)
+        turn = unread.get(event.seq) if event.type == "user_message" else None
+        if turn is not None:
+            waiting.setdefault(turn, []).append(found)
             continue
         place(found)
-    return messages + held + unseen
+    return messages + held + [m for later in waiting.values() for m in later]
+
+
+def _unread_by(events: Sequence[EventRecord]) -> dict[int, str]:
+    """User messages a turn did not read although they came before its end: seq -> turn."""
+    spans: list[tuple[int, float, str]] = []  # (read_to, end seq, turn id)
+    ends = {e.turn_id: e.seq for e in events if e.type == "turn_ended" and e.turn_id}
+    for event in events:
+        read_to = event.payload.get("read_to") if event.type == "turn_started" else None
+        if isinstance(read_to, int) and event.turn_id:
+            spans.append((read_to, ends.get(event.turn_id, float("inf")), event.turn_id))
+    # Turns follow each other, so the one that could have missed a message is the last to
+    # read before it.
+    spans.sort()
+    reads = [read_to for read_to, _, _ in spans]
+    unread: dict[int, str] = {}
+    for event in events:
+        if event.type == "user_message" and (i := bisect_left(reads, event.seq)):
+            _, end, turn = spans[i - 1]
+            if event.seq < end:
+                unread[event.seq] = turn
+    return unread
 
 
 @dataclass(frozen=True)
