@@ -277,14 +277,23 @@ def test_classify_tail(events: list[EventRecord], tail: Tail) -> None:
     assert classify_tail(events) is tail
 
 
-def test_a_message_the_turn_did_not_read_goes_after_the_turn() -> None:
+@pytest.mark.parametrize(
+    "before_turn_started",
+    # committed after the turn read the log: before its turn_started, or while it ran
+    [True, False],
+    ids=["between-read-and-turn-started", "while-the-turn-ran"],
+)
+def test_a_message_the_turn_did_not_read_goes_after_the_turn(before_turn_started: bool) -> None:
     first = user("/tool add 1")
-    started = ev("turn_started", {"read_to": first.seq})
-    late = user("/tool add 2")  # committed while the turn ran, after it read the log
+    if before_turn_started:
+        order = [late := user("/tool add 2"), ev("turn_started", {"read_to": first.seq})]
+    else:
+        order = [ev("turn_started", {"read_to": first.seq}), late := user("/tool add 2")]
+    assert [e.seq for e in order] == sorted(e.seq for e in order) and late.seq > first.seq
     steps = [asks(("c1", "add")), ev("tool_result", {"call_id": "c1", "content": "3"})]
     done = answer("echo: 3")
     ended = ev("turn_ended", {"outcome": "completed"})
-    messages = to_messages([first, started, late, *steps, done, ended])
+    messages = to_messages([first, *order, *steps, done, ended])
     assert [m.content for m in messages if m.role != "tool"] == [
         "/tool add 1",
         "",
@@ -307,22 +316,6 @@ def test_an_unread_message_of_a_turn_in_flight_comes_last() -> None:
     late = user("two")
     messages = to_messages([first, started, late, answer("echo: one")])
     assert [m.content for m in messages] == ["one", "echo: one", "two"]
-
-
-def test_a_message_that_landed_between_the_read_and_turn_started_goes_after_the_turn() -> None:
-    first = user("/tool add 1")
-    late = user("/tool add 2")  # committed after the turn read the log, before turn_started
-    started = ev("turn_started", {"read_to": first.seq})
-    steps = [asks(("c1", "add")), ev("tool_result", {"call_id": "c1", "content": "3"})]
-    done = answer("echo: 3")
-    ended = ev("turn_ended", {"outcome": "completed"})
-    messages = to_messages([first, late, started, *steps, done, ended])
-    assert [m.content for m in messages if m.role != "tool"] == [
-        "/tool add 1",
-        "",
-        "echo: 3",
-        "/tool add 2",
-    ]
 
 
 def test_a_message_after_a_turn_ended_is_read_by_the_next_one() -> None:
