@@ -41,6 +41,15 @@ CONTINUATION_CAUSE = {
     "stale": "lease_expired",
     "new": "interrupted",
 }
+# What stopped a turn, as the continuation note and recovery's notices tell the user.
+CAUSE_TEXT = {
+    "worker_crash": "the worker process running it stopped unexpectedly",
+    "daemon_restart": "the turnkeeper daemon restarted",
+    "handoff": "the session moved to another worker during a rolling restart",
+    "lease_expired": "the worker running it stopped responding and lost the session",
+    "interrupted": "its previous owner stopped",
+    "max_tokens": "the model's answer was cut off by its output token limit",
+}
 
 
 # Upper bounds (seconds) of the append latency histogram, shared by workers and supervisor.

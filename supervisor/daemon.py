@@ -114,7 +114,6 @@ class Daemon:
                 store,
                 boot_id,
                 f"ipc://{socket_path}",
-                f"{self.host}/{boot_id[:8]}",
                 recovery,
                 metrics,
             )

@@ -48,7 +48,6 @@ class Pool(Ownership):
         store: Store,
         boot_id: str,
         address: str,
-        owner_prefix: str,
         recovery: Recoverer,
         metrics: Metrics,
         *,
@@ -58,9 +57,8 @@ class Pool(Ownership):
         self.store = store
         self.boot_id = boot_id
         self.address = address
-        self.owner_prefix = owner_prefix  # "<host>/<boot>": lease owners of this boot
-        assert owner_prefix == recovery.owner_prefix, "one boot, one owner prefix"
-        self.host_prefix = owner_prefix.split("/", 1)[0] + "/"
+        self.owner_prefix = recovery.owner_prefix  # "<host>/<boot>": this boot's lease owners
+        self.host_prefix = recovery.host + "/"
         self.clock = clock
         self.recovery = recovery
         self.metrics = metrics

@@ -30,6 +30,7 @@ from typing import Any
 
 from supervisor import autonomy, breaker, recovery
 from supervisor.config import Config
+from supervisor.control import CAUSE_TEXT
 from supervisor.logs import log
 from supervisor.metrics import Metrics
 from supervisor.recovery import Action, Decision, Interruption, TailClass, Trigger
@@ -242,13 +243,7 @@ class Recoverer:
             if not autonomy.unfinished(events):
                 continue
             checkpoint = autonomy.last_checkpoint(events) or {}
-            prompt = checkpoint.get("prompt")
-            if not isinstance(prompt, str):
-                everything = await asyncio.to_thread(self.store.events.read, info.id, 0, 10**9)
-                found = autonomy.run_of(everything)
-                if found is None:
-                    continue
-                prompt = found[0].prompt
+            prompt = str(checkpoint.get("prompt", ""))  # every checkpoint carries it
             wake = checkpoint.get("next_wake_at")
             if wake is not None and float(wake) > self.clock():
                 continue
@@ -448,16 +443,8 @@ class Recoverer:
         )
 
 
-_CAUSES = {
-    "worker_crash": "the worker process running it stopped unexpectedly",
-    "daemon_restart": "the turnkeeper daemon restarted",
-    "lease_expired": "the worker running it stopped responding",
-    "max_tokens": "the model's answer was cut off by its token limit",
-}
-
-
 def _cause_text(cause: str) -> str:
-    return _CAUSES.get(cause, cause)
+    return CAUSE_TEXT.get(cause, cause)
 
 
 def _when(at: float) -> str:

@@ -17,6 +17,7 @@ from typing import Any
 
 from loguru import logger
 
+from supervisor.control import CAUSE_TEXT
 from supervisor.store import EventRecord, LeaseLost
 from workers import history
 from workers.agent import OUTCOMES, Agent
@@ -26,14 +27,7 @@ from workers.tools import Toolbox, ToolOutcome
 
 Commit = Callable[[str, dict[str, Any], str | None], Awaitable[int]]
 
-CONTINUATION_NOTES = {
-    "worker_crash": "the worker process running it stopped unexpectedly",
-    "daemon_restart": "the turnkeeper daemon restarted",
-    "handoff": "the session moved to another worker during a rolling restart",
-    "lease_expired": "the worker running it stopped responding and lost the session",
-    "interrupted": "its previous owner stopped",
-    "max_tokens": "the model's answer was cut off by its output token limit",
-}
+CONTINUATION_NOTES = CAUSE_TEXT
 
 
 class TurnReleased(Exception):
