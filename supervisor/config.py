@@ -39,6 +39,9 @@ ENV_PREFIX = "TURNKEEPER_"
 MASK = "***"
 
 
+AGENT_SPEC = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
+
+
 class ConfigError(Exception):
     """A configuration mistake; the message is one line naming the key and its source."""
 
@@ -67,6 +70,9 @@ class StoreConfig(_Section):
 class HttpConfig(_Section):
     listen: str = "127.0.0.1:8765"
     max_body: Annotated[int, Field(gt=0)] = 1048576
+    read_timeout: PositiveSeconds = 30.0
+    max_connections: Annotated[int, Field(ge=1)] = 1024
+    max_streams_per_principal: Annotated[int, Field(ge=1)] = 32
 
     @field_validator("listen")
     @classmethod
@@ -117,12 +123,32 @@ class AgentConfig(_Section):
         serialization_alias="class",
     )
 
+    # The agent classes a session may name; empty means just `class`. A request can only
+    # choose among these: an agent is code, and only the operator decides what runs.
+    allowed: list[str] = Field(default_factory=list)
+
     @field_validator("class_")
     @classmethod
     def _check_class(cls, value: str) -> str:
-        if not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", value):
+        if not AGENT_SPEC.fullmatch(value):
             raise PydanticCustomError("agent_class", "expected 'package.module:Class'")
         return value
+
+    @field_validator("allowed")
+    @classmethod
+    def _check_allowed(cls, values: list[str]) -> list[str]:
+        for index, value in enumerate(values):
+            if not AGENT_SPEC.fullmatch(value):
+                raise PydanticCustomError(
+                    "agent_class",
+                    "expected 'package.module:Class' (got {got!r})",
+                    {"got": value, "at": (index,)},
+                )
+        return values
+
+    def allowed_classes(self) -> list[str]:
+        """The agent classes a session may name: `class` and those listed in `allowed`."""
+        return [self.class_, *(name for name in self.allowed if name != self.class_)]
 
 
 class ModelConfig(_Section):
