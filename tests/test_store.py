@@ -12,12 +12,16 @@ from playhouse.migrate import SchemaMigrator
 from playhouse.migrate import migrate as run_migrations
 
 from supervisor.store import (
+    IdempotencyConflict,
     LeaseLost,
+    ReplayedSeq,
     SchemaMissing,
     SchemaTooNew,
     SessionNotFound,
     Store,
     migrations,
+    request_digest,
+    scoped_key,
 )
 from supervisor.store.db import run_write
 from supervisor.store.eventlog import make_request, write_events
@@ -49,15 +53,26 @@ def test_migrate_is_idempotent_and_stamps_latest(db_url: str) -> None:
 def test_a_version_1_database_is_migrated_and_keeps_its_rows(db_url: str) -> None:
     with Store(db_url) as store:  # made at LATEST; turned back into version 1 below
         sid = store.sessions.create("alice").id
-        store.events.append(sid, "user_message", {"text": "kept"}, writer="intake")
+        store.events.append(
+            sid, "user_message", {"text": "kept", "by": "alice"}, writer="intake",
+            idempotency_key="k1",
+        )  # fmt: skip
+        migrator = SchemaMigrator.from_database(store.db)
         run_migrations(
-            SchemaMigrator.from_database(store.db).drop_column("session", "resend_requested_at")
+            migrator.drop_column("session", "resend_requested_at"),
+            migrator.drop_column("intake_key", "digest"),
         )
         SchemaVersion.update(version=1).execute()
     with Store(db_url) as store:
         assert (store.schema_before, store.schema_version) == (1, migrations.LATEST)
         assert store.sessions.get(sid).resend_requested_at is None
         assert [e.payload["text"] for e in store.events.read(sid)] == ["kept"]
+        # Version 3 scoped the key to the principal that sent it: a replay still finds it.
+        replay = store.events.append(
+            sid, "user_message", {"text": "kept"}, writer="intake",
+            idempotency_key=scoped_key("alice", "k1"), idempotency_digest="d",
+        )  # fmt: skip
+        assert isinstance(replay, ReplayedSeq) and replay == 1
         assert store.sessions.finalize(sid, None, "please resend", "unsafe_tail")
         assert store.sessions.get(sid).resend_requested_at is not None
         store.events.append(sid, "user_message", {"text": "again"}, writer="intake")
@@ -247,6 +262,32 @@ def test_intake_appends_need_no_lease_and_idempotency_keys_dedupe(store: Store) 
     assert {f.result() for f in futures} == {3}
     assert len(store.events.read(sid)) == 3
     contiguous(store, sid)
+
+
+def test_a_key_replayed_is_marked_and_a_key_reused_for_another_request_conflicts(
+    store: Store,
+) -> None:
+    sid = store.sessions.create("alice").id
+
+    def send(text: str, key: str = "k") -> object:
+        return store.events.submit(
+            sid, "user_message", {"text": text}, writer="intake",
+            idempotency_key=key, idempotency_digest=request_digest(text),
+        )  # fmt: skip
+
+    first = send("hi").result()
+    assert first == 1 and not isinstance(first, ReplayedSeq)
+    again = send("hi").result()
+    assert again == 1 and isinstance(again, ReplayedSeq)
+    with pytest.raises(IdempotencyConflict):
+        send("something else").result()
+    # In one batch too: the first of a key commits, a replay is marked, a reuse conflicts.
+    batch = [send("x", "k2"), send("x", "k2"), send("y", "k2")]
+    assert batch[0].result() == 2 and batch[1].result() == 2
+    assert isinstance(batch[1].result(), ReplayedSeq)
+    with pytest.raises(IdempotencyConflict):
+        batch[2].result()
+    assert [e.payload["text"] for e in store.events.read(sid)] == ["hi", "x"]
 
 
 def test_turn_events_set_and_clear_the_active_turn(store: Store) -> None:

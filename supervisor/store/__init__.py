@@ -13,19 +13,22 @@ import peewee
 from supervisor.store import migrations
 from supervisor.store.acl import PERMISSIONS, Acl
 from supervisor.store.boots import Boot, Boots, Child, Children
-from supervisor.store.db import backend, db_now, open_database, sqlite_path
+from supervisor.store.db import backend, db_now, open_database, run_write, sqlite_path
 from supervisor.store.errors import (
     BadStoreURL,
+    IdempotencyConflict,
     LeaseLost,
     SchemaMissing,
     SchemaTooNew,
     SessionNotFound,
+    StorageUnavailable,
     StoreBusy,
     StoreError,
 )
 from supervisor.store.eventlog import EVENT_TYPES, EventLog, EventRecord
+from supervisor.store.events import ReplayedSeq, request_digest, scoped_key
 from supervisor.store.leases import Lease, Leases
-from supervisor.store.models import MODELS
+from supervisor.store.models import MODELS, SchemaVersion
 from supervisor.store.sessions import KINDS, SessionInfo, Sessions
 
 __all__ = [
@@ -40,17 +43,22 @@ __all__ = [
     "Children",
     "EventLog",
     "EventRecord",
+    "IdempotencyConflict",
     "Lease",
     "LeaseLost",
     "Leases",
+    "ReplayedSeq",
     "SchemaMissing",
     "SchemaTooNew",
     "SessionInfo",
     "SessionNotFound",
     "Sessions",
+    "StorageUnavailable",
     "Store",
     "StoreBusy",
     "StoreError",
+    "request_digest",
+    "scoped_key",
     "sqlite_path",
 ]
 
@@ -99,6 +107,21 @@ class Store:
     def backend(self) -> str:
         """`sqlite`, `postgresql` or `mysql`."""
         return backend(self.db)
+
+    def probe_write(self, deadline: float = 2.0) -> None:
+        """Commit one small write transaction, or raise StorageUnavailable saying why.
+
+        For readiness after a failed write: whether the database takes writes again.
+        """
+        stamp = SchemaVersion.update(updated_at=SchemaVersion.updated_at).where(
+            SchemaVersion.id == 1
+        )
+        try:
+            run_write(self.db, stamp.execute, deadline=deadline)
+        except StorageUnavailable:
+            raise
+        except peewee.DatabaseError as exc:
+            raise StorageUnavailable(f"the database takes no writes: {exc}") from exc
 
     def close(self) -> None:
         """Commit queued appends, stop the committer and close this thread's connection."""

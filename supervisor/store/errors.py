@@ -19,8 +19,27 @@ class SchemaMissing(StoreError):
     """The database has no (or an older) turnkeeper schema and was opened without migrating."""
 
 
-class StoreBusy(StoreError):
+class StorageUnavailable(StoreError):
+    """The database cannot be written now: disk full, read-only, unreachable, locked.
+
+    Nothing of the failed write was stored; the caller may try again later.
+    """
+
+
+class StoreBusy(StorageUnavailable):
     """The database stayed locked or unreachable past the retry deadline."""
+
+
+class IdempotencyConflict(StoreError):
+    """An idempotency key was used again for a different request."""
+
+    def __init__(self, session_id: str, seq: int) -> None:
+        super().__init__(
+            f"this Idempotency-Key was first used for a different request (seq {seq}); "
+            "use a new key for a new message"
+        )
+        self.session_id = session_id
+        self.seq = seq
 
 
 class SessionNotFound(StoreError):

@@ -25,12 +25,19 @@ from typing import Any
 import peewee
 
 from supervisor.store.db import backend, run_write
-from supervisor.store.errors import LeaseLost, SessionNotFound, StoreError
+from supervisor.store.errors import (
+    IdempotencyConflict,
+    LeaseLost,
+    SessionNotFound,
+    StorageUnavailable,
+    StoreError,
+)
 from supervisor.store.events import (
     EVENT_TYPES,
     WRITERS,
     AppendRequest,
     EventRecord,
+    ReplayedSeq,
     SessionRow,
     advance,
     make_request,
@@ -87,8 +94,8 @@ class _Sql:
             f"VALUES ({', '.join([p] * len(_EVENT_COLUMNS))})"
         )
         self.insert_key = (
-            f"INSERT INTO {q[0]}intake_key{q[1]} (session_id, {q[0]}key{q[1]}, seq) "
-            f"VALUES ({p}, {p}, {p})"
+            f"INSERT INTO {q[0]}intake_key{q[1]} (session_id, {q[0]}key{q[1]}, seq, digest) "
+            f"VALUES ({p}, {p}, {p}, {p})"
         )
         settable = [c for c in _ROW_COLUMNS if c != "lease_token"]
         self.update = (
@@ -137,12 +144,12 @@ def write_events(db: peewee.Database, requests: Sequence[AppendRequest]) -> list
                 duplicate_of[i] = first_with_key[key]
                 continue
             seen = (
-                IntakeKey.select(IntakeKey.seq)
+                IntakeKey.select(IntakeKey.seq, IntakeKey.digest)
                 .where((IntakeKey.session_id == req.session_id) & (IntakeKey.key == key[1]))
-                .scalar()
+                .first()
             )
             if seen is not None:
-                outcomes[i] = int(seen)
+                outcomes[i] = _replay(req, int(seen.seq), seen.digest)
                 continue
             first_with_key[key] = i
         todo.append(i)
@@ -157,7 +164,7 @@ def write_events(db: peewee.Database, requests: Sequence[AppendRequest]) -> list
                 int(last), int(token), bool(pending), active, attempt_turn, int(attempts), resend
             )
     events: list[tuple[Any, ...]] = []
-    keys: list[tuple[str, str, int]] = []
+    keys: list[tuple[str, str, int, str | None]] = []
     last_user: dict[str, int] = {}  # user messages appended in this batch
     for i in todo:
         req = requests[i]
@@ -189,7 +196,7 @@ def write_events(db: peewee.Database, requests: Sequence[AppendRequest]) -> list
             )
         )
         if req.idempotency_key is not None:
-            keys.append((req.session_id, req.idempotency_key, row.last_seq))
+            keys.append((req.session_id, req.idempotency_key, row.last_seq, req.idempotency_digest))
     if events:
         now = time.time()
         touched = sorted({event[0] for event in events})
@@ -214,10 +221,25 @@ def write_events(db: peewee.Database, requests: Sequence[AppendRequest]) -> list
     if keys:
         db.cursor().executemany(sql.insert_key, keys)
     for i, first_index in duplicate_of.items():
-        outcomes[i] = outcomes[first_index]
+        first = outcomes[first_index]
+        if isinstance(first, int):
+            outcomes[i] = _replay(requests[i], first, requests[first_index].idempotency_digest)
+        else:
+            outcomes[i] = first
     done = [o for o in outcomes if o is not None]
     assert len(done) == len(requests), "every append has an outcome"
     return done
+
+
+def _replay(req: AppendRequest, seq: int, digest: str | None) -> int | StoreError:
+    """The outcome of an append whose key was used before: a replay, or a conflict.
+
+    A key stored without a digest (before digests were kept, or by a caller that sends
+    none) matches any request.
+    """
+    if digest is not None and req.idempotency_digest not in (None, digest):
+        return IdempotencyConflict(req.session_id, seq)
+    return ReplayedSeq(seq)
 
 
 def _last_user_seq(session_id: str) -> int:
@@ -350,7 +372,11 @@ class EventLog:
             outcomes = run_write(self._db, lambda: write_events(self._db, batch))
             self.commits += 1
         except Exception as exc:
-            error = exc if isinstance(exc, StoreError) else StoreError(f"append failed: {exc}")
+            # Anything but our own errors is the database failing to take the write: a
+            # full disk, a read-only file system, a server that went away.
+            error = (
+                exc if isinstance(exc, StoreError) else StorageUnavailable(f"append failed: {exc}")
+            )
             outcomes = [error] * len(batch)
         # One wake-up per event loop for the whole batch, not one per append.
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Any, int | StoreError]]] = {}

@@ -5,6 +5,7 @@ session's row. `eventlog.py` writes them; nothing here touches the database.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import time
 from dataclasses import dataclass
@@ -52,6 +53,27 @@ class EventRecord:
         }
 
 
+class ReplayedSeq(int):
+    """The seq of an append that an idempotency key already made: nothing new was written.
+
+    An `int` like any seq, so callers that only want the seq need not care; intake tells a
+    replay from a first append with `isinstance(seq, ReplayedSeq)`.
+    """
+
+
+def scoped_key(principal: str, key: str) -> str:
+    """The stored form of a client's Idempotency-Key: scoped to its principal.
+
+    Two principals may use the same key on one session without meeting each other.
+    """
+    return hashlib.sha256(f"{principal}\n{key}".encode()).hexdigest()
+
+
+def request_digest(canonical: str) -> str:
+    """What an idempotency key's first request was, to tell a replay from a reuse."""
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
 @dataclass
 class AppendRequest:
     """An event to append; built by `make_request`, which validates it."""
@@ -64,6 +86,8 @@ class AppendRequest:
     writer: str
     idempotency_key: str | None
     created_at: float
+    # With a key: the digest of the request that made it (a different one is a conflict).
+    idempotency_digest: str | None = None
     # `turn_started` only: the last seq the turn read before it started. The session stays
     # pending if a user message came after it (the turn did not see that message).
     read_to: int | None = None
@@ -81,6 +105,7 @@ def make_request(
     turn_id: str | None = None,
     writer: str = "worker",
     idempotency_key: str | None = None,
+    idempotency_digest: str | None = None,
     created_at: float | None = None,
 ) -> AppendRequest:
     """Validate an append in the caller's thread, so a bad one never reaches a batch.
@@ -112,6 +137,7 @@ def make_request(
         token=token,
         writer=writer,
         idempotency_key=idempotency_key,
+        idempotency_digest=idempotency_digest,
         created_at=time.time() if created_at is None else created_at,
         read_to=_read_to(type, payload),
     )

@@ -11,6 +11,7 @@ n (with `playhouse.migrate`), and bump `LATEST`.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -21,9 +22,10 @@ from playhouse.migrate import migrate as run_migrations
 
 from supervisor.store.db import backend
 from supervisor.store.errors import SchemaMissing, SchemaTooNew
-from supervisor.store.models import MODELS, SchemaVersion
+from supervisor.store.events import scoped_key
+from supervisor.store.models import MODELS, Event, IntakeKey, SchemaVersion
 
-LATEST = 2
+LATEST = 3
 
 
 def _resend_mark(db: peewee.Database) -> None:
@@ -34,8 +36,35 @@ def _resend_mark(db: peewee.Database) -> None:
     )
 
 
+def _scoped_keys(db: peewee.Database) -> None:
+    """3: idempotency keys scoped to their principal, with the digest of their request.
+
+    A stored key becomes `scoped_key(principal, key)`, the principal read from the message
+    it made (intake writes it as `by`); its digest stays empty, so it matches any replay.
+    """
+    migrator = SchemaMigrator.from_database(db)
+    run_migrations(
+        migrator.add_column("intake_key", "digest", peewee.CharField(max_length=64, null=True))
+    )
+    rows = [
+        (str(row.session_id), str(row.key), int(row.seq))
+        for row in IntakeKey.select(IntakeKey.session_id, IntakeKey.key, IntakeKey.seq)
+    ]
+    for session_id, key, seq in rows:
+        payload = (
+            Event.select(Event.payload)
+            .where((Event.session_id == session_id) & (Event.seq == seq))
+            .scalar()
+        )
+        principal = json.loads(payload).get("by") if payload else None
+        if isinstance(principal, str):
+            IntakeKey.update(key=scoped_key(principal, key)).where(
+                (IntakeKey.session_id == session_id) & (IntakeKey.key == key)
+            ).execute()
+
+
 # version -> the step that migrates version-1 to version.
-STEPS: dict[int, Callable[[peewee.Database], None]] = {2: _resend_mark}
+STEPS: dict[int, Callable[[peewee.Database], None]] = {2: _resend_mark, 3: _scoped_keys}
 
 _LOCK_NAME = "turnkeeper_migrate"
 _PG_LOCK_KEY = 0x7475726E  # "turn"

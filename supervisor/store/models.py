@@ -105,8 +105,9 @@ class IntakeKey(BaseModel):
     """
 
     session_id = peewee.CharField(max_length=ID_LEN)
-    key = peewee.CharField(max_length=200)
+    key = peewee.CharField(max_length=200)  # `scoped_key(principal, key)` for intake
     seq = peewee.BigIntegerField()
+    digest = peewee.CharField(max_length=64, null=True)  # `request_digest` of the first request
 
     class Meta:
         table_name = "intake_key"
