@@ -5,12 +5,15 @@
 /crash-at-start     SIGKILL the worker before the turn does anything (every time)
 /hang-once PATH     block the worker's event loop for good, unless PATH exists
                     (it is created first, so a continuation of the turn goes on)
+/raise KIND         fail for real with SystemExit, KeyboardInterrupt, RecursionError
+                    (unbounded recursion) or MemoryError (one oversized allocation)
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -29,6 +32,8 @@ class ChaosAgent(ToolLoopAgent):
             os.kill(os.getpid(), signal.SIGKILL)
         if last == "/crash-at-start":
             os.kill(os.getpid(), signal.SIGKILL)
+        if last.startswith("/raise "):
+            _fail(last.split(maxsplit=1)[1])
         if last.startswith("/hang-once "):
             marker = Path(last.split(maxsplit=1)[1])
             if not marker.exists():
@@ -36,3 +41,18 @@ class ChaosAgent(ToolLoopAgent):
                 while True:
                     time.sleep(3600)  # blocks the loop: no more heartbeats
         return await super().run_turn(turn)
+
+
+def _fail(kind: str) -> None:
+    if kind == "SystemExit":
+        sys.exit(3)
+    if kind == "KeyboardInterrupt":
+        raise KeyboardInterrupt
+    if kind == "RecursionError":
+
+        def down(depth: int) -> int:
+            return down(depth + 1) + 1
+
+        down(0)
+    if kind == "MemoryError":
+        bytearray(1 << 60)  # far beyond any machine: the allocation itself fails

@@ -143,8 +143,12 @@ class AlwaysToolsModel:
 
 
 class BrokenToolbox(BuiltinTools):
+    def __init__(self, error: BaseException | None = None) -> None:
+        super().__init__()
+        self.error = error or RuntimeError("toolbox bug")
+
     async def call(self, name: str, arguments: dict[str, Any]) -> ToolOutcome:
-        raise RuntimeError("toolbox bug")
+        raise self.error
 
 
 class RaisingAgent:
@@ -256,17 +260,25 @@ def test_an_unknown_tool_is_an_error_result_and_the_turn_completes() -> None:
     assert log.payloads("turn_ended") == [{"outcome": "completed"}]
 
 
-def test_a_toolbox_that_raises_gives_an_error_result() -> None:
+@pytest.mark.parametrize(
+    ("error", "text"),
+    [
+        (RuntimeError("toolbox bug"), "the tool failed: RuntimeError: toolbox bug"),
+        (SystemExit(2), "the tool failed: SystemExit: 2"),
+    ],
+    ids=["exception", "system-exit"],
+)
+def test_a_toolbox_that_raises_gives_an_error_result(error: BaseException, text: str) -> None:
     log = Log()
 
     async def go() -> str:
-        ctx = context(log, "/tool echo {}", toolbox=BrokenToolbox())
+        ctx = context(log, "/tool echo {}", toolbox=BrokenToolbox(error))
         return await run_agent(ToolLoopAgent(), ctx, log.commit)
 
     assert asyncio.run(go()) == "completed"
     [result] = log.payloads("tool_result")
     assert result["is_error"] is True
-    assert result["content"] == "the tool failed: toolbox bug"
+    assert result["content"] == text
 
 
 def test_a_cut_answer_ends_the_turn_truncated() -> None:
@@ -307,11 +319,23 @@ def test_a_model_error_fails_the_turn_with_its_text(transient: bool) -> None:
 @pytest.mark.parametrize(
     ("agent", "error_has"),
     [
-        (RaisingAgent(RuntimeError("kaput")), "agent error: kaput"),
+        (RaisingAgent(RuntimeError("kaput")), "agent error: RuntimeError: kaput"),
+        (RaisingAgent(SystemExit(3)), "agent error: SystemExit: 3"),
+        (RaisingAgent(KeyboardInterrupt()), "agent error: KeyboardInterrupt"),
+        (RaisingAgent(RecursionError("deep")), "RecursionError: deep"),
+        (RaisingAgent(MemoryError()), "agent error: MemoryError"),
         (OutcomeAgent("done"), "'done'"),
         (OutcomeAgent("failed"), "'failed'"),  # only the framework may say failed
     ],
-    ids=["raises", "bad-outcome", "failed-outcome"],
+    ids=[
+        "raises",
+        "system-exit",
+        "keyboard-interrupt",
+        "recursion",
+        "memory",
+        "bad-outcome",
+        "failed-outcome",
+    ],
 )
 def test_an_agent_bug_fails_the_turn(agent: Any, error_has: str) -> None:
     outcome, log = run_echo_turn("hello", agent=agent)

@@ -71,8 +71,10 @@ def load_agent_class(spec: str) -> type[Agent]:
         raise AgentLoadError(f"agent.class must look like package.module:Class, not {spec!r}")
     try:
         module = importlib.import_module(module_name)
-    except Exception as exc:
-        raise AgentLoadError(f"agent.class {spec!r}: cannot import {module_name}: {exc}") from exc
+    except BaseException as exc:  # an import runs the module's code: SystemExit included
+        raise AgentLoadError(
+            f"agent.class {spec!r}: cannot import {module_name}: {type(exc).__name__}: {exc}"
+        ) from exc
     cls = getattr(module, class_name, None)
     if not isinstance(cls, type) or not inspect.iscoroutinefunction(getattr(cls, "run_turn", None)):
         raise AgentLoadError(

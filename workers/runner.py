@@ -4,26 +4,38 @@ The runner re-reads the session row whenever it is kicked (assign, wake, the end
 turn) and does what the row says: continue an interrupted turn, start a turn for pending
 input, or wait. It writes with the lease token of its latest assignment; a token that is
 no longer current makes every write fail with LeaseLost, and the runner gives up.
+
+The session's agent is built inside the turn, after `turn_started` (or, for a
+continuation, before its note): importing an agent is running code, and a worker that
+dies doing so has been charged the turn's attempt, so the attempt rules bound it.
+A database that takes no writes (a full disk, a server gone) stops the turn where it is;
+the runner tries again with a growing delay and continues the turn when writes work.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import peewee
 from loguru import logger
 
 from supervisor import autonomy
 from supervisor.control import CONTINUATION_CAUSE
-from supervisor.store import EventRecord, Lease, LeaseLost, Store
+from supervisor.store import EventRecord, Lease, LeaseLost, StorageUnavailable, Store
 from workers import turns
 from workers.agent import Agent
 from workers.models import Message, Model
 from workers.tools import Toolbox
 
 Notify = Callable[..., Awaitable[None]]
+
+STORAGE_RETRY = (1.0, 30.0)  # first and longest wait before trying a failed write again
+# What a database that takes no writes raises: our own error, or the driver's.
+STORAGE_ERRORS = (StorageUnavailable, peewee.OperationalError, peewee.InterfaceError)
 
 
 class SessionRunner:
@@ -51,6 +63,7 @@ class SessionRunner:
         self._store = store
         self._make_agent = make_agent
         self._agent: Agent | None = None
+        self._agent_name = ""
         self._model = model
         self._toolbox = toolbox
         self._notify = notify
@@ -86,13 +99,27 @@ class SessionRunner:
         self._kicked.set()
 
     async def _loop(self) -> None:
+        delay = STORAGE_RETRY[0]
         try:
             while not self.released.is_set():
                 await self._kicked.wait()
                 self._kicked.clear()
                 if self.released.is_set():
                     break
-                await self._run_available()
+                try:
+                    await self._run_available()
+                except STORAGE_ERRORS as exc:
+                    self.log.error(
+                        "the database takes no writes ({}); trying again in {:.0f} s",
+                        " ".join(str(exc).split())[:300],
+                        delay,
+                    )
+                    self.cause = "storage_unavailable"  # for the continuation's note
+                    await self._pause(delay)
+                    delay = min(delay * 2, STORAGE_RETRY[1])
+                    self._kicked.set()
+                    continue
+                delay = STORAGE_RETRY[0]
         except turns.TurnReleased:
             pass
         except asyncio.CancelledError:
@@ -109,6 +136,11 @@ class SessionRunner:
             await asyncio.to_thread(self._release_lease)
             await self._notify("released", session=self.session_id)
 
+    async def _pause(self, seconds: float) -> None:
+        """Wait `seconds`, or less if the session is released meanwhile."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.released.wait(), seconds)
+
     def _release_lease(self) -> None:
         self._store.leases.release(Lease(self.session_id, "", self.token, 0.0))
 
@@ -119,8 +151,7 @@ class SessionRunner:
                 raise LeaseLost(self.session_id, self.token, info.lease_token)
             if info.status != "open" or not (info.active_turn_id or info.pending):
                 return
-            if self._agent is None:
-                self._agent = self._make_agent(info.agent)
+            self._agent_name = info.agent
             # The turn writes with the token it started under: a newer assignment arriving
             # mid-turn fences this run out (LeaseLost) instead of lending it the new token.
             self._turn_token = self.token
@@ -137,6 +168,7 @@ class SessionRunner:
                     cause = self.cause or CONTINUATION_CAUSE.get(self.reason, "interrupted")
                     self.log.info("continuing turn {} ({})", info.active_turn_id, cause)
                     turn_id = info.active_turn_id
+                    self._load_agent()  # before the note: see the module's docstring
                     outcome = await turns.resume_turn(
                         turn_id, await self._read(), cause, self._commit, self._run
                     )
@@ -169,7 +201,13 @@ class SessionRunner:
     async def _read(self) -> list[EventRecord]:
         return await asyncio.to_thread(self._store.events.read, self.session_id, 0, 1_000_000)
 
+    def _load_agent(self) -> Agent:
+        if self._agent is None:
+            self._agent = self._make_agent(self._agent_name)
+        return self._agent
+
     async def _run(self, turn_id: str, messages: list[Message]) -> str:
+        agent = self._load_agent()
         context = turns.TurnContext(
             self.session_id,
             turn_id,
@@ -179,8 +217,7 @@ class SessionRunner:
             self._commit,
             self.released,
         )
-        assert self._agent is not None
-        return await turns.run_agent(self._agent, context, self._commit)
+        return await turns.run_agent(agent, context, self._commit)
 
     async def _commit(self, type: str, payload: dict[str, Any], turn_id: str | None) -> int:
         now = time.time()

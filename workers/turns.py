@@ -18,7 +18,7 @@ from typing import Any
 from loguru import logger
 
 from supervisor.control import CAUSE_TEXT
-from supervisor.store import EventRecord, LeaseLost
+from supervisor.store import EventRecord, LeaseLost, StorageUnavailable
 from workers import history
 from workers.agent import OUTCOMES, Agent
 from workers.history import Tail
@@ -113,9 +113,11 @@ class TurnContext:
         )
         try:
             outcome = await self._toolbox.call(call.name, call.arguments)
-        except Exception as exc:  # a toolbox bug must not crash the turn
+        except (asyncio.CancelledError, TurnReleased, LeaseLost, StorageUnavailable):
+            raise
+        except BaseException as exc:  # a tool bug (SystemExit included) must not end the worker
             logger.bind(subsystem="worker").exception("tool {} raised", call.name)
-            outcome = ToolOutcome(f"the tool failed: {exc}", is_error=True)
+            outcome = ToolOutcome(f"the tool failed: {_describe(exc)}", is_error=True)
         await self._commit(
             "tool_result",
             {
@@ -132,6 +134,12 @@ class TurnContext:
     async def notice(self, text: str) -> None:
         """Commit a `notice` for the user."""
         await self._commit("notice", {"text": text}, self.turn_id)
+
+
+def _describe(exc: BaseException) -> str:
+    """An exception as one short line: its type, and its message when it has one."""
+    text = " ".join(str(exc).split())[:500]
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 async def start_turn(
@@ -225,8 +233,10 @@ async def supersede_turn(turn_id: str, events: list[EventRecord], commit: Commit
 async def run_agent(agent: Agent, context: TurnContext, commit: Commit) -> str:
     """Run the agent to the end of the turn and commit `turn_ended` with its outcome.
 
-    A model error or an agent bug ends the turn as failed, with the error in the event;
-    a release or a lost lease ends nothing (the next owner goes on).
+    A model error or an agent bug ends the turn as failed, with the error in the event,
+    whatever the agent raised: `SystemExit`, `KeyboardInterrupt`, `RecursionError` and
+    `MemoryError` included, so that agent code never ends the worker. A release, a lost
+    lease or a database that takes no writes ends nothing (the turn goes on later).
     """
     try:
         outcome = await agent.run_turn(context)
@@ -239,14 +249,16 @@ async def run_agent(agent: Agent, context: TurnContext, commit: Commit) -> str:
             context.turn_id,
         )
         return "failed"
-    except (TurnReleased, asyncio.CancelledError):
+    except (TurnReleased, asyncio.CancelledError, LeaseLost, StorageUnavailable):
         raise
-    except LeaseLost:
-        raise
-    except Exception as exc:
-        logger.bind(subsystem="worker", session=context.session_id).exception("agent failed")
+    except BaseException as exc:
+        logger.bind(subsystem="worker", session=context.session_id).opt(exception=exc).error(
+            "agent failed: {}", _describe(exc)
+        )
         await commit(
-            "turn_ended", {"outcome": "failed", "error": f"agent error: {exc}"}, context.turn_id
+            "turn_ended",
+            {"outcome": "failed", "error": f"agent error: {_describe(exc)}"},
+            context.turn_id,
         )
         return "failed"
     await commit("turn_ended", {"outcome": outcome}, context.turn_id)
