@@ -215,7 +215,8 @@ def doctor_command(ctx: click.Context, unit: str | None, supervisord: str | None
         findings += doctor.check_supervisord(Path(supervisord).read_text(), supervisord, budget)
     paths = resolve_paths(cfg)
     db_file = sqlite_path(paths.db_url)
-    findings += doctor.check_files(paths.state_dir, db_file)
+    tokens_file = Path(cfg.auth.tokens_file) if cfg.auth.tokens_file else None
+    findings += doctor.check_files(paths.state_dir, db_file, paths.runtime_dir, tokens_file)
     findings += _doctor_database(cfg, paths.db_url, cfg.store.synchronous, paths.state_dir)
     for finding in findings:
         click.echo(f"{finding.status:4}  {finding.check}: {finding.detail}")

@@ -78,22 +78,36 @@ def parse_sse(lines: Iterable[str]) -> Iterator[SseMessage]:
 
 
 def find_token(cfg: Config, environ: Mapping[str, str] | None = None) -> tuple[str, str]:
-    """The bearer token and where it came from: $TURNKEEPER_TOKEN, else the admin token file."""
+    """The bearer token and where it came from: $TURNKEEPER_TOKEN, else the admin token file.
+
+    An empty or whitespace token counts as none: `Authorization: Bearer` is never sent bare.
+    """
     env = os.environ if environ is None else environ
-    if env.get(TOKEN_VARIABLE):
+    if env.get(TOKEN_VARIABLE, "").strip():
         return env[TOKEN_VARIABLE].strip(), f"${TOKEN_VARIABLE}"
     path = resolve_paths(cfg, env).admin_token_file
     try:
-        token = path.read_text().strip()
+        # O_NOFOLLOW: a link would send another file's contents to whatever listens.
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as stream:
+            token = stream.read().decode(errors="replace").strip()
     except FileNotFoundError:
         raise ClientError(
             f"no admin token at {path}; the daemon writes it on first start "
             f"(`turnkeeper run` with this configuration), or set ${TOKEN_VARIABLE}"
         ) from None
     except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise ClientError(
+                f"the admin token {path} is a symbolic link; remove it and restart the daemon "
+                f"(it writes a new one), or set ${TOKEN_VARIABLE}"
+            ) from None
         raise ClientError(f"cannot read the admin token {path}: {exc.strerror or exc}") from None
     if not token:
-        raise ClientError(f"the admin token file {path} is empty")
+        raise ClientError(
+            f"the admin token file {path} is empty; the daemon writes a fresh one when it "
+            f"starts, or set ${TOKEN_VARIABLE}"
+        )
     return token, str(path)
 
 

@@ -388,9 +388,12 @@ def _is_secret(key: str) -> bool:
 
 
 def render_config(cfg: Config) -> str:
-    """The configuration as TOML, loadable again, with every secret shown as `***`."""
+    """The configuration as TOML, loadable again, with every secret shown as `***`.
+
+    Secrets are the values of secret-sounding keys, MCP servers' environments, and the
+    password and secret query parameters of any URL (`store.url`, `model.base_url`, ...).
+    """
     data = cfg.model_dump(mode="json", by_alias=True)
-    data["store"]["url"] = _mask_url(data["store"]["url"])
     if data["mcp"]["servers"]:
         for server in data["mcp"]["servers"]:
             server["env"] = dict.fromkeys(server["env"], MASK)
@@ -407,13 +410,17 @@ def _mask_keys(value: Any) -> Any:
         }
     if isinstance(value, list):
         return [_mask_keys(item) for item in value]
+    if isinstance(value, str):
+        return mask_urls(value)
     return value
 
 
 _URL = re.compile(r"(?P<scheme>[^:/?#]+://)(?P<authority>[^/?#]*)(?P<path>[^?#]*)(?P<rest>.*)")
+# A URL inside free text: a scheme, then everything up to white space or a quote.
+_URL_IN_TEXT = re.compile(r"\b[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>`]+")
 
 
-def _mask_url(url: str) -> str:
+def mask_url(url: str) -> str:
     """`url` with the password of its user and any secret query parameter masked."""
     match = _URL.fullmatch(url)
     if match is None:
@@ -430,3 +437,10 @@ def _mask_url(url: str) -> str:
             for name, eq, value in params
         )
     return f"{match['scheme']}{authority}{match['path']}{query}{hash_}{fragment}"
+
+
+def mask_urls(text: str) -> str:
+    """`text` with every URL in it masked as by `mask_url` (for logs and error messages)."""
+    if "://" not in text:
+        return text
+    return _URL_IN_TEXT.sub(lambda match: mask_url(match[0]), text)

@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from supervisor import locks, trust
+from supervisor.auth import TokensFileError, read_tokens_file
 from supervisor.budget import Budget, check_stop_timeout
 
 PASS, WARN, FAIL = "PASS", "WARN", "FAIL"
@@ -172,33 +174,79 @@ def check_supervisord(text: str, name: str, budget: Budget) -> list[Finding]:
     return findings
 
 
-def check_files(state_dir: Path, db_path: Path | None) -> list[Finding]:
-    """State directory 0700, database 0600, free disk space."""
-    findings = []
-    for path, wanted in ((state_dir, 0o700), *(((db_path, 0o600),) if db_path else ())):
+def trusted_paths(
+    state_dir: Path, runtime_dir: Path | None, db_path: Path | None, tokens_file: Path | None
+) -> list[tuple[Path, trust.Expect]]:
+    """Every path the daemon judges (`supervisor.trust`) before it trusts it."""
+    paths = [
+        (state_dir, trust.STATE_DIR),
+        (state_dir / "admin.token", trust.ADMIN_TOKEN),
+        (state_dir / locks.LEADER_LOCK, trust.LOCK_FILE),
+    ]
+    if runtime_dir is not None:
+        paths += [
+            (runtime_dir, trust.RUNTIME_DIR),
+            (runtime_dir / locks.CONTROL_LOCK, trust.LOCK_FILE),
+        ]
+    if tokens_file is not None:
+        paths.append((tokens_file, trust.TOKENS_FILE))
+    if db_path is not None:
+        if db_path.parent != state_dir:
+            paths.append((db_path.parent, trust.DATABASE_DIR))
+        paths += [(path, trust.DATABASE) for path in trust.database_files(db_path)]
+    return paths
+
+
+def service_user(state_dir: Path) -> int:
+    """Whose files these are: doctor's own user, or, run as root, the state directory's owner
+    (the user the service runs as)."""
+    user = trust.effective_user()
+    if user == 0:
         try:
-            mode = stat.S_IMODE(path.stat().st_mode)
-        except FileNotFoundError:
-            findings.append(
-                Finding(
-                    WARN,
-                    "file modes",
-                    f"{path} does not exist yet",
-                    "start the daemon or run `turnkeeper db migrate`",
-                )
+            return state_dir.stat().st_uid
+        except OSError:
+            return 0
+    return user
+
+
+def check_files(
+    state_dir: Path,
+    db_path: Path | None,
+    runtime_dir: Path | None = None,
+    tokens_file: Path | None = None,
+    user: int | None = None,
+) -> list[Finding]:
+    """What the daemon refuses to start on, the tokens file's lines, the state directory
+    and database kept private, free disk space."""
+    user = service_user(state_dir) if user is None else user
+    findings = []
+    if not state_dir.exists():
+        findings.append(
+            Finding(
+                WARN,
+                "file modes",
+                f"{state_dir} does not exist yet",
+                "start the daemon or run `turnkeeper db migrate`",
             )
-            continue
-        if mode & 0o077:
-            findings.append(
-                Finding(
-                    FAIL,
-                    "file modes",
-                    f"{path} is {mode:04o}: others can read it",
-                    f"chmod {wanted:04o} {path}",
-                )
+        )
+    paths = trusted_paths(state_dir, runtime_dir, db_path, tokens_file)
+    problems = [p for p in (trust.check(path, expect, user) for path, expect in paths) if p]
+    findings += [
+        Finding(FAIL, "files", f"{p.expect.what} {p.path} {p.reason}", p.fix) for p in problems
+    ]
+    if not problems:
+        findings.append(
+            Finding(
+                PASS,
+                "files",
+                f"{sum(path.exists() for path, _ in paths)} paths turnkeeper trusts: owned by "
+                + ("root" if user == 0 else f"{trust.user_name(user)} or root")
+                + ", writable by nobody else, no symbolic link where a file belongs",
             )
-        else:
-            findings.append(Finding(PASS, "file modes", f"{path} is {mode:04o}"))
+        )
+    if tokens_file is not None:
+        findings += _check_tokens_file(tokens_file, user)
+    findings += _privacy(state_dir, db_path)
     if state_dir.exists():
         free = shutil.disk_usage(state_dir).free
         verdict = PASS if free >= MIN_FREE_BYTES else WARN
@@ -210,6 +258,42 @@ def check_files(state_dir: Path, db_path: Path | None) -> list[Finding]:
                 "" if verdict == PASS else "free disk space: a full disk stops every commit",
             )
         )
+    return findings
+
+
+def _check_tokens_file(path: Path, user: int) -> list[Finding]:
+    """The tokens file read as the daemon reads it (its trust is judged above)."""
+    try:
+        principals = read_tokens_file(path, user)
+    except trust.Untrusted:
+        return []
+    except TokensFileError as exc:
+        return [Finding(FAIL, "tokens file", str(exc), "fix or remove the line")]
+    return [Finding(PASS, "tokens file", f"{path}: {len(principals)} principals")]
+
+
+def _privacy(state_dir: Path, db_path: Path | None) -> list[Finding]:
+    """Others may not read the conversations; listing the state directory is a lesser worry."""
+    findings = []
+    for path, wanted, verdict in (
+        (state_dir, 0o700, WARN),
+        *(((db_path, 0o600, FAIL),) if db_path else ()),
+    ):
+        try:
+            mode = stat.S_IMODE(path.stat().st_mode)
+        except OSError:
+            continue
+        if mode & 0o077:
+            findings.append(
+                Finding(
+                    verdict,
+                    "file modes",
+                    f"{path} is {mode:04o}: others can read it",
+                    f"chmod {wanted:04o} {path}",
+                )
+            )
+        else:
+            findings.append(Finding(PASS, "file modes", f"{path} is {mode:04o}"))
     return findings
 
 

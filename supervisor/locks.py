@@ -1,17 +1,22 @@
 """Exclusive locks on files: one daemon per state directory, one binder per socket path.
 
 `flock` locks vanish with the process that held them, however it died, so a crashed
-daemon never leaves a stale lock behind.
+daemon never leaves a stale lock behind. A lock file is opened with `O_NOFOLLOW` and judged
+by `supervisor.trust` before our pid is written into it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 from pathlib import Path
 
+from supervisor import trust
+
 LEADER_LOCK = "turnkeeper.lock"  # in the state dir: one daemon per state dir; holds its pid
+CONTROL_LOCK = "control.sock.lock"  # in the runtime dir: one binder of the control socket
 
 
 class LockHeld(Exception):
@@ -28,9 +33,10 @@ def acquire(path: Path) -> int:
     """Take the lock at `path` for this process's life and write our pid into it.
 
     Returns the open file descriptor (keep it open: closing it releases the lock).
-    Raises LockHeld, naming the holder's pid, when another process has it.
+    Raises LockHeld, naming the holder's pid, when another process has it, and
+    trust.Untrusted when the file is a symbolic link, another user's or writable by others.
     """
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fd = trust.open_file(path, trust.LOCK_FILE, trust.effective_user(), os.O_RDWR | os.O_CREAT)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -45,9 +51,14 @@ def acquire(path: Path) -> int:
 def holder(path: Path) -> int | None:
     """The pid of the live process holding the lock at `path`, or None if nobody does."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        # No daemon holds a lock through a symbolic link: it refuses to start on one.
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
     except FileNotFoundError:
         return None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return None
+        raise
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)

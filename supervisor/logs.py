@@ -5,15 +5,20 @@ rule systemd documents) text lines carry `<N>` syslog priority prefixes and no t
 since journald adds its own. A `JOURNAL_STREAM` inherited by a process whose stderr
 goes elsewhere (a file of supervisord's, say) is ignored. Each process (supervisor, every worker)
 configures its own logger; a loguru logger cannot be handed to a spawned child.
+
+The password in any URL is masked in every line written, tracebacks included: a database
+driver or HTTP client may echo the URL it was given, with `user:password@` in it.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TextIO
 
 from loguru import logger
+
+from supervisor.config import mask_urls
 
 if TYPE_CHECKING:
     from loguru import Logger, Record
@@ -41,15 +46,31 @@ def _patch(record: Record) -> None:
     extra["priority"] = _PRIORITY.get(record["level"].name, 6)
 
 
+class _Masked:
+    """A stream that masks the password of every URL in what is written to it."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> None:
+        self._stream.write(mask_urls(text))
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+
 def setup_logging(level: str = "INFO", fmt: str = "text", process: str = "supervisor") -> None:
     """Send this process's log records to stderr in the configured format."""
     logger.remove()
     logger.configure(patcher=_patch, extra={"process": process})
+    sink = _Masked(sys.stderr)
     if fmt == "json":
-        logger.add(sys.stderr, level=level, serialize=True, backtrace=False, diagnose=False)
+        logger.add(
+            sink, level=level, serialize=True, backtrace=False, diagnose=False, colorize=False
+        )
     else:
         line = _JOURNAL if to_journal() else _TEXT
-        logger.add(sys.stderr, level=level, format=line, backtrace=False, diagnose=False)
+        logger.add(sink, level=level, format=line, backtrace=False, diagnose=False, colorize=False)
 
 
 def to_journal(environ: dict[str, str] | None = None, fd: int | None = None) -> bool:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
-import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,9 +86,11 @@ def _absolute(path: str, env: Mapping[str, str]) -> Path:
 
 
 def make_private_dir(path: Path) -> None:
-    """Create `path` and its missing parents as 0700; tighten it to 0700 if it is looser."""
+    """Create `path` and its missing parents as 0700.
+
+    A directory that exists already is left as it is: the operator made it, and
+    `supervisor.trust` judges it instead of changing it.
+    """
     missing = [p for p in (path, *path.parents) if not p.exists()]
     for directory in reversed(missing):
         directory.mkdir(mode=0o700, exist_ok=True)
-    if stat.S_IMODE(path.stat().st_mode) & 0o077:
-        path.chmod(0o700)

@@ -101,6 +101,7 @@ def start_api(make_daemon: Callable[..., Daemon], root: Path, **sections: dict[s
     tokens_file.write_text(
         "# test principals\n" + "".join(f"{p} sha256:{digest(t)}\n" for p, t in tokens.items())
     )
+    tokens_file.chmod(0o600)
     port = free_port()
     http = {"listen": f"127.0.0.1:{port}", **sections.pop("http", {})}
     daemon = make_daemon(http=http, auth={"tokens_file": str(tokens_file)}, **sections).start()

@@ -393,16 +393,29 @@ def test_render_masks_secrets(tmp_path: Path) -> None:
     cfg = Config.model_validate(
         {
             "store": {"url": "postgresql://tk:hunter2@db:5432/tk?sslmode=require&password=hunter3"},
-            "model": {"api_key_env": "OPENAI_API_KEY"},
+            "model": {
+                "api_key_env": "OPENAI_API_KEY",
+                "base_url": "https://proxy:hunter4@llm.example/v1",
+            },
             "auth": {"tokens_file": "/etc/turnkeeper/tokens"},
-            "mcp": {"servers": [{"name": "gh", "command": ["gh-mcp"], "env": {"GH": "ghp_abc"}}]},
+            "mcp": {
+                "servers": [
+                    {
+                        "name": "gh",
+                        "command": ["gh-mcp", "--db", "postgresql://gh:hunter5@db/gh"],
+                        "env": {"GH": "ghp_abc"},
+                    }
+                ]
+            },
         }
     )
     rendered = render_config(cfg)
-    for secret in ("hunter2", "hunter3", "ghp_abc"):
+    for secret in ("hunter2", "hunter3", "hunter4", "hunter5", "ghp_abc"):
         assert secret not in rendered
     parsed = tomllib.loads(rendered)
     assert parsed["store"]["url"] == "postgresql://tk:***@db:5432/tk?sslmode=require&password=***"
+    assert parsed["model"]["base_url"] == "https://proxy:***@llm.example/v1"
+    assert parsed["mcp"]["servers"][0]["command"][2] == "postgresql://gh:***@db/gh"
     assert parsed["mcp"]["servers"][0]["env"] == {"GH": "***"}
     assert parsed["model"]["api_key_env"] == "OPENAI_API_KEY"
     assert parsed["model"]["max_tokens"] == 1024
@@ -464,12 +477,12 @@ def test_make_private_dir_creates_0700(tmp_path: Path) -> None:
     assert stat.S_IMODE(target.stat().st_mode) == 0o700
 
 
-def test_make_private_dir_tightens_an_open_dir(tmp_path: Path) -> None:
+def test_make_private_dir_never_changes_an_existing_dir(tmp_path: Path) -> None:
     target = tmp_path / "state"
     target.mkdir()
     target.chmod(0o755)
     make_private_dir(target)
-    assert stat.S_IMODE(target.stat().st_mode) == 0o700
+    assert stat.S_IMODE(target.stat().st_mode) == 0o755
 
 
 # The command line

@@ -85,6 +85,7 @@ def test_a_full_run_never_writes_a_token_or_an_api_key(
 ) -> None:
     tokens = tmp_path / "tokens"
     tokens.write_text(f"alice sha256:{digest(USER_TOKEN)}\n")
+    tokens.chmod(0o600)  # the daemon refuses a tokens file others can read
     daemon = daemons(
         http={"listen": f"unix:{tmp_path / 'api.sock'}"},
         auth={"tokens_file": str(tokens)},

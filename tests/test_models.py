@@ -360,6 +360,31 @@ def test_a_server_quoting_the_key_back_does_not_leak_it() -> None:
 
 
 @pytest.mark.parametrize(
+    ("api_key", "authorization"),
+    [("sk-configured", "Bearer sk-configured"), (None, "Basic cHJveHk6cEA1NXdvcmQ=")],
+    ids=["with an API key", "without one"],
+)
+def test_a_password_in_the_base_url_is_never_shown_and_never_replaces_the_key(
+    api_key: str | None, authorization: str
+) -> None:
+    async def scenario() -> tuple[ModelError, list[Seen], str]:
+        async with fake_server(answering("proxy:p@55word is refused", 403)) as server:
+            with_password = server.base_url.replace("http://", "http://proxy:p%4055word@")
+            model = OpenAIModel(with_password, "m", api_key, 5.0, 8)
+            try:
+                with pytest.raises(ModelError) as caught:
+                    await model.complete([user("hi")], [])
+            finally:
+                await model.aclose()
+            return caught.value, server.seen, server.base_url
+
+    error, seen, base_url = asyncio.run(scenario())
+    assert [request.headers["Authorization"] for request in seen] == [authorization]
+    assert str(error) == f"model server {base_url} answered 403: proxy:*** is refused"
+    assert "p@55word" not in repr(error) and "p%4055word" not in repr(error)
+
+
+@pytest.mark.parametrize(
     "payload",
     ["<html>oops</html>", {"choices": []}, {"object": "error"}, choice({"content": 42})],
 )

@@ -3,14 +3,21 @@
 Ollama, vLLM and the llama.cpp server all speak it. One POST to
 `{base_url}/chat/completions` per call, no streaming. Every failure becomes a
 `ModelError` whose one-line message names the server; the API key is never part of one.
+
+A `user:password@` in `base_url` is taken out of the URL before any request and any
+message: the API key is the only credential sent when one is configured (httpx would
+otherwise turn the URL's user into a Basic `Authorization` that replaces it), and the
+user and password go as Basic auth only when there is no API key.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import uuid
 from typing import Any
+from urllib.parse import unquote
 
 import httpx
 
@@ -24,6 +31,7 @@ from workers.models.base import (
 )
 
 EXCERPT = 200
+_AUTHORITY = re.compile(r"(?P<scheme>[^:/?#]+://)(?P<authority>[^/?#]*)(?P<rest>.*)", re.DOTALL)
 _FINISH_REASONS: frozenset[str] = frozenset({"stop", "tool_calls", "length"})
 
 
@@ -43,7 +51,7 @@ class OpenAIModel:
         max_tokens: int,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
-        self.base_url = base_url.rstrip("/")
+        self.base_url, self._userinfo = without_userinfo(base_url.rstrip("/"))
         self.model = model
         self.timeout = timeout
         self.max_tokens = max_tokens
@@ -98,8 +106,12 @@ class OpenAIModel:
         if self._client is None:
             # trust_env=False: the server is named by base_url; a process-wide proxy or
             # .netrc must not silently reroute the conversation or the API key.
+            basic = httpx.BasicAuth(*self._userinfo) if self._userinfo else None
             self._client = httpx.AsyncClient(
-                timeout=self.timeout, transport=self._transport, trust_env=False
+                timeout=self.timeout,
+                transport=self._transport,
+                trust_env=False,
+                auth=None if self._api_key else basic,
             )
         return self._client
 
@@ -110,9 +122,24 @@ class OpenAIModel:
             text = (error.get("message") if isinstance(error, dict) else error) or text
         except (ValueError, AttributeError):
             pass
-        text = _one_line(str(text))[:EXCERPT] or "(empty body)"
+        text = str(text)
         # A server may quote the rejected key back; it must not reach the event log.
-        return text.replace(self._api_key, "***") if self._api_key else text
+        for secret in (self._api_key, self._userinfo[1] if self._userinfo else None):
+            if secret:
+                text = text.replace(secret, "***")
+        return _one_line(text)[:EXCERPT] or "(empty body)"
+
+
+def without_userinfo(url: str) -> tuple[str, tuple[str, str] | None]:
+    """`url` without its `user:password@`, and the (unquoted) user and password if any."""
+    match = _AUTHORITY.fullmatch(url)
+    if match is None:
+        return url, None
+    userinfo, at, host = match["authority"].rpartition("@")
+    if not at:
+        return url, None
+    user, _, password = userinfo.partition(":")
+    return f"{match['scheme']}{host}{match['rest']}", (unquote(user), unquote(password))
 
 
 def request_body(
