@@ -1,15 +1,19 @@
 """Control-plane messages between the supervisor (ROUTER) and its workers (DEALERs).
 
-One JSON frame per message, with a `type`. The database is the source of truth: every
+One JSON frame per message, with a `type`; every message has a typed schema below, and a
+frame that does not fit one is not a message. The database is the source of truth: every
 message only signals, and is safe to lose or to receive twice, because the receiver
 re-reads the database before it acts.
 
-worker -> supervisor:
-    hello       {worker, pid}                  connected, store open: ready for sessions
-    heartbeat   {worker, sessions, turns,      alive; sent from the worker's event loop,
-                 mcp, append_latency}          with its MCP servers by state and the
+worker -> supervisor (every one also names its `worker`, `w<slot>.<generation>`):
+    hello       {pid, secret}                  connected: proves the spawn's secret
+    ready       {}                             store open, MCP servers started: ready for
+                                               sessions
+    heartbeat   {sessions, turns, mcp,         alive; sent from the worker's event loop,
+                 append_latency}               with its MCP servers by state and the
                                                append latencies since the last one
-    committed   {session, event}               an event was committed (for live streams)
+    committed   {session, seq, event_type}     an event was committed (a signal: readers
+                                               read the event from the database)
     turn_done   {session, turn_id, outcome}    a turn ended
     released    {session}                      stopped at an event boundary, lease released
     lease_lost  {session}                      fenced out: the session is someone else's
@@ -23,15 +27,36 @@ supervisor -> worker:
     wake        {session}                      re-read the session: there may be work
     interrupt   {session}                      cancel the turn in flight (operator)
     stop        {}                             release everything and exit 0
+
+Who may talk: every spawn of a worker gets two fresh random values in its spawn arguments
+(never its environment or command line): the routing identity its DEALER connects with,
+and a secret its `hello` carries. The supervisor accepts nothing from a routing identity
+it did not hand out, and nothing but a `hello` with the right secret until that hello.
+Without ROUTER_HANDOVER nobody can take over a connected identity. The name
+`w<slot>.<generation>` is for logs and status only. Everything a peer names (event types,
+MCP states, outcomes) is checked against a fixed vocabulary, so no peer can create a
+metric series.
 """
 
 from __future__ import annotations
 
-import json
-from typing import Any
+import hmac
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from typing import Annotated, Any, Literal, TypeVar
 
-FROM_WORKER = frozenset({"hello", "heartbeat", "committed", "turn_done", "released", "lease_lost"})
-FROM_SUPERVISOR = frozenset({"assign", "release", "wake", "interrupt", "stop"})
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    TypeAdapter,
+    ValidationError,
+)
+
+from supervisor.store.events import EVENT_TYPES
 
 # What a continuation note says about the cause, by assignment reason.
 CONTINUATION_CAUSE = {
@@ -49,11 +74,19 @@ CAUSE_TEXT = {
     "lease_expired": "the worker running it stopped responding and lost the session",
     "interrupted": "its previous owner stopped",
     "max_tokens": "the model's answer was cut off by its output token limit",
+    "storage_unavailable": "the database could not be written for a while",
 }
-
+# The states a worker reports its MCP servers in (the metric's label values).
+MCP_STATES = ("starting", "ready", "backoff", "down", "stopped")
+# How a turn ends (`turn_ended`'s outcome).
+TURN_OUTCOMES = ("completed", "truncated", "failed", "interrupted", "interrupted_by_operator")
 
 # Upper bounds (seconds) of the append latency histogram, shared by workers and supervisor.
 APPEND_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+MAX_FRAME = 64 * 1024  # bytes; a peer that sends a bigger frame is disconnected by zmq
+MAX_SEQ = 2**62  # beyond any seq or lease token, and within every backend's BIGINT
+MAX_COUNT = 1_000_000  # sessions, turns, MCP servers, observations per heartbeat
 
 
 class Histogram:
@@ -83,22 +116,254 @@ class Histogram:
 
 
 class ProtocolError(ValueError):
-    """A frame that is not a message of the control plane."""
+    """A frame that is not a message of the control plane; the text says why."""
+
+
+# --- the schema ---------------------------------------------------------------------
+
+
+def _one_of(words: Iterable[str]) -> AfterValidator:
+    allowed = frozenset(words)
+    listed = ", ".join(sorted(allowed))
+
+    def check(value: str) -> str:
+        if value not in allowed:
+            raise ValueError(f"should be one of {listed}")
+        return value
+
+    return AfterValidator(check)
+
+
+Id = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{32}$")]  # sessions, turns
+Secret = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
+WorkerName = Annotated[str, StringConstraints(pattern=r"^w[0-9]{1,6}\.[0-9]{1,12}$")]
+Seq = Annotated[int, Field(ge=1, le=MAX_SEQ)]
+Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
+Word = StringConstraints(max_length=40)
+EventType = Annotated[str, Word, _one_of(EVENT_TYPES)]
+McpState = Annotated[str, Word, _one_of(MCP_STATES)]
+Outcome = Annotated[str, Word, _one_of(TURN_OUTCOMES)]
+Reason = Annotated[str, Word, _one_of(CONTINUATION_CAUSE)]
+Cause = Annotated[str, Word, _one_of(CAUSE_TEXT)]
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+
+
+class _FromWorker(_Message):
+    worker: WorkerName
+
+
+class Hello(_FromWorker):
+    type: Literal["hello"] = "hello"
+    pid: Annotated[int, Field(ge=1, le=2**31 - 1)]
+    secret: Secret
+
+
+class Ready(_FromWorker):
+    type: Literal["ready"] = "ready"
+
+
+class Latency(_Message):
+    """Append latencies since the last heartbeat (`Histogram.take`)."""
+
+    counts: Annotated[
+        list[Count],
+        Field(min_length=len(APPEND_BUCKETS) + 1, max_length=len(APPEND_BUCKETS) + 1),
+    ]
+    sum: Annotated[float, Field(ge=0.0, le=1e9, allow_inf_nan=False)]
+
+
+class Heartbeat(_FromWorker):
+    type: Literal["heartbeat"] = "heartbeat"
+    sessions: Count
+    turns: Count
+    mcp: dict[McpState, Count]
+    append_latency: Latency
+
+
+class Committed(_FromWorker):
+    type: Literal["committed"] = "committed"
+    session: Id
+    seq: Seq
+    event_type: EventType
+
+
+class TurnDone(_FromWorker):
+    type: Literal["turn_done"] = "turn_done"
+    session: Id
+    turn_id: Id
+    outcome: Outcome
+
+
+class Released(_FromWorker):
+    type: Literal["released"] = "released"
+    session: Id
+
+
+class LeaseLost(_FromWorker):
+    type: Literal["lease_lost"] = "lease_lost"
+    session: Id
+
+
+class Assign(_Message):
+    type: Literal["assign"] = "assign"
+    session: Id
+    token: Seq
+    reason: Reason
+    cause: Cause | None = None
+
+
+class Release(_Message):
+    type: Literal["release"] = "release"
+    session: Id
+
+
+class Wake(_Message):
+    type: Literal["wake"] = "wake"
+    session: Id
+
+
+class Interrupt(_Message):
+    type: Literal["interrupt"] = "interrupt"
+    session: Id
+
+
+class Stop(_Message):
+    type: Literal["stop"] = "stop"
+
+
+FromWorker = Annotated[
+    Hello | Ready | Heartbeat | Committed | TurnDone | Released | LeaseLost,
+    Field(discriminator="type"),
+]
+FromSupervisor = Annotated[Assign | Release | Wake | Interrupt | Stop, Field(discriminator="type")]
+WORKER_MESSAGES: TypeAdapter[FromWorker] = TypeAdapter(FromWorker)
+SUPERVISOR_MESSAGES: TypeAdapter[FromSupervisor] = TypeAdapter(FromSupervisor)
+
+_ALL: list[type[_Message]] = [Hello, Ready, Heartbeat, Committed, TurnDone, Released]
+_ALL += [LeaseLost, Assign, Release, Wake, Interrupt, Stop]
+_MODELS: dict[str, type[_Message]] = {m.model_fields["type"].default: m for m in _ALL}
+
+M = TypeVar("M")
 
 
 def encode(type: str, **fields: Any) -> bytes:
-    """One message as its frame."""
-    if type not in FROM_WORKER | FROM_SUPERVISOR:
-        raise ProtocolError(f"unknown message type {type!r}")
-    return json.dumps({"type": type, **fields}, separators=(",", ":")).encode()
-
-
-def decode(frame: bytes, allowed: frozenset[str]) -> dict[str, Any]:
-    """The message in `frame`; ProtocolError unless it is a JSON object of an allowed type."""
+    """One message as its frame; ProtocolError unless it fits its schema."""
+    model = _MODELS.get(type)
+    if model is None:
+        raise ProtocolError(f"unknown message type {printable(type)}")
     try:
-        message = json.loads(frame)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ProtocolError(f"not JSON: {exc}") from exc
-    if not isinstance(message, dict) or message.get("type") not in allowed:
-        raise ProtocolError(f"unexpected message: {str(message)[:200]}")
-    return message
+        message = model.model_validate({"type": type, **fields})
+    except ValidationError as exc:
+        raise ProtocolError(describe(exc)) from exc
+    return message.model_dump_json().encode()
+
+
+def decode(frames: list[bytes], messages: TypeAdapter[M]) -> M:
+    """The message in `frames` (one frame); ProtocolError, saying why, unless it fits."""
+    if len(frames) != 1:
+        raise ProtocolError(f"{len(frames)} frames, not one")
+    try:
+        return messages.validate_json(frames[0])
+    except ValidationError as exc:
+        raise ProtocolError(describe(exc)) from exc
+
+
+def check_sender(message: FromWorker, name: str, secret: str, pid: int) -> None:
+    """ProtocolError unless `message` speaks as worker `name` (and a hello proves it)."""
+    if message.worker != name:
+        raise ProtocolError(f"it speaks as worker {message.worker}")
+    if isinstance(message, Hello):
+        if not same_secret(message.secret, secret):
+            raise ProtocolError("a hello with a wrong secret")
+        if message.pid != pid:
+            raise ProtocolError(f"a hello from pid {message.pid}, not {pid}")
+
+
+def same_secret(given: str, expected: str) -> bool:
+    """Compared in constant time."""
+    return hmac.compare_digest(given.encode(), expected.encode())
+
+
+def stranger(route: bytes, frames: list[bytes], secret_of: Callable[[str], str | None]) -> str:
+    """Why frames from a routing identity no worker was spawned with are refused.
+
+    `secret_of` gives a live worker's secret by its name (None: no such worker).
+    """
+    name = route.decode(errors="replace")
+    if secret_of(name) is not None:
+        return f"it uses worker {name}'s name as its identity (takeover)"
+    try:
+        message = decode(frames, WORKER_MESSAGES)
+    except ProtocolError as exc:
+        return f"unknown identity; {exc}"
+    secret = secret_of(message.worker)
+    if secret is None:
+        return f"unknown identity; a {message.type} as worker {message.worker}"
+    if isinstance(message, Hello) and not same_secret(message.secret, secret):
+        return f"a hello as worker {message.worker} with a wrong secret"
+    return f"a {message.type} as worker {message.worker} from another identity (takeover)"
+
+
+def describe(exc: ValidationError) -> str:
+    """What is wrong with a message, in one short printable line, without its values."""
+    errors = exc.errors(include_url=False, include_input=False, include_context=False)
+    parts = [f"{'.'.join(map(str, e['loc'])) or 'message'}: {e['msg']}" for e in errors[:3]]
+    if len(errors) > 3:
+        parts.append(f"and {len(errors) - 3} more")
+    return printable("; ".join(parts), 300)
+
+
+def printable(text: str | bytes, limit: int = 64) -> str:
+    """`text` (peer-supplied) made safe for one log line: escaped and cut to `limit`."""
+    if isinstance(text, bytes):
+        text = text.decode("utf-8", errors="backslashreplace")
+    safe = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text[: limit + 1])
+    return safe if len(safe) <= limit else safe[: limit - 1] + "…"
+
+
+class Refusals:
+    """Which peers were refused, so that each is logged once, in bounded memory.
+
+    The `size` latest refused peers are remembered; at most `burst` peers a `window` are
+    logged, and the ones past that are only counted (a peer that makes up endless
+    identities cannot flood the log).
+    """
+
+    def __init__(
+        self,
+        size: int = 1024,
+        burst: int = 20,
+        window: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.size, self.burst, self.window, self.clock = size, burst, window, clock
+        self._seen: OrderedDict[bytes, None] = OrderedDict()
+        self._logged: list[float] = []
+        self.unlogged = 0  # peers refused without a log line since the last logged one
+
+    def seen(self, peer: bytes) -> bool:
+        """True if `peer` was refused already (as far as memory goes)."""
+        if peer in self._seen:
+            self._seen.move_to_end(peer)
+            return True
+        return False
+
+    def first(self, peer: bytes) -> int | None:
+        """Note a refusal of `peer`. None: do not log it; else log it, with that many
+        peers refused unlogged since the last line."""
+        if self.seen(peer):
+            return None
+        self._seen[peer] = None
+        if len(self._seen) > self.size:
+            self._seen.popitem(last=False)
+        now = self.clock()
+        self._logged = [t for t in self._logged if now - t < self.window]
+        if len(self._logged) >= self.burst:
+            self.unlogged += 1
+            return None
+        self._logged.append(now)
+        unlogged, self.unlogged = self.unlogged, 0
+        return unlogged

@@ -3,13 +3,15 @@
 Workers write no metric files (prometheus multiprocess mode leaks files of dead pids):
 what they do reaches the supervisor over the control plane (every committed event, and
 in each heartbeat their append latencies since the last one and their MCP servers by
-state), and the pool's and the store's state is read at scrape time.
+state), and the pool's and the store's state is read at scrape time. Every label value
+comes from a fixed vocabulary (the control plane's schema checks what workers send), so
+no peer can create a series.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -21,12 +23,11 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from supervisor.control import APPEND_BUCKETS
+from supervisor.control import APPEND_BUCKETS, MCP_STATES
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 SLOT_STATES = ("starting", "running", "backoff", "fatal", "stopped")
 SESSION_STATES = ("open", "running", "pending", "quarantined", "closed")
-MCP_STATES = ("starting", "ready", "backoff", "down", "stopped")
 
 
 class _State(Collector):
@@ -84,14 +85,14 @@ class _Deltas(Collector):
         self.sum = 0.0
         self._lock = threading.Lock()
 
-    def add(self, delta: Mapping[str, Any]) -> None:
-        counts = delta.get("counts")
-        if not isinstance(counts, list) or len(counts) != len(self.counts):
-            return  # a worker of another version; not worth a crash
+    def add(self, counts: Sequence[int], total: float) -> None:
+        """Add one delta: counts per bucket (validated by the control plane's schema)."""
+        if len(counts) != len(self.counts):
+            raise ValueError(f"{len(counts)} bucket counts, not {len(self.counts)}")
         with self._lock:
             for index, count in enumerate(counts):
-                self.counts[index] += int(count)
-            self.sum += float(delta.get("sum", 0.0))
+                self.counts[index] += count
+            self.sum += total
 
     def collect(self) -> Iterator[Metric]:
         with self._lock:

@@ -32,10 +32,13 @@ class Worker:
     """The supervisor's view of one worker process."""
 
     slot: Slot
-    identity: str
+    identity: str  # w<slot>.<generation>: its name in logs, status and lease owners
     process: Any  # multiprocess.Process
     spare: bool
     started: float
+    route: bytes = field(default=b"", repr=False)  # its routing identity (control.py)
+    secret: str = field(default="", repr=False)  # what its hello must carry
+    hello: bool = False  # said a valid hello: its messages are read from now on
     ready: bool = False
     last_heartbeat: float = 0.0
     sessions: set[str] = field(default_factory=set)
@@ -45,6 +48,7 @@ class Worker:
     aborted_at: float | None = None
     child_row: int | None = None
     mcp: dict[str, int] = field(default_factory=dict)  # its MCP servers by state
+    replacing: bool = False  # sent a malformed message: killed, its frames ignored
 
     @property
     def pid(self) -> int:
@@ -212,6 +216,7 @@ class Ownership:
             and not w.retiring
             and not w.stop_requested
             and w.aborted_at is None
+            and not w.replacing
             and w.last_heartbeat >= fresh
         ]
         if not candidates:

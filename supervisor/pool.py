@@ -4,6 +4,11 @@ When a worker dies (its process sentinel fires at once, even for SIGKILL or an O
 its sessions go to the hot spare first, and a replacement is started in the dead worker's
 slot, which then becomes the spare. A worker whose event loop stops sending heartbeats is
 hung: it gets SIGABRT (its traceback goes to the log) and, a second later, SIGKILL.
+
+The control plane trusts only what it handed out (see control.py): a frame from a routing
+identity no worker was spawned with is dropped, and logged once per peer; a worker is read
+only after a hello with its spawn's secret; a message that does not fit its schema gets
+the worker that sent it replaced. Nothing a peer sends can end the receive loop.
 """
 
 from __future__ import annotations
@@ -11,8 +16,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import secrets
 import signal
 import time
+from collections import deque
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -65,7 +72,10 @@ class Pool(Ownership):
         recovery.poke = self.poke
         self.slots = [Slot(i) for i in range(config.pool.workers + config.pool.spare)]
         self.current: dict[int, Worker] = {}
-        self.workers: dict[str, Worker] = {}
+        self.workers: dict[str, Worker] = {}  # by name
+        self.routes: dict[bytes, Worker] = {}  # by routing identity
+        self._buried: deque[bytes] = deque(maxlen=64)  # routes of workers that exited
+        self.refusals = control.Refusals(clock=clock)
         self.assigned: dict[str, Worker] = {}
         self.woken: dict[str, int] = {}
         self.busy: set[str] = set()  # sessions being assigned right now
@@ -75,7 +85,7 @@ class Pool(Ownership):
         self.on_event: list[Callable[[str, dict[str, Any]], None]] = []
         self.log = log("pool")
         self._spawn_context = multiprocess.get_context("spawn")
-        self._tasks: list[asyncio.Task[None]] = []
+        self.tasks: list[asyncio.Task[None]] = []  # run until stop; the daemon watches them
         self._pending: set[asyncio.Task[Any]] = set()
         self._poked = asyncio.Event()
 
@@ -86,12 +96,15 @@ class Pool(Ownership):
         self.zmq = zmq.asyncio.Context()
         self.router = self.zmq.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        self.router.setsockopt(zmq.ROUTER_HANDOVER, 0)  # a connected identity stays its own
+        self.router.setsockopt(zmq.MAXMSGSIZE, control.MAX_FRAME)
         self.router.setsockopt(zmq.LINGER, 0)
         self.router.bind(self.address)
+        if self.address.startswith("ipc://"):
+            os.chmod(self.address.removeprefix("ipc://"), 0o600)  # in a 0700 directory
         for slot in self.slots:
             self._spawn(slot)
-        self._tasks = [
+        self.tasks = [
             asyncio.create_task(self._receive(), name="pool-receive"),
             asyncio.create_task(self._housekeeping(), name="pool-housekeeping"),
         ]
@@ -120,9 +133,9 @@ class Pool(Ownership):
         self.stopping = True
         for slot in self.slots:
             slot.stop_requested()
-        for task in self._tasks:
+        for task in self.tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*self.tasks, return_exceptions=True)
         for worker in self.workers.values():
             worker.stop_requested = True
         groups = await asyncio.to_thread(self._recorded_groups)
@@ -183,6 +196,7 @@ class Pool(Ownership):
         now = self.clock()
         slot.start(now)
         spare_now = sum(1 for w in self.current.values() if w.spare and w.alive)
+        route, secret = secrets.token_hex(16), secrets.token_hex(32)
         spec = WorkerSpec(
             identity=slot.identity,
             owner=f"{self.owner_prefix}/{slot.identity}",
@@ -191,6 +205,8 @@ class Pool(Ownership):
             boot_id=self.boot_id,
             db_url=self.store.url,
             config=self.config.model_dump(mode="json", by_alias=True),
+            route=route,
+            secret=secret,
         )
         process = self._spawn_context.Process(
             target=run_worker, args=(spec,), name=f"turnkeeper-{slot.identity}"
@@ -202,10 +218,13 @@ class Pool(Ownership):
             process,
             spare=spare_now < self.config.pool.spare,
             started=now,
+            route=route.encode(),
+            secret=secret,
             last_heartbeat=now,
         )
         self.current[slot.index] = worker
         self.workers[worker.identity] = worker
+        self.routes[worker.route] = worker
         asyncio.get_running_loop().add_reader(process.sentinel, self._on_exit, worker)
         self.log.info(
             "started worker {} (pid {}{})",
@@ -238,6 +257,8 @@ class Pool(Ownership):
         code = worker.process.exitcode
         requested = worker.stop_requested or worker.retiring
         self.workers.pop(worker.identity, None)
+        if self.routes.pop(worker.route, None) is not None:
+            self._buried.append(worker.route)  # its last frames are dropped without a word
         if worker.child_row is not None:
             self._background(asyncio.to_thread(self.store.children.forget, [worker.child_row]))
         if self.current.get(worker.slot.index) is worker:
@@ -313,52 +334,101 @@ class Pool(Ownership):
     def _background(self, work: Coroutine[Any, Any, Any]) -> None:
         task = asyncio.create_task(work)
         self._pending.add(task)
-        task.add_done_callback(self._pending.discard)
+        task.add_done_callback(self._finished)
+
+    def _finished(self, task: asyncio.Task[Any]) -> None:
+        self._pending.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            self.log.warning("background work failed: {!r}", exc)
 
     # --- control plane --------------------------------------------------------------
 
     async def _receive(self) -> None:
         while True:
-            identity, frame = await self.router.recv_multipart()
+            route, *frames = await self.router.recv_multipart()
             try:
-                message = control.decode(frame, control.FROM_WORKER)
-            except control.ProtocolError as exc:
-                self.log.error("control plane: {}", exc)
-                continue
-            worker = self.workers.get(identity.decode(errors="replace"))
-            if worker is None:
-                continue  # a worker we already buried
-            self._handle(worker, message)
+                self._on_frames(route, frames)
+            except Exception:
+                self.log.exception("control plane: a message could not be handled; going on")
 
-    def _handle(self, worker: Worker, message: dict[str, Any]) -> None:
-        kind = message["type"]
+    def _on_frames(self, route: bytes, frames: list[bytes]) -> None:
+        worker = self.routes.get(route)
+        if worker is None:
+            if route not in self._buried and not self.refusals.seen(route):
+                reason = control.stranger(route, frames, self._secret_of)
+                self._refuse(f"peer {control.printable(route)}", route, reason)
+            return
+        if worker.replacing:
+            return
+        try:
+            message = control.decode(frames, control.WORKER_MESSAGES)
+            control.check_sender(message, worker.identity, worker.secret, worker.pid)
+        except control.ProtocolError as exc:
+            if worker.hello:
+                self._replace(worker, str(exc))
+            else:
+                self._refuse(f"worker {worker.identity}", route, f"{exc} (before its hello)")
+            return
+        if not worker.hello and not isinstance(message, control.Hello):
+            self._refuse(f"worker {worker.identity}", route, f"a {message.type} before its hello")
+            return
+        self._handle(worker, message)
+
+    def _secret_of(self, name: str) -> str | None:
+        worker = self.workers.get(name)
+        return worker.secret if worker is not None else None
+
+    def _refuse(self, who: str, route: bytes, reason: str) -> None:
+        unlogged = self.refusals.first(route)
+        if unlogged is not None:
+            self.log.warning(
+                "control plane: refused {}: {}; dropping what it sends{}",
+                who,
+                reason,
+                f" ({unlogged} more refused peers not logged)" if unlogged else "",
+            )
+
+    def _replace(self, worker: Worker, cause: str) -> None:
+        worker.replacing = True
+        self.log.error(
+            "worker {} (pid {}) sent a malformed message ({}); replacing it",
+            worker.identity,
+            worker.pid,
+            cause,
+        )
+        self._signal(worker, signal.SIGKILL)  # its sessions are adopted as after a crash
+
+    def _handle(self, worker: Worker, message: control.FromWorker) -> None:
         worker.last_heartbeat = self.clock()
-        if kind == "hello":
-            worker.ready = True
-            worker.slot.ready(self.clock())
-            self.log.info("worker {} is ready", worker.identity)
-        elif kind == "heartbeat":
-            worker.turns = int(message.get("turns", 0))
-            if isinstance(mcp := message.get("mcp"), dict):
-                worker.mcp = {str(k): int(v) for k, v in mcp.items()}
-            if isinstance(latency := message.get("append_latency"), dict):
-                self.metrics.append_latency.add(latency)
-        elif kind == "committed":
-            for callback in self.on_event:
-                callback(str(message["session"]), dict(message["event"]))
-        elif kind in ("released", "lease_lost"):
-            session_id = str(message["session"])
-            worker.sessions.discard(session_id)
-            if self.assigned.get(session_id) is worker:
-                del self.assigned[session_id]
-                if kind == "released" and not self.stopping:
-                    self._background(self._adopt([session_id], reason="handoff"))
+        match message:
+            case control.Hello():
+                worker.hello = True
+            case control.Ready() if not worker.ready:
+                worker.ready = True
+                worker.slot.ready(self.clock())
+                self.log.info("worker {} is ready", worker.identity)
+            case control.Heartbeat():
+                worker.turns = message.turns
+                worker.mcp = dict(message.mcp)
+                latency = message.append_latency
+                self.metrics.append_latency.add(latency.counts, latency.sum)
+            case control.Committed():
+                # Only a signal: what reaches readers is read from the database.
+                for callback in self.on_event:
+                    callback(message.session, {"seq": message.seq, "type": message.event_type})
+            case control.Released() | control.LeaseLost():
+                session_id = message.session
+                worker.sessions.discard(session_id)
+                if self.assigned.get(session_id) is worker:
+                    del self.assigned[session_id]
+                    if message.type == "released" and not self.stopping:
+                        self._background(self._adopt([session_id], reason="handoff"))
 
     def send(self, worker: Worker, type: str, **fields: Any) -> bool:
         """Send a control message; False if the worker is not connected (any more)."""
         try:
             self.router.send_multipart(
-                [worker.identity.encode(), control.encode(type, **fields)], flags=zmq.NOBLOCK
+                [worker.route, control.encode(type, **fields)], flags=zmq.NOBLOCK
             )
             return True
         except zmq.ZMQError as exc:

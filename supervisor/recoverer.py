@@ -144,12 +144,13 @@ class Recoverer:
 
     # --- background work ------------------------------------------------------------
 
-    def start(self) -> None:
-        """The boot scan (now), the breaker loop and the retry timer."""
+    def start(self) -> list[asyncio.Task[None]]:
+        """Start the boot scan (now), the breaker loop and the retry timer; their tasks."""
         self._tasks = [
             asyncio.create_task(self._breaker_loop(), name="recovery-breaker"),
             asyncio.create_task(self._retry_loop(), name="recovery-retry"),
         ]
+        return list(self._tasks)
 
     async def stop(self) -> None:
         for task in self._tasks:

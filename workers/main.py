@@ -2,7 +2,8 @@
 
 Started by the supervisor with the `spawn` context of `multiprocess`. It dies with the
 supervisor (PR_SET_PDEATHSIG), makes its own logger, zmq context and database
-connections, says `hello` when it is ready, and sends a heartbeat from its event loop
+connections, says `hello` (with its spawn's secret) as soon as it is connected and `ready`
+when it can take sessions, and sends a heartbeat from its event loop
 (a hung loop therefore goes silent, and the supervisor replaces the process).
 """
 
@@ -32,21 +33,13 @@ from workers.tools import BuiltinTools, Toolbox, Toolboxes
 
 
 class _FailingAgent:
-    """Stands in for an agent class that cannot be loaded: every turn fails, saying why."""
+    """Stands in for an agent that cannot be built: every turn fails, saying why."""
 
-    def __init__(self, name: str) -> None:
-        self.name = name
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
 
     async def run_turn(self, turn: Any) -> str:
-        raise AgentLoadError(f"agent.class {self.name!r} cannot be loaded in the worker")
-
-
-def _load(name: str) -> type[Agent] | None:
-    try:
-        return load_agent_class(name)
-    except AgentLoadError as exc:
-        logger.bind(subsystem="worker").error("{}", exc)
-        return None
+        raise AgentLoadError(self.reason)
 
 
 SHUTDOWN_MARGIN = 0.3  # seconds before the supervisor's SIGKILL deadline
@@ -105,9 +98,12 @@ class Worker:
         self.toolbox = Toolboxes(*boxes)
         self.zmq = zmq.asyncio.Context()
         self.socket = self.zmq.socket(zmq.DEALER)
-        self.socket.setsockopt(zmq.IDENTITY, self.spec.identity.encode())
+        self.socket.setsockopt(zmq.IDENTITY, self.spec.route.encode())
+        self.socket.setsockopt(zmq.MAXMSGSIZE, control.MAX_FRAME)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.connect(self.spec.address)
+        # First on the connection: the supervisor reads nothing else from it before.
+        await self.send("hello", pid=os.getpid(), secret=self.spec.secret)
         tasks = [
             asyncio.create_task(self._receive()),
             asyncio.create_task(self._heartbeat()),
@@ -115,7 +111,7 @@ class Worker:
         ]
         if self.mcp is not None:
             await self.mcp.start()  # bounded by each server's start_timeout; never raises
-        await self.send("hello", pid=os.getpid())
+        await self.send("ready")
         self.log.info("ready as {} (pid {})", self.spec.identity, os.getpid())
         try:
             await self._stop.wait()
@@ -142,28 +138,27 @@ class Worker:
             await self.socket.send(control.encode(type, worker=self.spec.identity, **fields))
         except zmq.ZMQError as exc:
             self.log.warning("control plane: cannot send {}: {}", type, exc)
+        except control.ProtocolError as exc:  # a bug here; the supervisor would refuse it
+            self.log.error("control plane: not sending a {} that does not fit: {}", type, exc)
 
     async def _receive(self) -> None:
         while True:
-            frame = await self.socket.recv()
+            frames = await self.socket.recv_multipart()
             try:
-                message = control.decode(frame, control.FROM_SUPERVISOR)
+                message = control.decode(frames, control.SUPERVISOR_MESSAGES)
             except control.ProtocolError as exc:
-                self.log.error("control plane: {}", exc)
+                self.log.error("control plane: dropped a message that does not fit: {}", exc)
                 continue
             self._handle(message)
 
-    def _handle(self, message: dict[str, Any]) -> None:
-        kind = message["type"]
-        if kind == "stop":
+    def _handle(self, message: control.FromSupervisor) -> None:
+        if isinstance(message, control.Stop):
             self._stop.set()
             return
-        session_id = str(message.get("session", ""))
+        session_id = message.session
         runner = self.runners.get(session_id)
-        if kind == "assign":
-            token, reason = int(message["token"]), str(message.get("reason", "new"))
-            cause = message.get("cause")
-            cause = str(cause) if cause else None
+        if isinstance(message, control.Assign):
+            token, reason, cause = message.token, message.reason, message.cause
             if runner is None or runner.task is None or runner.task.done():
                 runner = SessionRunner(
                     session_id,
@@ -183,11 +178,11 @@ class Worker:
                 runner.reassign(token, reason, cause)
         elif runner is None:
             return
-        elif kind == "wake":
+        elif isinstance(message, control.Wake):
             runner.kick()
-        elif kind == "release":
+        elif isinstance(message, control.Release):
             runner.release()
-        elif kind == "interrupt":
+        elif isinstance(message, control.Interrupt):
             runner.interrupt()
 
     async def _mcp_started(self, name: str, pid: int, create_time: float, pgid: int) -> None:
@@ -211,19 +206,32 @@ class Worker:
     def _make_agent(self, name: str) -> Agent:
         """The session's own agent class if it names one, else the configured one.
 
-        A session naming a class that cannot be loaded fails its turns with the reason
-        (an AgentLoadError ends the turn as failed) instead of taking the worker down.
+        Only a class the operator allows (`agent.allowed`) is ever imported; a session
+        naming another (written before it was taken off the list, say), or a class that
+        cannot be imported or built, whatever it raises, fails its turns with the reason
+        instead of taking the worker down.
         """
-        if not name:
-            return self.agent_class()
-        return _FailingAgent(name) if (cls := _load(name)) is None else cls()
+        spec = name or self.config.agent.class_
+        if spec not in self.config.agent.allowed_classes():
+            self.log.error("agent {!r} is not in agent.allowed; its turns fail", spec)
+            return _FailingAgent(f"agent {spec!r} is not in agent.allowed")
+        try:
+            cls = self.agent_class if spec == self.config.agent.class_ else load_agent_class(spec)
+            return cls()
+        except AgentLoadError as exc:
+            self.log.error("{}", exc)
+            return _FailingAgent(f"{exc} (in the worker)")
+        except BaseException as exc:  # an agent's constructor is its author's code
+            self.log.opt(exception=exc).error("agent {!r} could not be built", spec)
+            return _FailingAgent(f"agent {spec!r} could not be built: {type(exc).__name__}: {exc}")
 
     async def _heartbeat(self) -> None:
         while True:
             self._forget_finished()
             mcp: dict[str, int] = {}
             for client in self.mcp.clients if self.mcp is not None else ():
-                mcp[client.state.value] = mcp.get(client.state.value, 0) + 1
+                state = client.state.value if client.state.value != "new" else "starting"
+                mcp[state] = mcp.get(state, 0) + 1
             await self.send(
                 "heartbeat",
                 sessions=len(self.runners),

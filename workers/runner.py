@@ -226,15 +226,6 @@ class SessionRunner:
             self.session_id, type, payload, token=self._turn_token, turn_id=turn_id, created_at=now
         )
         self._observe(time.perf_counter() - started)
-        await self._notify(
-            "committed",
-            session=self.session_id,
-            event={
-                "seq": seq,
-                "type": type,
-                "turn_id": turn_id,
-                "payload": payload,
-                "created_at": now,
-            },
-        )
+        # A signal only: whoever reads the event reads it from the database.
+        await self._notify("committed", session=self.session_id, seq=seq, event_type=type)
         return seq
