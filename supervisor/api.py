@@ -16,6 +16,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Literal, TypeVar
 
+import peewee
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -25,11 +26,23 @@ from supervisor.config import Config
 from supervisor.logs import log
 from supervisor.metrics import CONTENT_TYPE, Metrics
 from supervisor.pool import Pool
-from supervisor.store import PERMISSIONS, SessionInfo, SessionNotFound, Store
+from supervisor.store import (
+    EVENT_TYPES,
+    PERMISSIONS,
+    IdempotencyConflict,
+    ReplayedSeq,
+    SessionInfo,
+    SessionNotFound,
+    StorageUnavailable,
+    Store,
+    request_digest,
+    scoped_key,
+)
 
 SESSION_ID = re.compile(r"^[0-9a-f]{32}$")
 PUBLIC = frozenset({"/healthz", "/readyz", "/openapi.json"})
 RETRY_AFTER = "5"
+STORAGE_PROBE = 5.0  # seconds between write probes while the store takes no writes
 M = TypeVar("M", bound=BaseModel)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -135,6 +148,8 @@ class Api:
         self.pool = pool
         self.ready = False
         self.stopping = False
+        self.storage_error: str | None = None  # why the last write failed, until one works
+        self._storage_failed_at = 0.0
         self.log = log("intake")
 
     def app(self) -> web.Application:
@@ -160,9 +175,17 @@ class Api:
         return app
 
     def publish(self, session_id: str, event: dict[str, Any]) -> None:
-        """A committed event, for attach streams and metrics."""
-        self.metrics.events_committed.labels(event["type"]).inc()
-        self.hub.publish(session_id, event)
+        """An event was committed (its seq and type): count it and wake its attach streams.
+
+        Streams read the events themselves from the database, so what reaches a client is
+        always what was stored, whoever sent the signal.
+        """
+        kind = event.get("type")
+        seq = event.get("seq")
+        if kind not in EVENT_TYPES or not isinstance(seq, int) or isinstance(seq, bool):
+            return
+        self.metrics.events_committed.labels(kind).inc()
+        self.hub.publish(session_id, {"seq": seq, "type": kind})
 
     # --- middlewares ----------------------------------------------------------------
 
@@ -171,7 +194,21 @@ class Api:
         try:
             return await handler(request)
         except ApiError as exc:
-            return error_response(exc.status, exc.code, str(exc), exc.headers, **exc.extra)
+            response = error_response(exc.status, exc.code, str(exc), exc.headers, **exc.extra)
+            if exc.status in (400, 408):
+                response.force_close()  # the rest of a broken or late body is not read
+            return response
+        except IdempotencyConflict as exc:
+            return error_response(409, "idempotency_conflict", str(exc), seq=exc.seq)
+        except (StorageUnavailable, peewee.DatabaseError) as exc:
+            self._storage_failed(request, exc)
+            return error_response(
+                503,
+                "storage_unavailable",
+                "the database cannot be written now; nothing of this request was stored, "
+                "retry shortly",
+                headers={"Retry-After": RETRY_AFTER},
+            )
         except web.HTTPException as exc:
             if exc.status == 413:
                 self.metrics.intake_rejections.labels("too_large").inc()
@@ -211,13 +248,26 @@ class Api:
     # --- helpers --------------------------------------------------------------------
 
     async def _body(self, request: web.Request, model: type[M]) -> M:
-        raw = await request.read()
+        try:
+            raw = await asyncio.wait_for(request.read(), self.config.http.read_timeout)
+        except web.HTTPException:
+            raise  # 413, answered by the error middleware
+        except TimeoutError as exc:
+            raise ApiError(
+                408, "timeout", f"the body did not arrive within {self.config.http.read_timeout} s"
+            ) from exc
+        except Exception as exc:  # a broken transfer or content encoding
+            raise ApiError(400, "bad_body", f"the body cannot be read: {exc}") from exc
         try:
             data = json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise ApiError(400, "malformed_json", f"the body is not JSON: {exc}") from exc
         except RecursionError as exc:
             raise ApiError(400, "malformed_json", "the body is nested too deeply") from exc
+        except ValueError as exc:  # a number Python will not convert (over 4300 digits)
+            raise ApiError(
+                400, "malformed_json", f"the body cannot be read as JSON: {exc}"
+            ) from exc
         try:
             return model.model_validate(data)
         except ValidationError as exc:
@@ -247,6 +297,34 @@ class Api:
             self.pool.touch(info.id)  # first touch: an interrupted turn may go on
         return info
 
+    def _storage_failed(self, request: web.Request, exc: Exception) -> None:
+        """A request could not be stored: readiness fails until a write works again."""
+        self.metrics.intake_rejections.labels("storage_unavailable").inc()
+        if self.storage_error is None:
+            self.log.error("the database takes no writes: {}; intake answers 503", exc)
+        self.storage_error = str(exc)
+        self._storage_failed_at = time.monotonic()
+
+    def _storage_ok_now(self) -> None:
+        if self.storage_error is not None:
+            self.storage_error = None
+            self.log.info("the database takes writes again")
+
+    async def _storage_ok(self) -> bool:
+        """Whether the store takes writes; after a failure, probed every STORAGE_PROBE s."""
+        if self.storage_error is None:
+            return True
+        if time.monotonic() - self._storage_failed_at < STORAGE_PROBE:
+            return False
+        try:
+            await asyncio.to_thread(self.store.probe_write)
+        except (StorageUnavailable, peewee.DatabaseError) as exc:
+            self.storage_error = str(exc)
+            self._storage_failed_at = time.monotonic()
+            return False
+        self._storage_ok_now()
+        return True
+
     def _refuse_while_stopping(self) -> None:
         if self.stopping:
             self.metrics.intake_rejections.labels("stopping").inc()
@@ -271,6 +349,16 @@ class Api:
     async def create(self, request: web.Request) -> web.Response:
         self._refuse_while_stopping()
         body = await self._body(request, CreateSession)
+        allowed = self.config.agent.allowed_classes()
+        if body.agent and body.agent not in allowed:
+            # Decided here, before anything is stored or imported: an agent is code.
+            raise ApiError(
+                422,
+                "invalid",
+                f"agent: {body.agent!r} is not an agent this daemon runs; "
+                f"allowed: {', '.join(allowed)} (the operator lists them in agent.allowed)",
+                field="agent",
+            )
         first: list[tuple[str, dict[str, Any]]] = []
         if body.run is not None:
             now = time.time()
@@ -286,6 +374,7 @@ class Api:
             agent=body.agent,
             events=first,
         )
+        self._storage_ok_now()
         if first and self.pool is not None:
             self.pool.input(info.id)
         return web.json_response(
@@ -319,13 +408,21 @@ class Api:
             raise ApiError(
                 409, "quarantined", "the session is quarantined; an operator must release it first"
             )
+        principal = request["principal"]
         seq = await self.store.events.append_async(
             info.id,
             "user_message",
-            {"text": body.text, "by": request["principal"]},
+            {"text": body.text, "by": principal},
             writer="intake",
-            idempotency_key=key,
+            # A key is the client's own: scoped to its principal, bound to this body.
+            idempotency_key=None if key is None else scoped_key(principal, key),
+            idempotency_digest=None if key is None else request_digest(body.model_dump_json()),
         )
+        self._storage_ok_now()
+        if isinstance(seq, ReplayedSeq):
+            return web.json_response(
+                {"seq": int(seq)}, status=202, headers={"Idempotent-Replayed": "true"}
+            )
         await self._publish_seq(info.id, seq)
         if self.pool is not None:
             self.pool.input(info.id)
@@ -363,7 +460,20 @@ class Api:
             after = _whole(header, "Last-Event-ID", 0, 0, MAX_SEQ)
         else:
             after = self._int(request, "after", 0, 0, MAX_SEQ)
-        return await attach.stream(request, info.id, after, self.hub, self.store.events.read)
+        principal = request["principal"]
+        limit = self.config.http.max_streams_per_principal
+        if self.hub.streams_of(principal) >= limit:
+            self.metrics.intake_rejections.labels("too_many_streams").inc()
+            raise ApiError(
+                429,
+                "too_many_streams",
+                f"{principal} already holds {limit} attach streams "
+                "(http.max_streams_per_principal); close one first",
+                headers={"Retry-After": RETRY_AFTER},
+            )
+        return await attach.stream(
+            request, info.id, after, self.hub, self.store.events.read, principal=principal
+        )
 
     async def acl(self, request: web.Request) -> web.Response:
         info = await self._session(request, "admin")
@@ -404,6 +514,10 @@ class Api:
             return web.json_response({"status": "stopping"}, status=503)
         if not self.ready:
             return web.json_response({"status": "starting"}, status=503)
+        if not await self._storage_ok():
+            return web.json_response(
+                {"status": "storage_unavailable", "error": self.storage_error}, status=503
+            )
         return web.json_response({"status": "ready"})
 
     async def metrics_text(self, request: web.Request) -> web.Response:

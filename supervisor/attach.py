@@ -1,11 +1,11 @@
 """Live attach streams: Server-Sent Events replayed from the database, then live.
 
-The hub fans committed events out to subscribers as they arrive (from workers over the
-control plane, and from intake). A stream subscribes first, then replays the log after
-the client's `Last-Event-ID`, then forwards live events, skipping what it already sent
-and reading any gap from the database, so the client gets every event once, in order.
-A client too slow to keep up is dropped (it reconnects with Last-Event-ID) instead of
-being buffered without bound.
+The hub signals committed events (their seq and type) to subscribers as they arrive
+(from workers over the control plane, and from intake). A stream subscribes first, then
+replays the log after the client's `Last-Event-ID`, then, at each signal past what it
+sent, reads the new events from the database: a client gets every event once, in order,
+and only ever what was stored, whoever sent the signal. A client too slow to keep up is
+dropped (it reconnects with Last-Event-ID) instead of being buffered without bound.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ _CLOSE: dict[str, Any] = {}
 @dataclass(eq=False)
 class Subscription:
     session_id: str
+    principal: str = ""
     queue: asyncio.Queue[dict[str, Any]] = field(default_factory=lambda: asyncio.Queue(QUEUE_LIMIT))
     dropped: bool = False
 
@@ -41,18 +42,29 @@ class Hub:
 
     def __init__(self) -> None:
         self._subs: dict[str, set[Subscription]] = {}
+        self._by_principal: dict[str, int] = {}
 
-    def subscribe(self, session_id: str) -> Subscription:
-        sub = Subscription(session_id)
+    def subscribe(self, session_id: str, principal: str = "") -> Subscription:
+        sub = Subscription(session_id, principal)
         self._subs.setdefault(session_id, set()).add(sub)
+        self._by_principal[principal] = self._by_principal.get(principal, 0) + 1
         return sub
 
     def unsubscribe(self, sub: Subscription) -> None:
         subs = self._subs.get(sub.session_id)
-        if subs is not None:
+        if subs is not None and sub in subs:
             subs.discard(sub)
             if not subs:
                 del self._subs[sub.session_id]
+            left = self._by_principal.get(sub.principal, 0) - 1
+            if left > 0:
+                self._by_principal[sub.principal] = left
+            else:
+                self._by_principal.pop(sub.principal, None)
+
+    def streams_of(self, principal: str) -> int:
+        """The attach streams `principal` holds open."""
+        return self._by_principal.get(principal, 0)
 
     def publish(self, session_id: str, event: dict[str, Any]) -> None:
         """Hand a committed event (API shape) to every stream on its session."""
@@ -71,6 +83,7 @@ class Hub:
                 with_room(sub.queue)
                 sub.queue.put_nowait(_CLOSE)
         self._subs.clear()
+        self._by_principal.clear()
 
     @property
     def streams(self) -> int:
@@ -95,6 +108,8 @@ async def stream(
     after: int,
     hub: Hub,
     read: Callable[[str, int, int], list[EventRecord]],
+    *,
+    principal: str = "",
 ) -> web.StreamResponse:
     """Serve one attach stream until the client leaves, is too slow, or we shut down."""
     response = web.StreamResponse(
@@ -104,7 +119,7 @@ async def stream(
             "X-Accel-Buffering": "no",
         }
     )
-    sub = hub.subscribe(session_id)  # before the replay: nothing falls between the two
+    sub = hub.subscribe(session_id, principal)  # before the replay: nothing falls between
     try:
         await response.prepare(request)
         last = await _replay(response, session_id, after, read)
@@ -124,15 +139,9 @@ async def stream(
                 continue
             if event is _CLOSE or sub.dropped:
                 break
-            seq = int(event["seq"])
-            if seq <= last:
-                continue
-            if seq > last + 1:
-                last = await _replay(response, session_id, last, read)
-                if seq <= last:
-                    continue
-            await response.write(sse(event))
-            last = seq
+            if int(event["seq"]) <= last:
+                continue  # already read with an earlier signal
+            last = await _replay(response, session_id, last, read)
             quiet_since = time.monotonic()
     except (ConnectionResetError, asyncio.CancelledError):
         pass

@@ -16,10 +16,9 @@ import socket
 import time
 from collections.abc import Awaitable
 from pathlib import Path
+from typing import Any
 
-from aiohttp import web
-
-from supervisor import __version__, locks
+from supervisor import __version__, locks, trust
 from supervisor.api import Api
 from supervisor.attach import Hub
 from supervisor.auth import (
@@ -31,13 +30,14 @@ from supervisor.auth import (
     read_tokens_file,
 )
 from supervisor.config import Config, make_private_dir, parse_listen, resolve_paths
+from supervisor.httpserver import Listener
 from supervisor.logs import log
 from supervisor.metrics import Metrics
 from supervisor.notify import Notifier
 from supervisor.pool import Pool
 from supervisor.reaper import become_subreaper, sweep
 from supervisor.recoverer import Recoverer
-from supervisor.store import Store
+from supervisor.store import Store, sqlite_path
 
 CONTROL_SOCKET = "control.sock"
 STOP_REQUEST = "stop-request.json"  # written by `turnkeeper stop --drain`, read at SIGTERM
@@ -79,6 +79,8 @@ class Daemon:
         self.step_seconds: dict[str, float] = {}
         self._stop = asyncio.Event()
         self._reloads: asyncio.Queue[None] = asyncio.Queue()
+        self.failure: str | None = None  # a task of the supervisor that died, and why
+        self._failed = asyncio.Event()
 
     async def run(self) -> int:
         """Start, serve until SIGTERM or SIGINT, stop; returns the exit code."""
@@ -88,18 +90,17 @@ class Daemon:
         loop.add_signal_handler(signal.SIGHUP, self._reloads.put_nowait, None)
         check_plugins(self.config)
         become_subreaper()
-        make_private_dir(self.paths.state_dir)
-        make_private_dir(self.paths.runtime_dir)
         try:
-            locks.acquire(self.paths.state_dir / locks.LEADER_LOCK)
-            locks.acquire(self.paths.runtime_dir / (CONTROL_SOCKET + ".lock"))
+            self._take_files()
+            tokens = self._tokens()
         except locks.LockHeld as exc:
             raise StartupError(str(exc)) from exc
-        tokens = self._tokens()
+        except trust.Untrusted as exc:
+            raise PluginError(str(exc)) from exc
         store = await asyncio.to_thread(Store, self.paths.db_url, self.config.store.synchronous)
         boot_id = await asyncio.to_thread(store.boots.begin, self.host, os.getpid(), __version__)
         pool: Pool | None = None
-        http: web.AppRunner | None = None
+        http: Listener | None = None
         metrics = Metrics()
         recovery = Recoverer(self.config, store, boot_id, self.host, metrics)
         try:
@@ -124,16 +125,22 @@ class Daemon:
             pool.on_event.append(self.api.publish)
             http = await self._listen(self.api)
             await pool.start()
+            for task in pool.tasks:
+                self._watch(task)
             ready = await self._until_stop(pool.wait_ready(READY_TIMEOUT))
             if pool.fatal.is_set():
                 raise StartupError("no worker could start: every slot is fatal (see above)")
             if not ready:
-                log("daemon").warning("stopped during start-up")
+                if self.failure is None:
+                    log("daemon").warning("stopped during start-up")
             else:
                 self.api.ready = True
                 self.notifier.ready(self._summary(pool))
-                recovery.start()  # the boot scan runs now that the listener is up
-                watchdog = asyncio.create_task(self._watchdog(pool))
+                # The boot scan runs now that the listener is up.
+                for task in recovery.start():  # its breaker loop and retry timer
+                    self._watch(task)
+                watchdog = asyncio.create_task(self._watchdog(pool), name="watchdog")
+                self._watch(watchdog)
                 log("daemon").info(
                     "ready: boot {} pid {}, {} workers + {} spare, database {}, listening on {}",
                     boot_id,
@@ -156,13 +163,20 @@ class Daemon:
                 await asyncio.to_thread(store.boots.end, boot_id, "startup_failed")
                 store.close()
             raise
-        failed = pool.fatal.is_set()
+        failed = pool.fatal.is_set() or self.failure is not None
         await self._teardown(http, pool)
         await self._step("boot row", 5.0, asyncio.to_thread(self._end_boot, store, boot_id, failed))
-        store.close()
+        try:
+            store.close()
+        except Exception as exc:
+            log("shutdown").error("closing the database failed: {}", exc)
         log("shutdown").info(
             "stopped {} in {:.2f} s",
-            "with every slot fatal" if failed else "cleanly",
+            "cleanly"
+            if not failed
+            else "with every slot fatal"
+            if pool.fatal.is_set()
+            else "after a task died",
             time.monotonic() - self.stop_started,
         )
         return 1 if failed else 0
@@ -181,7 +195,7 @@ class Daemon:
                     metrics.shutdown_steps.labels(step).set(float(seconds))
                 return
 
-    async def _teardown(self, http: web.AppRunner, pool: Pool) -> None:
+    async def _teardown(self, http: Listener, pool: Pool) -> None:
         """The stop sequence of DESIGN.md section 7; every step is capped and timed."""
         assert self.api is not None
         self.api.stopping = True  # already set by the signal; also for a fatal pool
@@ -206,6 +220,8 @@ class Daemon:
             log("shutdown").error(
                 "{} did not finish within its cap of {:.1f} s; moving on", name, cap
             )
+        except Exception as exc:  # a full disk, a database gone: the stop goes on
+            log("shutdown").error("{} failed: {}; moving on", name, exc)
         seconds = time.monotonic() - started
         self.step_seconds[name] = seconds
         log("shutdown").info("{} done in {:.2f} s", name, seconds)
@@ -224,40 +240,48 @@ class Daemon:
         mine = set(pool.assigned)
         return sum(1 for s in pool.store.sessions.with_work() if s.active_turn_id and s.id in mine)
 
+    def _take_files(self) -> None:
+        """Make or judge the directories, take the locks, judge the database files.
+
+        Nothing is trusted before `supervisor.trust` has judged it, and a directory that
+        exists already is never changed. Raises trust.Untrusted and locks.LockHeld.
+        """
+        user = trust.effective_user()
+        for directory, expect in (
+            (self.paths.state_dir, trust.STATE_DIR),
+            (self.paths.runtime_dir, trust.RUNTIME_DIR),
+        ):
+            make_private_dir(directory)
+            trust.require(directory, expect, user)
+        locks.acquire(self.paths.state_dir / locks.LEADER_LOCK)
+        locks.acquire(self.paths.runtime_dir / locks.CONTROL_LOCK)
+        database = sqlite_path(self.paths.db_url)
+        if database is not None:
+            if database.parent != self.paths.state_dir:
+                trust.require(database.parent, trust.DATABASE_DIR, user)
+            for path in trust.database_files(database):
+                trust.require(path, trust.DATABASE, user)
+
     def _tokens(self) -> Tokens:
-        hashes = {ADMIN: digest(ensure_admin_token(self.paths.admin_token_file))}
+        """The admin token and the tokens file's principals; raises trust.Untrusted."""
+        user = trust.effective_user()
+        admin = digest(ensure_admin_token(self.paths.admin_token_file, user))
+        hashes = {ADMIN: admin}
         if self.config.auth.tokens_file:
             try:
-                extra = read_tokens_file(Path(self.config.auth.tokens_file))
+                hashes |= read_tokens_file(Path(self.config.auth.tokens_file), user, admin)
             except TokensFileError as exc:
                 raise PluginError(str(exc)) from exc
-            hashes.update({p: h for p, h in extra.items() if p != ADMIN})
         return Tokens(hashes)
 
-    async def _listen(self, api: Api) -> web.AppRunner:
-        runner = web.AppRunner(
-            api.app(),
-            shutdown_timeout=self.config.attach.shutdown_timeout,
-            access_log=None,
-            handle_signals=False,
-        )
-        await runner.setup()
-        where = parse_listen(self.config.http.listen)
-        site: web.BaseSite
-        if isinstance(where, Path):
-            where.unlink(missing_ok=True)
-            site = web.UnixSite(runner, str(where))
-        else:
-            site = web.TCPSite(runner, where[0], where[1])
+    async def _listen(self, api: Api) -> Listener:
+        listener = Listener(api.app(), self.config.http, self.config.attach.shutdown_timeout)
         try:
-            await site.start()
+            await listener.start(parse_listen(self.config.http.listen))
         except OSError as exc:
-            await runner.cleanup()
             reason = exc.strerror or str(exc)
             raise StartupError(f"http.listen {self.config.http.listen}: {reason}") from exc
-        if isinstance(where, Path):
-            where.chmod(0o600)
-        return runner
+        return listener
 
     async def _watchdog(self, pool: Pool) -> None:
         """WATCHDOG=1 from the event loop itself (a hung loop stops pinging) and STATUS=."""
@@ -290,31 +314,55 @@ class Daemon:
         return max(0.0, budget)
 
     async def _serve(self, pool: Pool) -> None:
-        while not self._stop.is_set():
+        while not self._stop.is_set() and not self._failed.is_set():
             reload = asyncio.ensure_future(self._reloads.get())
             stop = asyncio.ensure_future(self._stop.wait())
             fatal = asyncio.ensure_future(pool.fatal.wait())
+            failed = asyncio.ensure_future(self._failed.wait())
             done, pending = await asyncio.wait(
-                {reload, stop, fatal}, return_when=asyncio.FIRST_COMPLETED
+                {reload, stop, fatal, failed}, return_when=asyncio.FIRST_COMPLETED
             )
             for task in pending:
                 task.cancel()
             if fatal in done:
                 log("pool").critical("every worker slot is fatal: stopping")
                 return
+            if failed in done:
+                return  # _task_ended said why
             if reload in done and not self._stop.is_set():
                 await self._until_stop(pool.rolling_restart())
 
     async def _until_stop(self, work: Awaitable[object]) -> bool:
-        """Run `work` unless a stop signal comes first; True if it finished."""
+        """Run `work` unless a stop signal or a task's death comes first; True if it finished."""
         task = asyncio.ensure_future(work)
         stop = asyncio.ensure_future(self._stop.wait())
-        done, _ = await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+        failed = asyncio.ensure_future(self._failed.wait())
+        done, _ = await asyncio.wait({task, stop, failed}, return_when=asyncio.FIRST_COMPLETED)
         stop.cancel()
+        failed.cancel()
         if task in done:
             return bool(task.result() is not False)
         task.cancel()
         return False
+
+    def _watch(self, task: asyncio.Task[Any]) -> None:
+        """If `task` ever ends by itself, stop, and exit non-zero to be restarted."""
+        task.add_done_callback(self._task_ended)
+
+    def _task_ended(self, task: asyncio.Task[Any]) -> None:
+        # Cancelled means stopped on purpose. Anything else leaves a daemon that looks
+        # alive but no longer does its job: better a restart by systemd or supervisord.
+        if task.cancelled() or self.failure is not None:
+            return
+        exc = task.exception()
+        self.failure = f"task {task.get_name()} " + (f"died: {exc!r}" if exc else "ended")
+        log("daemon").opt(exception=exc).critical(
+            "{}; stopping, to exit non-zero and be restarted", self.failure
+        )
+        if self.api is not None:
+            self.api.ready = False  # /readyz answers 503 from now on
+        self.notifier.stopping(self.failure)
+        self._failed.set()
 
     async def _sweep(self, store: Store, boot_id: str) -> None:
         """Kill processes an earlier boot left running, unless their pid was reused."""

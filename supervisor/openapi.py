@@ -25,10 +25,11 @@ def _errors(*statuses: int) -> dict[str, Any]:
         401: "No valid bearer token.",
         403: "The caller may see the session but not do this.",
         404: "No such session (or the caller may not read it).",
-        409: "The session is quarantined.",
+        409: "The session is quarantined, or the Idempotency-Key was used for another request.",
         413: "The body is over http.max_body.",
         422: "A field is invalid; `error.field` names it.",
-        503: "The daemon is stopping; retry after Retry-After seconds.",
+        429: "The principal holds http.max_streams_per_principal attach streams already.",
+        503: "The daemon is stopping, or the database takes no writes; retry after Retry-After.",
     }
     return {str(s): _json(_ref("Error"), text[s]) for s in statuses}
 
@@ -228,7 +229,11 @@ def document() -> dict[str, Any]:
                             "name": "Idempotency-Key",
                             "in": "header",
                             "schema": {"type": "string", "minLength": 1, "maxLength": 200},
-                            "description": "The same key on the same session appends only once.",
+                            "description": (
+                                "The caller's key for this message: sent again with the same "
+                                "body it appends nothing and answers as the first time, with "
+                                "Idempotent-Replayed: true; with another body it is a 409."
+                            ),
                         },
                     ],
                     "requestBody": {
@@ -340,7 +345,7 @@ def document() -> dict[str, Any]:
                             "description": "The stream.",
                             "content": {"text/event-stream": {"schema": {"type": "string"}}},
                         },
-                        **_errors(401, 403, 404, 422, 503),
+                        **_errors(401, 403, 404, 422, 429, 503),
                     },
                 }
             },
@@ -400,11 +405,14 @@ def document() -> dict[str, Any]:
             "/readyz": {
                 "get": {
                     "operationId": "readyz",
-                    "summary": "Readiness; 503 while starting or stopping.",
+                    "summary": "Readiness; 503 while starting, stopping or storage fails.",
                     "security": [],
                     "responses": {
                         "200": _json({"type": "object"}, "Ready."),
-                        "503": _json({"type": "object"}, "Starting or stopping."),
+                        "503": _json(
+                            {"type": "object"},
+                            "Starting, stopping, or the database takes no writes.",
+                        ),
                     },
                 }
             },

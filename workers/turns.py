@@ -17,6 +17,7 @@ from typing import Any
 
 from loguru import logger
 
+from supervisor.config import mask_urls
 from supervisor.control import CAUSE_TEXT
 from supervisor.store import EventRecord, LeaseLost, StorageUnavailable
 from workers import history
@@ -137,8 +138,11 @@ class TurnContext:
 
 
 def _describe(exc: BaseException) -> str:
-    """An exception as one short line: its type, and its message when it has one."""
-    text = " ".join(str(exc).split())[:500]
+    """An exception as one short line: its type, and its message when it has one.
+
+    It goes into an event: a password inside a URL in the message is masked.
+    """
+    text = mask_urls(" ".join(str(exc).split()))[:500]
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 

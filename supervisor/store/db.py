@@ -132,6 +132,20 @@ def is_transient(exc: BaseException, kind: str) -> bool:
     return isinstance(exc, peewee.OperationalError | peewee.InterfaceError)
 
 
+def _cause(exc: peewee.DatabaseError) -> peewee.DatabaseError:
+    """The error that failed a transaction, not the failed rollback it left behind.
+
+    SQLite ends a transaction by itself on some errors (a full disk), so the rollback
+    that follows fails too, and would hide the reason ("database or disk is full").
+    """
+    found: BaseException | None = exc
+    while found is not None:
+        if isinstance(found, peewee.DatabaseError) and "cannot rollback" not in str(found):
+            return found
+        found = found.__context__
+    return exc
+
+
 def run_write(
     db: peewee.Database,
     work: Callable[[], T],
@@ -158,9 +172,10 @@ def run_write(
             if integrity_retries == 0:
                 raise
             integrity_retries -= 1
-        except peewee.DatabaseError as exc:
+        except peewee.DatabaseError as failed:
+            exc = _cause(failed)
             if not is_transient(exc, backend(db)):
-                raise
+                raise exc from None
             if clock() >= give_up:
                 raise StoreBusy(f"database write failed for {deadline:.0f} s: {exc}") from exc
             if backend(db) != "sqlite":
