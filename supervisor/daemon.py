@@ -19,9 +19,12 @@ from pathlib import Path
 from typing import Any
 
 from supervisor import __version__, locks, trust
-from supervisor.api import Api
-from supervisor.attach import Hub
-from supervisor.auth import (
+from supervisor.contract.config import Config, make_private_dir, parse_listen, resolve_paths
+from supervisor.contract.logs import log
+from supervisor.contract.reaper import become_subreaper, sweep
+from supervisor.http.app import Api
+from supervisor.http.attach import Hub
+from supervisor.http.auth import (
     ADMIN,
     Tokens,
     TokensFileError,
@@ -29,14 +32,11 @@ from supervisor.auth import (
     ensure_admin_token,
     read_tokens_file,
 )
-from supervisor.config import Config, make_private_dir, parse_listen, resolve_paths
-from supervisor.httpserver import Listener
-from supervisor.logs import log
-from supervisor.metrics import Metrics
+from supervisor.http.listener import Listener
+from supervisor.http.metrics import Metrics
 from supervisor.notify import Notifier
-from supervisor.pool import Pool
-from supervisor.reaper import become_subreaper, sweep
-from supervisor.recoverer import Recoverer
+from supervisor.pool.pool import Pool
+from supervisor.pool.recoverer import Recoverer
 from supervisor.store import Store, sqlite_path
 
 CONTROL_SOCKET = "control.sock"

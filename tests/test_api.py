@@ -25,7 +25,7 @@ import httpx
 import psutil
 import pytest
 
-from supervisor.auth import digest
+from supervisor.http.auth import digest
 from supervisor.store import EventRecord, Store
 from tests.daemon import Daemon, daemons, events, turn_ended, wait_until
 

@@ -33,7 +33,7 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from supervisor import openapi
+from supervisor.http import openapi
 from tests.daemon import Daemon
 from tests.test_api import free_port
 

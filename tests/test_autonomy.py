@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from supervisor.autonomy import Run, progress, run_of, unfinished
+from supervisor.core.autonomy import Run, progress, run_of, unfinished
 from supervisor.store import Store
 from tests.conftest import PYTHON, REPO, python_env
 from tests.daemon import Daemon, daemons, wait_until

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from supervisor.breaker import RETENTION, BootRecord, BreakerState, evaluate, prune_before
+from supervisor.core.breaker import RETENTION, BootRecord, BreakerState, evaluate, prune_before
 
 NOW = 10_000.0
 WINDOW = 300.0
@@ -238,9 +238,9 @@ def test_stays_tripped_until_clears_at_then_clears(
 def test_the_daemon_fails_open_when_the_boot_log_cannot_be_read() -> None:
     from types import SimpleNamespace
 
-    from supervisor.config import Config
-    from supervisor.metrics import Metrics
-    from supervisor.recoverer import Recoverer
+    from supervisor.contract.config import Config
+    from supervisor.http.metrics import Metrics
+    from supervisor.pool.recoverer import Recoverer
 
     def unreadable(host: str, since: float) -> list[object]:
         raise OSError("disk I/O error")

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.client import Client, SseMessage, parse_sse
-from supervisor.config import load_config
+from supervisor.cli.client import Client, SseMessage, parse_sse
+from supervisor.contract.config import load_config
 from tests.conftest import PYTHON, REPO, python_env
 from tests.daemon import Daemon, wait_until
 

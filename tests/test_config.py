@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from supervisor import config as config_module
-from supervisor.config import (
+from supervisor.contract import config as config_module
+from supervisor.contract.config import (
     Config,
     ConfigError,
     McpServer,

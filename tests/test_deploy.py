@@ -20,9 +20,9 @@ import psutil
 import pytest
 import tomli_w
 
-from supervisor.budget import teardown_budget
-from supervisor.config import Config
-from supervisor.doctor import unit_settings
+from supervisor.cli.budget import teardown_budget
+from supervisor.cli.doctor import unit_settings
+from supervisor.contract.config import Config
 from supervisor.store import Store
 from tests.conftest import PYTHON, REPO
 from tests.daemon import wait_until

@@ -8,9 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.budget import teardown_budget
-from supervisor.config import Config
-from supervisor.doctor import (
+from supervisor.cli.budget import teardown_budget
+from supervisor.cli.doctor import (
     FAIL,
     PASS,
     WARN,
@@ -19,6 +18,7 @@ from supervisor.doctor import (
     check_unit,
     parse_timespan,
 )
+from supervisor.contract.config import Config
 from supervisor.store import Store
 from tests.conftest import PYTHON, REPO, python_env
 

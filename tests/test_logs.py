@@ -14,8 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from supervisor.auth import digest
-from supervisor.logs import to_journal
+from supervisor.contract.logs import to_journal
+from supervisor.http.auth import digest
 from supervisor.store import Store
 from tests.conftest import PYTHON, REPO, python_env
 from tests.daemon import Daemon, daemons, turn_ended, wait_until

@@ -24,8 +24,8 @@ import psutil
 import pytest
 from loguru import logger
 
-from supervisor.config import McpServer
-from supervisor.reaper import ProcessId
+from supervisor.contract.config import McpServer
+from supervisor.contract.reaper import ProcessId
 from workers.mcp import (
     McpTools,
     RestartPolicy,
@@ -552,7 +552,7 @@ def test_the_child_dies_with_its_parent() -> None:
     # PR_SET_PDEATHSIG: a worker killed with SIGKILL takes its MCP servers along.
     script = (
         "import asyncio, sys\n"
-        "from supervisor.config import McpServer\n"
+        "from supervisor.contract.config import McpServer\n"
         "from workers.mcp import McpServerClient\n"
         "async def main():\n"
         "    client = McpServerClient(McpServer(name='s', command=['sleep', '300']))\n"

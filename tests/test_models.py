@@ -15,7 +15,7 @@ from aiohttp import web
 from hypothesis import given
 from hypothesis import strategies as st
 
-from supervisor.config import ModelConfig
+from supervisor.contract.config import ModelConfig
 from workers.models import (
     EchoModel,
     Message,

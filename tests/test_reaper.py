@@ -14,7 +14,7 @@ from typing import Any
 import psutil
 import pytest
 
-from supervisor.reaper import (
+from supervisor.contract.reaper import (
     REAP_BUDGET,
     ProcessId,
     classify,
@@ -38,7 +38,7 @@ time.sleep(60)
 # Starts a sleeper child (with the given preexec_fn, if any) and prints its pid.
 PARENT = """
 import subprocess, sys, time
-import supervisor.reaper as reaper
+import supervisor.contract.reaper as reaper
 preexec = getattr(reaper, sys.argv[1]) if len(sys.argv) > 1 else None
 code = "print('ready', flush=True); import time; time.sleep(60)"
 child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
@@ -360,7 +360,7 @@ def test_set_pdeathsig_rejects_an_invalid_signal() -> None:
 
 @pytest.mark.timeout(30)
 def test_exit_if_orphaned(kids: Kids) -> None:
-    code = "import os, sys\nfrom supervisor.reaper import exit_if_orphaned\n"
+    code = "import os, sys\nfrom supervisor.contract.reaper import exit_if_orphaned\n"
     code += "exit_if_orphaned(os.getppid() + int(sys.argv[1]))\nprint('alive', flush=True)"
     stays = kids.start(code, "0")
     assert kids.line(stays) == "alive" and stays.wait(timeout=5) == 0
@@ -391,9 +391,8 @@ def test_a_child_with_pdeathsig_dies_with_its_parent(
 
 @pytest.mark.timeout(30)
 def test_a_child_that_sets_pdeathsig_itself_dies_with_its_parent(kids: Kids) -> None:
-    code = PARENT.replace(
-        'code = "', 'code = "from supervisor.reaper import set_pdeathsig; set_pdeathsig(); '
-    )
+    setup = "from supervisor.contract.reaper import set_pdeathsig; set_pdeathsig(); "
+    code = PARENT.replace('code = "', 'code = "' + setup)
     parent = kids.start(code)
     child = kids.track(int(kids.line(parent)))
     parent.kill()

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from supervisor.config import RecoveryConfig
-from supervisor.recovery import (
+from supervisor.contract.config import RecoveryConfig
+from supervisor.core.recovery import (
     ATTEMPT_DELAYS,
     CONTINUABLE_TAILS,
     ENDED_TAILS,

@@ -7,7 +7,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from supervisor.slots import BackoffPolicy, Slot, SlotError, SlotState, Transition, all_fatal
+from supervisor.core.slots import BackoffPolicy, Slot, SlotError, SlotState, Transition, all_fatal
 
 S = SlotState
 

@@ -20,13 +20,13 @@ import zmq
 import zmq.asyncio
 from loguru import logger
 
-from supervisor import control
-from supervisor.config import Config
-from supervisor.logs import setup_logging
-from supervisor.reaper import exit_if_orphaned, set_pdeathsig
+from supervisor.contract import control
+from supervisor.contract.config import Config
+from supervisor.contract.logs import setup_logging
+from supervisor.contract.reaper import exit_if_orphaned, set_pdeathsig
+from supervisor.contract.spawn import WorkerSpec
 from supervisor.store import Store
 from workers.agent import Agent, AgentLoadError, load_agent_class
-from workers.entry import WorkerSpec
 from workers.models import make_model
 from workers.runner import SessionRunner
 from workers.tools import BuiltinTools, Toolbox, Toolboxes

@@ -31,8 +31,8 @@ from mcp.client.session import ClientSession
 from mcp.shared.exceptions import MCPError
 
 from supervisor import __version__
-from supervisor.config import McpServer
-from supervisor.reaper import ProcessId
+from supervisor.contract.config import McpServer
+from supervisor.contract.reaper import ProcessId
 from workers.mcp_transport import ServerProcess, child_environment
 from workers.models import ToolSpec
 from workers.tools import ToolOutcome

@@ -28,7 +28,7 @@ import psutil
 from loguru import logger
 from mcp.shared.message import SessionMessage
 
-from supervisor.reaper import new_group_with_pdeathsig
+from supervisor.contract.reaper import new_group_with_pdeathsig
 
 INHERITED_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TZ", "USER", "LOGNAME")
 """The only variables of the worker's environment an MCP server inherits."""

@@ -23,8 +23,8 @@ from typing import Any
 import peewee
 from loguru import logger
 
-from supervisor import autonomy
-from supervisor.control import CONTINUATION_CAUSE
+from supervisor.contract.control import CONTINUATION_CAUSE
+from supervisor.core import autonomy
 from supervisor.store import EventRecord, Lease, LeaseLost, StorageUnavailable, Store
 from workers import turns
 from workers.agent import Agent

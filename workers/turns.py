@@ -17,8 +17,8 @@ from typing import Any
 
 from loguru import logger
 
-from supervisor.config import mask_urls
-from supervisor.control import CAUSE_TEXT
+from supervisor.contract.config import mask_urls
+from supervisor.contract.control import CAUSE_TEXT
 from supervisor.store import EventRecord, LeaseLost, StorageUnavailable
 from workers import history
 from workers.agent import OUTCOMES, Agent

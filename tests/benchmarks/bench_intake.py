@@ -75,7 +75,7 @@ from typing import Any
 import aiohttp
 import psutil
 
-from supervisor.config import AgentConfig, PoolConfig
+from supervisor.contract.config import AgentConfig, PoolConfig
 from supervisor.store import Store
 from tests.benchmarks import figures
 from tests.daemon import Daemon

@@ -72,7 +72,7 @@ from typing import Any, TypeVar
 
 import psutil
 
-from supervisor.config import AgentConfig, PoolConfig
+from supervisor.contract.config import AgentConfig, PoolConfig
 from supervisor.store import EventRecord, SessionInfo, Store
 from tests.benchmarks.figures import stats_ms, wait_for
 from tests.daemon import Daemon, inject

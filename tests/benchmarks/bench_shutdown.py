@@ -29,7 +29,7 @@ by pid.
 same grace before SIGKILL (as supervisord does, group by group). Measured on one more
 `stubborn` tree: the daemon and the workers are first frozen with SIGSTOP (so that
 nobody restarts what is being stopped, as a supervisor in its stop sequence does not),
-then every process is stopped alone with `supervisor.reaper.terminate([proc], grace)`
+then every process is stopped alone with `supervisor.contract.reaper.terminate([proc], grace)`
 (which also sends SIGCONT): the 16 MCP servers, the 8 grandchildren, the 4 workers, and
 last the daemon (which stops the helpers left, such as multiprocess's resource tracker).
 Reported with the computed figure: processes that ignore SIGTERM x grace + the measured
@@ -70,8 +70,8 @@ from typing import Any, TypeVar
 
 import psutil
 
-from supervisor.config import AgentConfig, PoolConfig, ShutdownConfig
-from supervisor.reaper import ProcessId, descendants, terminate
+from supervisor.contract.config import AgentConfig, PoolConfig, ShutdownConfig
+from supervisor.contract.reaper import ProcessId, descendants, terminate
 from supervisor.store import Store
 from tests.benchmarks.figures import wait_for
 from tests.conftest import PYTHON, REPO

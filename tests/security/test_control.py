@@ -26,7 +26,7 @@ import psutil
 import pytest
 import zmq
 
-from supervisor.control import Refusals
+from supervisor.contract.control import Refusals
 from supervisor.store import Store
 from tests.daemon import Daemon, daemons, wait_until
 from workers.agent import Turn
@@ -63,16 +63,16 @@ class MisbehavingAgent(ToolLoopAgent):
 
 def _sabotage(marker: Path) -> None:
     """In the daemon: the pool's housekeeping task dies once `marker` exists."""
-    import supervisor.pool
+    import supervisor.pool.pool
 
-    reap = supervisor.pool.reap_orphans
+    reap = supervisor.pool.pool.reap_orphans
 
     def sabotaged(pids: Any) -> None:
         if marker.exists():
             raise RuntimeError("sabotaged by the test")
         reap(pids)
 
-    supervisor.pool.reap_orphans = sabotaged
+    supervisor.pool.pool.reap_orphans = sabotaged
 
 
 if os.environ.get(SABOTAGE) and multiprocess.current_process().name == "MainProcess":

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from supervisor import trust
-from supervisor.auth import digest
+from supervisor.http.auth import digest
 from supervisor.store import Store
 from tests.conftest import PYTHON, REPO, python_env
 from tests.daemon import Daemon, daemons, turn_ended, wait_until

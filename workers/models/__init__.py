@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from supervisor.config import ModelConfig
+from supervisor.contract.config import ModelConfig
 from workers.models.base import (
     Message,
     Model,

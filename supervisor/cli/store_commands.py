@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from supervisor.config import Config
+from supervisor.contract.config import Config
 from supervisor.store import SessionNotFound, Store
 
 
@@ -30,7 +30,7 @@ def sessions_group() -> None:
 @click.pass_context
 def sessions_list(ctx: click.Context, limit: int) -> None:
     """List sessions, newest first."""
-    from supervisor.cli import open_store, table, when
+    from supervisor.cli.common import open_store, table, when
 
     with open_store(ctx, migrate=False) as store:
         sessions = store.sessions.list(limit=limit)
@@ -60,7 +60,7 @@ def sessions_list(ctx: click.Context, limit: int) -> None:
 @click.pass_context
 def sessions_release(ctx: click.Context, session_id: str) -> None:
     """Lift a session's quarantine; the user can then send a message again."""
-    from supervisor.cli import fail, open_store
+    from supervisor.cli.common import fail, open_store
 
     with open_store(ctx, migrate=False) as store:
         try:
@@ -77,7 +77,7 @@ def sessions_release(ctx: click.Context, session_id: str) -> None:
 @click.pass_context
 def sessions_show(ctx: click.Context, session_id: str, after: int, limit: int) -> None:
     """Show one session and its events, readably."""
-    from supervisor.cli import fail, open_store, when
+    from supervisor.cli.common import fail, open_store, when
 
     with open_store(ctx, migrate=False) as store:
         try:
@@ -124,7 +124,7 @@ def summarize(payload: dict[str, object], width: int = 100) -> str:
 @click.pass_context
 def boots(ctx: click.Context, limit: int) -> None:
     """List recent daemon starts and how each ended (none: still running, or killed)."""
-    from supervisor.cli import open_store, table, when
+    from supervisor.cli.common import open_store, table, when
 
     with open_store(ctx, migrate=False) as store:
         rows = store.boots.recent(limit)
@@ -153,7 +153,7 @@ def boots(ctx: click.Context, limit: int) -> None:
 
 def _breaker_cell(state: dict[str, Any] | None) -> str:
     """How the boot found the breaker, and a reset recorded in its row."""
-    from supervisor.cli import when
+    from supervisor.cli.common import when
 
     if not state or "tripped" not in state:
         cell = "-"
@@ -179,8 +179,8 @@ def autonomous_resume(ctx: click.Context, session_id: str | None) -> None:
     with a turn in flight is continued by recovery instead; a stopped run stays stopped.
     """
 
-    from supervisor import autonomy
-    from supervisor.cli import fail, open_store
+    from supervisor.cli.common import fail, open_store
+    from supervisor.core import autonomy
 
     with open_store(ctx, migrate=False) as store:
         if session_id is None:
@@ -225,7 +225,7 @@ def breaker_group() -> None:
 @click.pass_context
 def breaker_status(ctx: click.Context) -> None:
     """Judge the breaker of this host from the boot log, as the next boot would."""
-    from supervisor.cli import load, open_store
+    from supervisor.cli.common import load, open_store
 
     config = load(ctx)
     with open_store(ctx, migrate=False) as store:
@@ -235,7 +235,7 @@ def breaker_status(ctx: click.Context) -> None:
 
 def breaker_state(store: Store, config: Config) -> Any:
     """This host's breaker judged from the boot log, as the running (or next) boot would."""
-    from supervisor import breaker
+    from supervisor.core import breaker
 
     now = store.now()
     try:
@@ -271,7 +271,7 @@ def breaker_reset(ctx: click.Context) -> None:
     A running daemon picks the reset up within seconds and runs the boot scan it held
     back; a new crash loop trips the breaker again.
     """
-    from supervisor.cli import open_store, when
+    from supervisor.cli.common import open_store, when
 
     host = socket.gethostname()
     with open_store(ctx, migrate=False) as store:

@@ -23,7 +23,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from supervisor.control import APPEND_BUCKETS, MCP_STATES
+from supervisor.contract.control import APPEND_BUCKETS, MCP_STATES
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 SLOT_STATES = ("starting", "running", "backoff", "fatal", "stopped")

@@ -29,7 +29,7 @@ import secrets
 from pathlib import Path
 
 from supervisor import trust
-from supervisor.logs import log
+from supervisor.contract.logs import log
 
 ADMIN = "admin"
 _LINE = re.compile(r"^(?P<principal>[A-Za-z0-9_.@-]{1,100})\s+sha256:(?P<hash>[0-9a-f]{64})$")

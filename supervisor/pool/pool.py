@@ -29,16 +29,17 @@ import psutil
 import zmq
 import zmq.asyncio
 
-from supervisor import control
-from supervisor.config import Config
-from supervisor.logs import log
-from supervisor.metrics import Metrics
-from supervisor.ownership import Ownership, Worker
-from supervisor.reaper import descendants, reap_orphans, terminate
-from supervisor.recoverer import Recoverer
-from supervisor.slots import Slot, SlotState, all_fatal
+from supervisor.contract import control
+from supervisor.contract.config import Config
+from supervisor.contract.logs import log
+from supervisor.contract.reaper import descendants, reap_orphans, terminate
+from supervisor.contract.spawn import WorkerSpec
+from supervisor.core.slots import Slot, SlotState, all_fatal
+from supervisor.http.metrics import Metrics
+from supervisor.pool.ownership import Ownership, Worker
+from supervisor.pool.recoverer import Recoverer
 from supervisor.store import Store
-from workers.entry import WorkerSpec, run_worker
+from workers.entry import run_worker
 
 TICK = 0.1  # seconds between housekeeping rounds
 POLL = 0.25  # seconds between database polls for sessions with work
@@ -167,6 +168,10 @@ class Pool(Ownership):
     def poke(self) -> None:
         """Dispatch now rather than at the next poll."""
         self._poked.set()
+
+    def breaker(self) -> dict[str, Any]:
+        """The breaker as recovery judged it last, for /v1/status."""
+        return self.recovery.breaker_dict()
 
     def _recorded_groups(self) -> list[int]:
         return [c.pgid for c in self.store.children.of_boot(self.boot_id) if c.pgid]

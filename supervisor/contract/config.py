@@ -29,10 +29,10 @@ from pydantic.fields import FieldInfo
 from pydantic_core import ErrorDetails, PydanticCustomError
 
 # Re-exported: most callers take the paths with the configuration.
-from supervisor.paths import Paths as Paths
-from supervisor.paths import make_private_dir as make_private_dir
-from supervisor.paths import parse_listen as parse_listen
-from supervisor.paths import resolve_paths as resolve_paths
+from supervisor.contract.paths import Paths as Paths
+from supervisor.contract.paths import make_private_dir as make_private_dir
+from supervisor.contract.paths import parse_listen as parse_listen
+from supervisor.contract.paths import resolve_paths as _resolve_paths
 
 DEFAULT_PATH = Path("/etc/turnkeeper/turnkeeper.toml")
 ENV_PREFIX = "TURNKEEPER_"
@@ -235,6 +235,11 @@ class Config(_Section):
     attach: AttachConfig = Field(default_factory=AttachConfig)
     recovery: RecoveryConfig = Field(default_factory=RecoveryConfig)
     log: LogConfig = Field(default_factory=LogConfig)
+
+
+def resolve_paths(cfg: Config, environ: Mapping[str, str] | None = None) -> Paths:
+    """The absolute state and runtime directories, database URL and admin token file."""
+    return _resolve_paths(cfg.daemon.state_dir, cfg.daemon.runtime_dir, cfg.store.url, environ)
 
 
 def _section_models() -> dict[str, type[BaseModel]]:

@@ -23,8 +23,8 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
-from supervisor.config import HttpConfig
-from supervisor.logs import log
+from supervisor.contract.config import HttpConfig
+from supervisor.contract.logs import log
 
 LOG_BURST = 10  # refused-request lines logged per window...
 LOG_WINDOW = 60.0  # ...of this many seconds; the rest are counted and summed up

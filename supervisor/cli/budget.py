@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from supervisor.config import Config
+from supervisor.contract.config import Config
 
 # Beyond shutdown.kill_grace: SIGKILL, reaping, ending the boot row, closing the store.
 REAP_AND_CLOSE = 2.0

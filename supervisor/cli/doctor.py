@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from supervisor import locks, trust
-from supervisor.auth import TokensFileError, read_tokens_file
-from supervisor.budget import Budget, check_stop_timeout
+from supervisor.cli.budget import Budget, check_stop_timeout
+from supervisor.http.auth import TokensFileError, read_tokens_file
 
 PASS, WARN, FAIL = "PASS", "WARN", "FAIL"
 MIN_FREE_BYTES = 512 * 1024 * 1024

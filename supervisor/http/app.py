@@ -14,18 +14,18 @@ import json
 import re
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, Protocol, TypeVar
 
 import peewee
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from supervisor import attach, autonomy, openapi
-from supervisor.auth import ADMIN, Tokens
-from supervisor.config import Config
-from supervisor.logs import log
-from supervisor.metrics import CONTENT_TYPE, Metrics
-from supervisor.pool import Pool
+from supervisor.contract.config import Config
+from supervisor.contract.logs import log
+from supervisor.core import autonomy
+from supervisor.http import attach, openapi
+from supervisor.http.auth import ADMIN, Tokens
+from supervisor.http.metrics import CONTENT_TYPE, Metrics
 from supervisor.store import (
     EVENT_TYPES,
     PERMISSIONS,
@@ -60,6 +60,25 @@ def _whole(raw: str | None, name: str, default: int, low: int, high: int) -> int
             422, "invalid", f"{name} must be a whole number from {low} to {high}", field=name
         )
     return int(raw)
+
+
+class PoolView(Protocol):
+    """What the API needs of the worker pool (`supervisor.pool.Pool` is one)."""
+
+    def input(self, session_id: str) -> None:
+        """New input was committed for the session."""
+
+    def touch(self, session_id: str) -> None:
+        """A request touched the session: an interrupted turn of it may go on."""
+
+    def interrupt(self, session_id: str) -> None:
+        """The operator ended the session's turn (already in the database)."""
+
+    def status(self) -> dict[str, Any]:
+        """The slots and workers, for /v1/status."""
+
+    def breaker(self) -> dict[str, Any]:
+        """The breaker, for /v1/status."""
 
 
 class ApiError(Exception):
@@ -137,7 +156,7 @@ class Api:
         metrics: Metrics,
         *,
         boot_id: str,
-        pool: Pool | None = None,
+        pool: PoolView | None = None,
     ) -> None:
         self.config = config
         self.store = store
@@ -494,7 +513,7 @@ class Api:
             raise ApiError(403, "forbidden", "only the admin principal may read the status")
         counts = await asyncio.to_thread(self.store.sessions.counts)
         pool = self.pool.status() if self.pool is not None else {"slots": [], "restarts": 0}
-        breaker = self.pool.recovery.breaker_dict() if self.pool is not None else None
+        breaker = self.pool.breaker() if self.pool is not None else None
         return web.json_response(
             {
                 "boot": {"id": self.boot_id, "ready": self.ready, "stopping": self.stopping},

@@ -1,7 +1,7 @@
 """Recovery at work: the breaker, the boot scan and the retry timer, and each decision
 carried out.
 
-The rules live in `supervisor.breaker` and `supervisor.recovery` (pure code, tested on
+The rules live in `supervisor.core.breaker` and `supervisor.core.recovery` (pure code, tested on
 their own). This module looks the facts up, asks those rules, does what they say and
 logs every decision under subsystem `recovery` with the session id and the reason.
 
@@ -28,12 +28,12 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from supervisor import autonomy, breaker, recovery
-from supervisor.config import Config
-from supervisor.control import CAUSE_TEXT
-from supervisor.logs import log
-from supervisor.metrics import Metrics
-from supervisor.recovery import Action, Decision, Interruption, TailClass, Trigger
+from supervisor.contract.config import Config
+from supervisor.contract.control import CAUSE_TEXT
+from supervisor.contract.logs import log
+from supervisor.core import autonomy, breaker, recovery
+from supervisor.core.recovery import Action, Decision, Interruption, TailClass, Trigger
+from supervisor.http.metrics import Metrics
 from supervisor.store import EventRecord, SessionInfo, Store
 
 BREAKER_CHECK = 2.0  # seconds between readings of the boot log

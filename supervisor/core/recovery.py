@@ -147,7 +147,7 @@ class Interruption:
 
 
 class RecoverySettings(Protocol):
-    """The settings `decide` reads; `supervisor.config.RecoveryConfig` is one."""
+    """The settings `decide` reads; `supervisor.contract.config.RecoveryConfig` is one."""
 
     @property
     def auto_continue(self) -> bool:

@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from supervisor.config import Config, parse_listen, resolve_paths
+from supervisor.contract.config import Config, parse_listen, resolve_paths
 
 TOKEN_VARIABLE = "TURNKEEPER_TOKEN"
 TIMEOUT = 30.0  # seconds for a request; an attach stream has no read timeout

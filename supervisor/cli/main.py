@@ -8,44 +8,24 @@ import os
 import signal
 import sys
 import time
-from datetime import datetime
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import click
 
 from supervisor import __version__, locks
-from supervisor.budget import SHIPPED_STOP_TIMEOUT, check_stop_timeout, teardown_budget
-from supervisor.config import (
+from supervisor.cli import daemon_commands, store_commands
+from supervisor.cli.budget import SHIPPED_STOP_TIMEOUT, check_stop_timeout, teardown_budget
+from supervisor.cli.common import config_error, fail, load, open_store
+from supervisor.contract.config import (
     Config,
     ConfigError,
     load_config,
-    make_private_dir,
     render_config,
     resolve_paths,
 )
-from supervisor.logs import log, setup_logging
+from supervisor.contract.logs import log, setup_logging
 from supervisor.store import BadStoreURL, Store, StoreError, sqlite_path
-
-EX_CONFIG = 78
-
-
-def config_error(message: str) -> NoReturn:
-    """Print one line naming what to fix and exit 78 (EX_CONFIG), as systemd expects."""
-    click.echo(f"turnkeeper: configuration error: {message}", err=True)
-    sys.exit(EX_CONFIG)
-
-
-def load(ctx: click.Context) -> Config:
-    """The effective configuration for this invocation, loaded once."""
-    obj = ctx.ensure_object(dict)
-    if "config" not in obj:
-        try:
-            obj["config"] = load_config(obj.get("config_path"))
-        except ConfigError as exc:
-            config_error(str(exc))
-    config: Config = obj["config"]
-    return config
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -86,45 +66,6 @@ def config_show(ctx: click.Context) -> None:
     problem = check_stop_timeout(budget, SHIPPED_STOP_TIMEOUT, "the shipped unit's TimeoutStopSec")
     if problem:
         click.echo(f"# WARNING: {problem}")
-
-
-def open_store(ctx: click.Context, *, migrate: bool) -> Store:
-    """The store of the configured database; errors become one line, not a traceback."""
-    cfg = load(ctx)
-    paths = resolve_paths(cfg)
-    try:
-        if migrate:
-            make_private_dir(paths.state_dir)
-        return Store(paths.db_url, cfg.store.synchronous, migrate=migrate)
-    except BadStoreURL as exc:
-        config_error(str(exc))
-    except (StoreError, OSError) as exc:
-        fail(str(exc))
-
-
-def fail(message: str) -> NoReturn:
-    """Print one line and exit 1."""
-    click.echo(f"turnkeeper: {message}", err=True)
-    sys.exit(1)
-
-
-def when(epoch: float | None) -> str:
-    """A local, second-precision time for tables."""
-    if epoch is None:
-        return "-"
-    return datetime.fromtimestamp(epoch).strftime("%Y-%m-%d %H:%M:%S")
-
-
-def table(headers: list[str], rows: list[list[str]]) -> str:
-    """Left-aligned columns, two spaces apart."""
-    widths = [
-        max(len(str(cell)) for cell in column) for column in zip(headers, *rows, strict=False)
-    ]
-    lines = [
-        "  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
-        for row in [headers, *rows]
-    ]
-    return "\n".join(lines)
 
 
 @main.command("run")
@@ -200,7 +141,7 @@ def doctor_command(ctx: click.Context, unit: str | None, supervisord: str | None
 
     Exits 0 when nothing fails.
     """
-    from supervisor import doctor
+    from supervisor.cli import doctor
 
     try:
         cfg = load_config(ctx.obj.get("config_path"))
@@ -226,7 +167,7 @@ def doctor_command(ctx: click.Context, unit: str | None, supervisord: str | None
 
 
 def _doctor_database(cfg: Config, url: str, synchronous: str, state_dir: Path) -> list[Any]:
-    from supervisor import doctor
+    from supervisor.cli import doctor
 
     try:
         store = Store(url, synchronous, migrate=False)
@@ -267,7 +208,7 @@ def _doctor_database(cfg: Config, url: str, synchronous: str, state_dir: Path) -
             if s.active_turn_id and s.owner and (s.lease_expires_at or 0) < store.now()
         ]
         running = locks.holder(state_dir / locks.LEADER_LOCK) is not None
-        from supervisor.store_commands import breaker_state
+        from supervisor.cli.store_commands import breaker_state
 
         state = breaker_state(store, cfg)
         if state.tripped:
@@ -342,11 +283,5 @@ def db_migrate(ctx: click.Context) -> None:
             )
 
 
-def _register_client_commands() -> None:
-    from supervisor import client_commands, store_commands
-
-    client_commands.register(main)
-    store_commands.register(main)
-
-
-_register_client_commands()
+daemon_commands.register(main)
+store_commands.register(main)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, TextIO
 
 from loguru import logger
 
-from supervisor.config import mask_urls
+from supervisor.contract.config import mask_urls
 
 if TYPE_CHECKING:
     from loguru import Logger, Record

@@ -9,11 +9,6 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from supervisor.config import Config
-
 
 _HOST_PORT = re.compile(r"(?:\[(?P<v6>[^\]]+)\]|(?P<host>[A-Za-z0-9.-]+)):(?P<port>[0-9]{1,5})")
 
@@ -50,28 +45,27 @@ class Paths:
     admin_token_file: Path
 
 
-def resolve_paths(cfg: Config, environ: Mapping[str, str] | None = None) -> Paths:
+def resolve_paths(
+    state_dir: str, runtime_dir: str, store_url: str, environ: Mapping[str, str] | None = None
+) -> Paths:
     """The absolute state and runtime directories, database URL and admin token file.
 
     Reads no files: systemd's $STATE_DIRECTORY and $RUNTIME_DIRECTORY, then
     $XDG_RUNTIME_DIR and ~/.local/state fill in what the configuration leaves empty.
     """
     env = os.environ if environ is None else environ
-    state_dir = _absolute(
-        cfg.daemon.state_dir
-        or _first(env.get("STATE_DIRECTORY", ""))
-        or "~/.local/state/turnkeeper",
-        env,
+    state = _absolute(
+        state_dir or _first(env.get("STATE_DIRECTORY", "")) or "~/.local/state/turnkeeper", env
     )
-    runtime = cfg.daemon.runtime_dir or _first(env.get("RUNTIME_DIRECTORY", ""))
+    runtime = runtime_dir or _first(env.get("RUNTIME_DIRECTORY", ""))
     if runtime:
-        runtime_dir = _absolute(runtime, env)
+        run = _absolute(runtime, env)
     elif env.get("XDG_RUNTIME_DIR"):
-        runtime_dir = _absolute(env["XDG_RUNTIME_DIR"], env) / "turnkeeper"
+        run = _absolute(env["XDG_RUNTIME_DIR"], env) / "turnkeeper"
     else:
-        runtime_dir = state_dir / "run"
-    db_url = cfg.store.url or f"sqlite:///{state_dir / 'turnkeeper.db'}"
-    return Paths(state_dir, runtime_dir, db_url, state_dir / "admin.token")
+        run = state / "run"
+    db_url = store_url or f"sqlite:///{state / 'turnkeeper.db'}"
+    return Paths(state, run, db_url, state / "admin.token")
 
 
 def _first(paths: str) -> str:

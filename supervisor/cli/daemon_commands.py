@@ -1,7 +1,7 @@
 """Commands that talk to the running daemon over its HTTP API: new, send, attach,
 interrupt, status and grant.
 
-`supervisor.cli` registers them with `register(main)`. What they use from it is imported
+`supervisor.cli.main` registers them with `register(main)`. What they use from it is imported
 inside the functions, so neither module needs the other to be imported first; so is the
 client, so that httpx does not slow down every other command.
 """
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 import click
 
 if TYPE_CHECKING:
-    from supervisor.client import Client
+    from supervisor.cli.client import Client
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -35,12 +35,12 @@ def reports_errors(command: Callable[P, R]) -> Callable[P, R]:
 
     @functools.wraps(command)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-        from supervisor.client import ClientError
+        from supervisor.cli.client import ClientError
 
         try:
             return command(*args, **kwargs)
         except ClientError as exc:
-            from supervisor.cli import fail
+            from supervisor.cli.common import fail
 
             fail(str(exc))
 
@@ -49,8 +49,8 @@ def reports_errors(command: Callable[P, R]) -> Callable[P, R]:
 
 def connect(ctx: click.Context) -> Client:
     """A client of the configured daemon."""
-    from supervisor.cli import load
-    from supervisor.client import Client
+    from supervisor.cli.client import Client
+    from supervisor.cli.common import load
 
     return Client.from_config(load(ctx))
 
@@ -87,7 +87,7 @@ def send(
     ctx: click.Context, session_id: str, text: str, wait: bool, key: str | None, timeout: float
 ) -> None:
     """Send a user message; it is committed before this returns."""
-    from supervisor.cli import fail
+    from supervisor.cli.common import fail
 
     with connect(ctx) as client:
         seq = client.inject(session_id, text, key)
@@ -101,7 +101,7 @@ def print_reply(client: Client, session_id: str, after: int, deadline: float) ->
 
     Events of a turn already in flight (which did not read the message) are skipped.
     """
-    from supervisor.client import ClientTimeout
+    from supervisor.cli.client import ClientTimeout
 
     turn: str | None = None
     try:
@@ -150,8 +150,8 @@ def attach(ctx: click.Context, session_id: str, after: int) -> None:
 
 def event_line(event: dict[str, Any]) -> str:
     """One line of an event: seq, time, type, summary."""
-    from supervisor.cli import when
-    from supervisor.store_commands import summarize
+    from supervisor.cli.common import when
+    from supervisor.cli.store_commands import summarize
 
     return (
         f"{event['seq']:>6}  {when(event['created_at'])}  {event['type']:<15}  "
@@ -178,7 +178,7 @@ def interrupt(ctx: click.Context, session_id: str) -> None:
 @reports_errors
 def status(ctx: click.Context) -> None:
     """Show the daemon: boot, worker slots, restarts, sessions and attach streams."""
-    from supervisor.cli import table
+    from supervisor.cli.common import table
 
     with connect(ctx) as client:
         data = client.status()
@@ -220,7 +220,7 @@ def status(ctx: click.Context) -> None:
 @reports_errors
 def grant(ctx: click.Context, session_id: str, principal: str, permission: str) -> None:
     """Give PRINCIPAL read, write or admin access to a session (none revokes); prints the ACL."""
-    from supervisor.cli import table
+    from supervisor.cli.common import table
 
     with connect(ctx) as client:
         acl = client.grant(session_id, principal, None if permission == "none" else permission)

@@ -16,11 +16,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from supervisor.config import Config
-from supervisor.logs import log
-from supervisor.recoverer import Judged, Recoverer
-from supervisor.recovery import Action, Trigger
-from supervisor.slots import Slot
+from supervisor.contract.config import Config
+from supervisor.contract.logs import log
+from supervisor.core.recovery import Action, Trigger
+from supervisor.core.slots import Slot
+from supervisor.pool.recoverer import Judged, Recoverer
 from supervisor.store import SessionInfo, SessionNotFound, Store
 
 # The assignment reason a worker is given, by what made recovery continue the turn.
