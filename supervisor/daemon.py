@@ -14,7 +14,7 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -80,10 +80,17 @@ class Daemon:
         self._stop = asyncio.Event()
         self._reloads: asyncio.Queue[None] = asyncio.Queue()
         self.failure: str | None = None  # a task of the supervisor that died, and why
+        self.outcome = "startup_failed"  # the boot row's, once the stack unwinds
         self._failed = asyncio.Event()
 
     async def run(self) -> int:
-        """Start, serve until SIGTERM or SIGINT, stop; returns the exit code."""
+        """Start, serve until SIGTERM or SIGINT, stop; returns the exit code.
+
+        Start and stop are one `AsyncExitStack`: each step that starts something pushes
+        what undoes it, so a start that fails half-way (a port in use, say) undoes exactly
+        what it did, in reverse, and the boot row says `startup_failed`; a stop unwinds
+        the same stack, each step capped and timed (DESIGN.md section 7).
+        """
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self._on_stop_signal, signum)
@@ -97,94 +104,122 @@ class Daemon:
             raise StartupError(str(exc)) from exc
         except trust.Untrusted as exc:
             raise PluginError(str(exc)) from exc
-        store = await asyncio.to_thread(Store, self.paths.db_url, self.config.store.synchronous)
-        boot_id = await asyncio.to_thread(store.boots.begin, self.host, os.getpid(), __version__)
-        pool: Pool | None = None
-        http: Listener | None = None
-        metrics = Metrics()
-        recovery = Recoverer(self.config, store, boot_id, self.host, metrics)
-        try:
-            await asyncio.to_thread(self._previous_stop, store, boot_id, metrics)
-            await asyncio.to_thread(recovery.evaluate_breaker)
-            await asyncio.to_thread(recovery.prune)
-            await self._sweep(store, boot_id)
-            socket_path = self.paths.runtime_dir / CONTROL_SOCKET
-            socket_path.unlink(missing_ok=True)  # stale; we hold its lock
-            pool = Pool(
-                self.config,
-                store,
-                boot_id,
-                f"ipc://{socket_path}",
-                recovery,
-                metrics,
+        async with contextlib.AsyncExitStack() as stack:
+            store = await asyncio.to_thread(Store, self.paths.db_url, self.config.store.synchronous)
+            stack.push_async_callback(self._close_store, store)
+            boot_id = await asyncio.to_thread(
+                store.boots.begin, self.host, os.getpid(), __version__
             )
-            metrics.state.pool = pool.status
-            metrics.state.mcp = pool.mcp_states
-            metrics.state.sessions = store.sessions.counts
-            self.api = Api(self.config, store, Hub(), tokens, metrics, boot_id=boot_id, pool=pool)
-            pool.on_event.append(self.api.publish)
-            http = await self._listen(self.api)
-            await pool.start()
-            for task in pool.tasks:
-                self._watch(task)
+            stack.push_async_callback(self._end_boot, store, boot_id)
+            pool = await self._start(stack, store, boot_id, tokens)
             ready = await self._until_stop(pool.wait_ready(READY_TIMEOUT))
             if pool.fatal.is_set():
                 raise StartupError("no worker could start: every slot is fatal (see above)")
-            if not ready:
-                if self.failure is None:
-                    log("daemon").warning("stopped during start-up")
-            else:
-                self.api.ready = True
-                self.notifier.ready(self._summary(pool))
-                # The boot scan runs now that the listener is up.
-                for task in recovery.start():  # its breaker loop and retry timer
-                    self._watch(task)
-                watchdog = asyncio.create_task(self._watchdog(pool), name="watchdog")
-                self._watch(watchdog)
-                log("daemon").info(
-                    "ready: boot {} pid {}, {} workers + {} spare, database {}, listening on {}",
-                    boot_id,
-                    os.getpid(),
-                    self.config.pool.workers,
-                    self.config.pool.spare,
-                    store.backend,
-                    self.config.http.listen,
-                )
-                await self._serve(pool)
-                watchdog.cancel()
-                await recovery.stop()
-        except BaseException:
-            with contextlib.suppress(Exception):
-                await recovery.stop()
-                if http is not None:
-                    await http.cleanup()
-                if pool is not None:
-                    await pool.stop(self.config.shutdown.kill_grace)
-                await asyncio.to_thread(store.boots.end, boot_id, "startup_failed")
-                store.close()
-            raise
-        failed = pool.fatal.is_set() or self.failure is not None
-        await self._teardown(http, pool)
-        await self._step("boot row", 5.0, asyncio.to_thread(self._end_boot, store, boot_id, failed))
-        try:
-            store.close()
-        except Exception as exc:
-            log("shutdown").error("closing the database failed: {}", exc)
+            # From here on a stop is a stop, not a failed start.
+            self.outcome = "unclean" if self.failure is not None else "clean"
+            if ready:
+                await self._serve_ready(stack, pool, store.backend, boot_id)
+            elif self.failure is None:
+                log("daemon").warning("stopped during start-up")
+            if pool.fatal.is_set() or self.failure is not None:
+                self.outcome = "unclean"
+            assert self.api is not None
+            self.api.stopping = True  # already set by the signal; also for a fatal pool
+        failed = self.outcome != "clean"
         log("shutdown").info(
             "stopped {} in {:.2f} s",
             "cleanly"
             if not failed
             else "with every slot fatal"
-            if pool.fatal.is_set()
+            if self.failure is None
             else "after a task died",
             time.monotonic() - self.stop_started,
         )
         return 1 if failed else 0
 
-    def _end_boot(self, store: Store, boot_id: str, failed: bool) -> None:
-        """End the boot row, with the stop's step durations for the next boot's metrics."""
-        store.boots.set_breaker(boot_id, {"shutdown_steps": self.step_seconds})
-        store.boots.end(boot_id, "unclean" if failed else "clean")
+    async def _start(
+        self, stack: contextlib.AsyncExitStack, store: Store, boot_id: str, tokens: Tokens
+    ) -> Pool:
+        """Everything between the boot row and readiness; each step pushes its undoing."""
+        metrics = Metrics()
+        recovery = Recoverer(self.config, store, boot_id, self.host, metrics)
+        await asyncio.to_thread(self._previous_stop, store, boot_id, metrics)
+        await asyncio.to_thread(recovery.evaluate_breaker)
+        await asyncio.to_thread(recovery.prune)
+        await self._sweep(store, boot_id)
+        socket_path = self.paths.runtime_dir / CONTROL_SOCKET
+        socket_path.unlink(missing_ok=True)  # stale; we hold its lock
+        pool = Pool(self.config, store, boot_id, f"ipc://{socket_path}", recovery, metrics)
+        metrics.state.pool = pool.status
+        metrics.state.mcp = pool.mcp_states
+        metrics.state.sessions = store.sessions.counts
+        self.api = Api(self.config, store, Hub(), tokens, metrics, boot_id=boot_id, pool=pool)
+        pool.on_event.append(self.api.publish)
+        # Workers start first, so that the stop, in reverse, closes the listener first.
+        await pool.start()
+        grace = self.config.shutdown.kill_grace
+        stack.push_async_callback(
+            self._step, "descendants", grace + REAP_BOUND, lambda: pool.stop(grace)
+        )
+        for task in pool.tasks:
+            self._watch(task)
+        http = await self._listen(self.api)
+        stack.push_async_callback(
+            self._step, "http listener", self.config.attach.shutdown_timeout + 1.0, http.cleanup
+        )
+        stack.push_async_callback(self._drain_step, pool)
+        return pool
+
+    async def _serve_ready(
+        self, stack: contextlib.AsyncExitStack, pool: Pool, backend: str, boot_id: str
+    ) -> None:
+        """Ready: say so, start recovery's passes and the watchdog, serve until a stop."""
+        assert self.api is not None
+        self.api.ready = True
+        self.notifier.ready(self._summary(pool))
+        # The boot scan runs now that the listener is up.
+        for task in pool.recovery.start():  # its breaker loop and retry timer
+            self._watch(task)
+        stack.push_async_callback(pool.recovery.stop)
+        watchdog = asyncio.create_task(self._watchdog(pool), name="watchdog")
+        self._watch(watchdog)
+        stack.callback(watchdog.cancel)
+        log("daemon").info(
+            "ready: boot {} pid {}, {} workers + {} spare, database {}, listening on {}",
+            boot_id,
+            os.getpid(),
+            self.config.pool.workers,
+            self.config.pool.spare,
+            backend,
+            self.config.http.listen,
+        )
+        await self._serve(pool)
+
+    async def _drain_step(self, pool: Pool) -> None:
+        """The optional drain, first of the stop: turns in flight may finish (capped)."""
+        if self.api is not None:
+            self.api.stopping = True
+        budget = self.drain_budget
+        if budget > 0 and self.outcome != "startup_failed":
+            self.notifier.extend_timeout(budget + 30)
+            await self._step("drain", budget, lambda: self._drain(pool, budget))
+
+    async def _close_store(self, store: Store) -> None:
+        try:
+            await asyncio.to_thread(store.close)
+        except Exception as exc:  # a full disk: the stop goes on
+            log("shutdown").error("closing the database failed: {}", exc)
+
+    async def _end_boot(self, store: Store, boot_id: str) -> None:
+        """End the boot row with its outcome, and the stop's step durations for the next
+        boot's metrics."""
+
+        def end() -> None:
+            if self.outcome != "startup_failed":
+                store.boots.set_breaker(boot_id, {"shutdown_steps": self.step_seconds})
+            store.boots.end(boot_id, self.outcome)
+
+        await self._step("boot row", 5.0, lambda: asyncio.to_thread(end))
 
     @staticmethod
     def _previous_stop(store: Store, boot_id: str, metrics: Metrics) -> None:
@@ -195,27 +230,11 @@ class Daemon:
                     metrics.shutdown_steps.labels(step).set(float(seconds))
                 return
 
-    async def _teardown(self, http: Listener, pool: Pool) -> None:
-        """The stop sequence of DESIGN.md section 7; every step is capped and timed."""
-        assert self.api is not None
-        self.api.stopping = True  # already set by the signal; also for a fatal pool
-        cfg = self.config
-        budget = self.drain_budget
-        if budget > 0:
-            self.notifier.extend_timeout(budget + 30)
-            await self._step("drain", budget, self._drain(pool, budget))
-        await self._step("http listener", cfg.attach.shutdown_timeout + 1.0, http.cleanup())
-        where = parse_listen(cfg.http.listen)
-        if isinstance(where, Path):
-            where.unlink(missing_ok=True)
-        await self._step(
-            "descendants", cfg.shutdown.kill_grace + REAP_BOUND, pool.stop(cfg.shutdown.kill_grace)
-        )
-
-    async def _step(self, name: str, cap: float, work: Awaitable[object]) -> None:
+    async def _step(self, name: str, cap: float, work: Callable[[], Awaitable[object]]) -> None:
+        """One step of the stop: capped, timed, and whatever it raises, the stop goes on."""
         started = time.monotonic()
         try:
-            await asyncio.wait_for(work, cap)
+            await asyncio.wait_for(work(), cap)
         except TimeoutError:
             log("shutdown").error(
                 "{} did not finish within its cap of {:.1f} s; moving on", name, cap

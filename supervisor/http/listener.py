@@ -138,6 +138,7 @@ class Listener:
             app, shutdown_timeout=shutdown_timeout, handle_signals=False, **self._handler_options
         )
         self._server: asyncio.AbstractServer | None = None
+        self._socket_path: Path | None = None
 
     async def start(self, where: tuple[str, int] | Path) -> None:
         """Listen on (host, port) or a unix socket path (made 0600). Raises OSError."""
@@ -154,6 +155,7 @@ class Listener:
             if isinstance(where, Path):
                 where.unlink(missing_ok=True)
                 self._server = await loop.create_unix_server(protocol, str(where), backlog=128)
+                self._socket_path = where
                 where.chmod(0o600)
             else:
                 self._server = await loop.create_server(
@@ -168,3 +170,5 @@ class Listener:
         if self._server is not None:
             self._server.close()
         await self.runner.cleanup()
+        if self._socket_path is not None:
+            self._socket_path.unlink(missing_ok=True)
