@@ -15,54 +15,29 @@ import signal
 import socket
 import time
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
-from supervisor import __version__, locks, trust
-from supervisor.contract.config import Config, make_private_dir, parse_listen, resolve_paths
+from supervisor import __version__
+from supervisor.contract.config import Config, parse_listen, resolve_paths
 from supervisor.contract.logs import log
 from supervisor.contract.reaper import become_subreaper, sweep
 from supervisor.http.app import Api
 from supervisor.http.attach import Hub
-from supervisor.http.auth import (
-    ADMIN,
-    Tokens,
-    TokensFileError,
-    digest,
-    ensure_admin_token,
-    read_tokens_file,
-)
+from supervisor.http.auth import Tokens
 from supervisor.http.listener import Listener
 from supervisor.http.metrics import Metrics
 from supervisor.notify import Notifier
 from supervisor.pool.pool import Pool
 from supervisor.pool.recoverer import Recoverer
-from supervisor.store import Store, sqlite_path
+from supervisor.preflight import PluginError, StartupError, check_plugins, take_files
+from supervisor.store import Store
 
 CONTROL_SOCKET = "control.sock"
 STOP_REQUEST = "stop-request.json"  # written by `turnkeeper stop --drain`, read at SIGTERM
 REAP_BOUND = 1.5  # beyond kill_grace: SIGKILL and reaping
 READY_TIMEOUT = 60.0
 
-
-class StartupError(Exception):
-    """The daemon cannot start; the message says why (one line)."""
-
-
-class PluginError(Exception):
-    """`agent.class`, the `[model]` settings or the tokens file cannot work (config error)."""
-
-
-def check_plugins(config: Config) -> None:
-    """Fail before anything starts if the agent plug-in or the model cannot be loaded."""
-    from workers.agent import AgentLoadError, load_agent_class
-    from workers.models import ModelError, make_model
-
-    try:
-        load_agent_class(config.agent.class_)
-        make_model(config.model)
-    except (AgentLoadError, ModelError) as exc:
-        raise PluginError(str(exc)) from exc
+__all__ = ["Daemon", "PluginError", "StartupError"]
 
 
 class Daemon:
@@ -97,13 +72,7 @@ class Daemon:
         loop.add_signal_handler(signal.SIGHUP, self._reloads.put_nowait, None)
         check_plugins(self.config)
         become_subreaper()
-        try:
-            self._take_files()
-            tokens = self._tokens()
-        except locks.LockHeld as exc:
-            raise StartupError(str(exc)) from exc
-        except trust.Untrusted as exc:
-            raise PluginError(str(exc)) from exc
+        tokens = take_files(self.config, self.paths)
         async with contextlib.AsyncExitStack() as stack:
             store = await asyncio.to_thread(Store, self.paths.db_url, self.config.store.synchronous)
             stack.push_async_callback(self._close_store, store)
@@ -183,7 +152,7 @@ class Daemon:
         stack.push_async_callback(pool.recovery.stop)
         watchdog = asyncio.create_task(self._watchdog(pool), name="watchdog")
         self._watch(watchdog)
-        stack.callback(watchdog.cancel)
+        stack.push_async_callback(_cancel_and_wait, watchdog)
         log("daemon").info(
             "ready: boot {} pid {}, {} workers + {} spare, database {}, listening on {}",
             boot_id,
@@ -258,40 +227,6 @@ class Daemon:
     def _running_turns(pool: Pool) -> int:
         mine = set(pool.assigned)
         return sum(1 for s in pool.store.sessions.with_work() if s.active_turn_id and s.id in mine)
-
-    def _take_files(self) -> None:
-        """Make or judge the directories, take the locks, judge the database files.
-
-        Nothing is trusted before `supervisor.trust` has judged it, and a directory that
-        exists already is never changed. Raises trust.Untrusted and locks.LockHeld.
-        """
-        user = trust.effective_user()
-        for directory, expect in (
-            (self.paths.state_dir, trust.STATE_DIR),
-            (self.paths.runtime_dir, trust.RUNTIME_DIR),
-        ):
-            make_private_dir(directory)
-            trust.require(directory, expect, user)
-        locks.acquire(self.paths.state_dir / locks.LEADER_LOCK)
-        locks.acquire(self.paths.runtime_dir / locks.CONTROL_LOCK)
-        database = sqlite_path(self.paths.db_url)
-        if database is not None:
-            if database.parent != self.paths.state_dir:
-                trust.require(database.parent, trust.DATABASE_DIR, user)
-            for path in trust.database_files(database):
-                trust.require(path, trust.DATABASE, user)
-
-    def _tokens(self) -> Tokens:
-        """The admin token and the tokens file's principals; raises trust.Untrusted."""
-        user = trust.effective_user()
-        admin = digest(ensure_admin_token(self.paths.admin_token_file, user))
-        hashes = {ADMIN: admin}
-        if self.config.auth.tokens_file:
-            try:
-                hashes |= read_tokens_file(Path(self.config.auth.tokens_file), user, admin)
-            except TokensFileError as exc:
-                raise PluginError(str(exc)) from exc
-        return Tokens(hashes)
 
     async def _listen(self, api: Api) -> Listener:
         listener = Listener(api.app(), self.config.http, self.config.attach.shutdown_timeout)
@@ -409,3 +344,9 @@ class Daemon:
         if self.api is not None:
             self.api.stopping = True  # intake refuses from this moment
         self._stop.set()
+
+
+async def _cancel_and_wait(task: asyncio.Task[Any]) -> None:
+    """Cancel a task this daemon owns and wait until it has ended."""
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)

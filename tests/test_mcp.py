@@ -26,10 +26,11 @@ from loguru import logger
 
 from supervisor.contract.config import McpServer
 from supervisor.contract.reaper import ProcessId
+from supervisor.core.backoff import Backoff
+from supervisor.core.vocabulary import McpState
 from workers.mcp import (
     McpTools,
     RestartPolicy,
-    ServerState,
     function_name,
     offered_names,
     outcome_of,
@@ -389,21 +390,21 @@ def test_a_crash_loop_marks_the_server_down_and_the_others_work(
 ) -> None:
     refuse = tmp_path / "refuse"
 
-    async def scenario() -> tuple[ToolOutcome, ServerState, ToolOutcome, ToolOutcome]:
+    async def scenario() -> tuple[ToolOutcome, McpState, ToolOutcome, ToolOutcome]:
         tools = McpTools(
             [
                 server("flaky", "basic", env={"BASIC_REFUSE_IF_EXISTS": str(refuse)}),
                 server("steady", "stubborn"),
             ],
             on_start=children.on_start,
-            policy=lambda: RestartPolicy(first_delay=0.05),
+            policy=lambda: RestartPolicy(backoff=Backoff(initial=0.05)),
         )
         flaky = tools.clients[0]
         try:
             await tools.start()
             refuse.touch()  # from now on, every restart of flaky exits at once
             died = await tools.call("die", {})
-            while flaky.state is not ServerState.DOWN:
+            while flaky.state is not McpState.DOWN:
                 await asyncio.sleep(0.02)
             down = await tools.call("add", {"a": 1, "b": 2})
             ping = await tools.call("ping", {})
@@ -413,7 +414,7 @@ def test_a_crash_loop_marks_the_server_down_and_the_others_work(
 
     died, state, down, ping = asyncio.run(scenario())
     assert died.is_error and "exited" in died.content
-    assert state is ServerState.STOPPED  # after aclose
+    assert state is McpState.STOPPED  # after aclose
     assert down.is_error and "'flaky' is unavailable" in down.content
     assert ping == ToolOutcome("pong")
     restarts = [line for line in log_lines if "'flaky'" in line and "restarting in" in line]
@@ -501,14 +502,16 @@ def test_a_missing_command_is_logged_and_its_tools_are_unavailable(
 ) -> None:
     missing = McpServer(name="ghost", command=["/nonexistent/mcp-ghost", "--stdio"])
 
-    async def scenario() -> tuple[bool, list[ToolSpec], ToolOutcome, ServerState, ToolOutcome]:
-        tools = McpTools([missing], policy=lambda: RestartPolicy(first_delay=0.01, max_crashes=3))
+    async def scenario() -> tuple[bool, list[ToolSpec], ToolOutcome, McpState, ToolOutcome]:
+        tools = McpTools(
+            [missing], policy=lambda: RestartPolicy(backoff=Backoff(initial=0.01), max_crashes=3)
+        )
         client = tools.clients[0]
         try:
             started = await client.start()
             specs = tools.specs()
             unknown = await tools.call("read", {})
-            while client.state is not ServerState.DOWN:
+            while client.state is not McpState.DOWN:
                 await asyncio.sleep(0.02)
             down = await client.call("read", {})
             return started, specs, unknown, client.state, down
@@ -518,7 +521,7 @@ def test_a_missing_command_is_logged_and_its_tools_are_unavailable(
     started, specs, unknown, state, down = asyncio.run(scenario())
     assert not started and specs == []
     assert unknown.is_error and "tools unknown: ghost" in unknown.content
-    assert state is ServerState.DOWN
+    assert state is McpState.DOWN
     assert down.is_error and "unavailable" in down.content
     assert any(
         "'ghost' cannot be started: command '/nonexistent/mcp-ghost': No such file or directory"

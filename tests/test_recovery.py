@@ -13,21 +13,23 @@ from hypothesis import strategies as st
 from supervisor.contract.config import RecoveryConfig
 from supervisor.core.recovery import (
     ATTEMPT_DELAYS,
-    CONTINUABLE_TAILS,
-    ENDED_TAILS,
     MAX_ATTEMPTS,
-    TERMINAL_TAILS,
-    UNSAFE_TAILS,
     Action,
     Decision,
     Interruption,
-    TailClass,
     Trigger,
     boot_scan_plan,
     cause_of,
-    classify_tail,
     decide,
     next_attempt_at,
+)
+from supervisor.core.tail import (
+    CONTINUABLE_TAILS,
+    ENDED_TAILS,
+    TERMINAL_TAILS,
+    UNSAFE_TAILS,
+    TailClass,
+    classify_tail,
 )
 
 NOW = 100_000.0

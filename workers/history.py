@@ -2,6 +2,7 @@
 
 Pure functions over committed events: no database, no clock. The worker calls them when
 it (re)builds a session on first touch and before it continues an interrupted turn.
+How a turn's tail stands is read by `supervisor.core.tail`, shared with recovery.
 """
 
 from __future__ import annotations
@@ -9,9 +10,10 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from enum import Enum
 from typing import Any
 
+from supervisor.core.tail import Resume as Tail
+from supervisor.core.tail import resume_from
 from supervisor.store import EventRecord
 from workers.models import Message, ToolCall
 
@@ -151,14 +153,6 @@ def missing_results(events: Sequence[EventRecord]) -> list[MissingResult]:
     ]
 
 
-class Tail(Enum):
-    """How an interrupted turn stands."""
-
-    ANSWERED = "answered"  # its final answer is committed; only `turn_ended` is missing
-    TRUNCATED = "truncated"  # its last answer was cut by the token limit
-    RUN = "run"  # the model must be called again to go on
-
-
 def turn_events(events: Sequence[EventRecord], turn_id: str) -> list[EventRecord]:
     """The events of one turn, from its `turn_started` on."""
     start = 0
@@ -169,15 +163,8 @@ def turn_events(events: Sequence[EventRecord], turn_id: str) -> list[EventRecord
 
 
 def classify_tail(events: Sequence[EventRecord]) -> Tail:
-    """Decide how to go on with a turn, from its events (after any repair)."""
-    # A user message that arrived during the turn drives the next turn, not this one.
-    for event in reversed(events):
-        if event.type == "tool_result":
-            return Tail.RUN
-        if event.type == "model_response":
-            if calls_of(event.payload):
-                return Tail.RUN
-            if event.payload.get("finish_reason") == "length":
-                return Tail.TRUNCATED
-            return Tail.ANSWERED
-    return Tail.RUN
+    """Decide how to go on with a turn, from its events (after any repair).
+
+    The supervisor's recovery reads the same tail with the same classifier.
+    """
+    return resume_from(events)

@@ -179,7 +179,7 @@ class Worker:
         elif runner is None:
             return
         elif isinstance(message, control.Wake):
-            runner.kick()
+            runner.wake()
         elif isinstance(message, control.Release):
             runner.release()
         elif isinstance(message, control.Interrupt):

@@ -1,9 +1,10 @@
 """One session inside a worker: run its turns while the worker owns it.
 
-The runner re-reads the session row whenever it is kicked (assign, wake, the end of a
-turn) and does what the row says: continue an interrupted turn, start a turn for pending
-input, or wait. It writes with the lease token of its latest assignment; a token that is
-no longer current makes every write fail with LeaseLost, and the runner gives up.
+The runner re-reads the session row whenever it is woken (assign, wake, the end of a
+turn) and does what the row says (`supervisor.core.engine.runner_step` decides): continue
+an interrupted turn, start a turn for pending input, or wait. It writes with the lease
+token of its latest assignment; a token that is no longer current makes every write fail
+with LeaseLost, and the runner gives up.
 
 The session's agent is built inside the turn, after `turn_started` (or, for a
 continuation, before its note): importing an agent is running code, and a worker that
@@ -24,7 +25,8 @@ import peewee
 from loguru import logger
 
 from supervisor.contract.control import CONTINUATION_CAUSE
-from supervisor.core import autonomy
+from supervisor.core import autonomy, engine
+from supervisor.core.engine import SessionView, Step
 from supervisor.store import EventRecord, Lease, LeaseLost, StorageUnavailable, Store
 from workers import turns
 from workers.agent import Agent
@@ -68,7 +70,7 @@ class SessionRunner:
         self._toolbox = toolbox
         self._notify = notify
         self._observe = observe  # append latency, for the metrics
-        self._kicked = asyncio.Event()
+        self._woken = asyncio.Event()
         self.released = asyncio.Event()
         self.in_turn = False
         self.task: asyncio.Task[None] | None = None
@@ -77,16 +79,16 @@ class SessionRunner:
     def start(self) -> None:
         """Start the runner's task and look for work at once."""
         self.task = asyncio.create_task(self._loop(), name=f"session-{self.session_id}")
-        self.kick()
+        self.wake()
 
     def reassign(self, token: int, reason: str, cause: str | None = None) -> None:
         """A newer assignment: write with its token from now on."""
         self.token, self.reason, self.cause = token, reason, cause
-        self.kick()
+        self.wake()
 
-    def kick(self) -> None:
+    def wake(self) -> None:
         """Re-read the session: there may be work."""
-        self._kicked.set()
+        self._woken.set()
 
     def interrupt(self) -> None:
         """The operator ended the turn (in the database, lease revoked): stop it now."""
@@ -96,14 +98,14 @@ class SessionRunner:
     def release(self) -> None:
         """Stop at the next event boundary and give the session back."""
         self.released.set()
-        self._kicked.set()
+        self._woken.set()
 
     async def _loop(self) -> None:
         delay = STORAGE_RETRY[0]
         try:
             while not self.released.is_set():
-                await self._kicked.wait()
-                self._kicked.clear()
+                await self._woken.wait()
+                self._woken.clear()
                 if self.released.is_set():
                     break
                 try:
@@ -117,7 +119,7 @@ class SessionRunner:
                     self.cause = "storage_unavailable"  # for the continuation's note
                     await self._pause(delay)
                     delay = min(delay * 2, STORAGE_RETRY[1])
-                    self._kicked.set()
+                    self._woken.set()
                     continue
                 delay = STORAGE_RETRY[0]
         except turns.TurnReleased:
@@ -147,9 +149,10 @@ class SessionRunner:
     async def _run_available(self) -> None:
         while not self.released.is_set():
             info = await asyncio.to_thread(self._store.sessions.get, self.session_id)
-            if info.lease_token != self.token:
+            step = engine.runner_step(SessionView.of(info), self.token, self.reason)
+            if step is Step.LEASE_LOST:
                 raise LeaseLost(self.session_id, self.token, info.lease_token)
-            if info.status != "open" or not (info.active_turn_id or info.pending):
+            if step is Step.IDLE:
                 return
             self._agent_name = info.agent
             # The turn writes with the token it started under: a newer assignment arriving
@@ -157,14 +160,16 @@ class SessionRunner:
             self._turn_token = self.token
             self.in_turn = True
             try:
-                if info.active_turn_id and info.pending and self.reason != "handoff":
+                if step is Step.SUPERSEDE:
                     # A queued user message drives the next turn itself, with no note.
+                    assert info.active_turn_id is not None
                     self.log.info("a queued message supersedes turn {}", info.active_turn_id)
                     await turns.supersede_turn(
                         info.active_turn_id, await self._read(), self._commit
                     )
                     turn_id, outcome = await turns.start_turn(self._commit, self._read, self._run)
-                elif info.active_turn_id:
+                elif step is Step.CONTINUE:
+                    assert info.active_turn_id is not None
                     cause = self.cause or CONTINUATION_CAUSE.get(self.reason, "interrupted")
                     self.log.info("continuing turn {} ({})", info.active_turn_id, cause)
                     turn_id = info.active_turn_id
@@ -178,11 +183,9 @@ class SessionRunner:
                 self.in_turn = False
             # Whatever comes next is a fresh turn or another continuation of ours.
             self.reason, self.cause = "new", None
+            self.log.debug("turn {} ended {}", turn_id, outcome)
             if info.kind == "autonomous":
                 await self._checkpoint()
-            await self._notify(
-                "turn_done", session=self.session_id, turn_id=turn_id, outcome=outcome
-            )
 
     async def _checkpoint(self) -> None:
         """An autonomous run: record its counters; while no budget is spent, go on."""

@@ -33,10 +33,13 @@ from supervisor.contract.paths import Paths as Paths
 from supervisor.contract.paths import make_private_dir as make_private_dir
 from supervisor.contract.paths import parse_listen as parse_listen
 from supervisor.contract.paths import resolve_paths as _resolve_paths
+from supervisor.contract.secrets import MASK as MASK
+from supervisor.contract.secrets import is_secret, mask_keys
+from supervisor.contract.secrets import mask_url as mask_url
+from supervisor.contract.secrets import mask_urls as mask_urls
 
 DEFAULT_PATH = Path("/etc/turnkeeper/turnkeeper.toml")
 ENV_PREFIX = "TURNKEEPER_"
-MASK = "***"
 
 
 AGENT_SPEC = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
@@ -374,22 +377,12 @@ def _describe(error: ErrorDetails) -> str:
     if error["type"] == "extra_forbidden":
         return f"{key}: unknown key"
     names = [part for part in loc if isinstance(part, str)]
-    hidden = _is_secret(names[-1]) or "env" in names[:-1]
+    hidden = is_secret(names[-1]) or "env" in names[:-1]
     if error["type"] == "missing" or hidden:
         return f"{key}: {error['msg']}"
     shown = repr(error["input"])
     shown = shown if len(shown) <= 60 else shown[:57] + "..."
     return f"{key}: {error['msg']} (got {shown})"
-
-
-_NOT_SECRET = frozenset({"api_key_env", "tokens_file", "max_tokens"})
-
-
-def _is_secret(key: str) -> bool:
-    name = key.lower()
-    if name in _NOT_SECRET:
-        return False
-    return any(word in name for word in ("token", "secret", "password", "key"))
 
 
 def render_config(cfg: Config) -> str:
@@ -404,48 +397,4 @@ def render_config(cfg: Config) -> str:
             server["env"] = dict.fromkeys(server["env"], MASK)
     else:
         del data["mcp"]
-    return tomli_w.dumps(_mask_keys(data))
-
-
-def _mask_keys(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {
-            key: MASK if _is_secret(key) and not isinstance(item, dict | list) else _mask_keys(item)
-            for key, item in value.items()
-        }
-    if isinstance(value, list):
-        return [_mask_keys(item) for item in value]
-    if isinstance(value, str):
-        return mask_urls(value)
-    return value
-
-
-_URL = re.compile(r"(?P<scheme>[^:/?#]+://)(?P<authority>[^/?#]*)(?P<path>[^?#]*)(?P<rest>.*)")
-# A URL inside free text: a scheme, then everything up to white space or a quote.
-_URL_IN_TEXT = re.compile(r"\b[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>`]+")
-
-
-def mask_url(url: str) -> str:
-    """`url` with the password of its user and any secret query parameter masked."""
-    match = _URL.fullmatch(url)
-    if match is None:
-        return url
-    authority = match["authority"]
-    userinfo, at, host = authority.rpartition("@")
-    if at and ":" in userinfo:
-        authority = f"{userinfo.partition(':')[0]}:{MASK}@{host}"
-    query, hash_, fragment = match["rest"].partition("#")
-    if query.startswith("?"):
-        params = (param.partition("=") for param in query[1:].split("&"))
-        query = "?" + "&".join(
-            f"{name}={MASK}" if _is_secret(name) else f"{name}{eq}{value}"
-            for name, eq, value in params
-        )
-    return f"{match['scheme']}{authority}{match['path']}{query}{hash_}{fragment}"
-
-
-def mask_urls(text: str) -> str:
-    """`text` with every URL in it masked as by `mask_url` (for logs and error messages)."""
-    if "://" not in text:
-        return text
-    return _URL_IN_TEXT.sub(lambda match: mask_url(match[0]), text)
+    return tomli_w.dumps(mask_keys(data))

@@ -14,15 +14,14 @@ worker -> supervisor (every one also names its `worker`, `w<slot>.<generation>`)
                                                append latencies since the last one
     committed   {session, seq, event_type}     an event was committed (a signal: readers
                                                read the event from the database)
-    turn_done   {session, turn_id, outcome}    a turn ended
     released    {session}                      stopped at an event boundary, lease released
     lease_lost  {session}                      fenced out: the session is someone else's
 
 supervisor -> worker:
     assign      {session, token, reason,       own this session with this lease token;
-                 cause}                        reason: new | adopt | handoff | restart
-                                               | stale; cause: what stopped the turn,
-                                               for the continuation note
+                 cause}                        reason: an AssignReason; cause: what
+                                               stopped the turn (a Cause), for the
+                                               continuation note
     release     {session}                      stop at the next event boundary, release
     wake        {session}                      re-read the session: there may be work
     interrupt   {session}                      cancel the turn in flight (operator)
@@ -34,8 +33,8 @@ and a secret its `hello` carries. The supervisor accepts nothing from a routing 
 it did not hand out, and nothing but a `hello` with the right secret until that hello.
 Without ROUTER_HANDOVER nobody can take over a connected identity. The name
 `w<slot>.<generation>` is for logs and status only. Everything a peer names (event types,
-MCP states, outcomes) is checked against a fixed vocabulary, so no peer can create a
-metric series.
+MCP states, outcomes) is checked against the vocabulary (`supervisor.core.vocabulary`), so
+no peer can create a metric series.
 """
 
 from __future__ import annotations
@@ -56,30 +55,22 @@ from pydantic import (
     ValidationError,
 )
 
-from supervisor.store.events import EVENT_TYPES
+from supervisor.core.vocabulary import (
+    MCP_REPORTED,
+    AssignReason,
+    Cause,
+    EventType,
+    TurnOutcome,
+)
 
 # What a continuation note says about the cause, by assignment reason.
-CONTINUATION_CAUSE = {
-    "adopt": "worker_crash",
-    "restart": "daemon_restart",
-    "handoff": "handoff",
-    "stale": "lease_expired",
-    "new": "interrupted",
-}
+CONTINUATION_CAUSE: dict[str, str] = {reason: reason.cause for reason in AssignReason}
 # What stopped a turn, as the continuation note and recovery's notices tell the user.
-CAUSE_TEXT = {
-    "worker_crash": "the worker process running it stopped unexpectedly",
-    "daemon_restart": "the turnkeeper daemon restarted",
-    "handoff": "the session moved to another worker during a rolling restart",
-    "lease_expired": "the worker running it stopped responding and lost the session",
-    "interrupted": "its previous owner stopped",
-    "max_tokens": "the model's answer was cut off by its output token limit",
-    "storage_unavailable": "the database could not be written for a while",
-}
+CAUSE_TEXT: dict[str, str] = {cause: cause.text for cause in Cause}
 # The states a worker reports its MCP servers in (the metric's label values).
-MCP_STATES = ("starting", "ready", "backoff", "down", "stopped")
+MCP_STATES = MCP_REPORTED
 # How a turn ends (`turn_ended`'s outcome).
-TURN_OUTCOMES = ("completed", "truncated", "failed", "interrupted", "interrupted_by_operator")
+TURN_OUTCOMES = tuple(TurnOutcome)
 
 # Upper bounds (seconds) of the append latency histogram, shared by workers and supervisor.
 APPEND_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -140,11 +131,11 @@ WorkerName = Annotated[str, StringConstraints(pattern=r"^w[0-9]{1,6}\.[0-9]{1,12
 Seq = Annotated[int, Field(ge=1, le=MAX_SEQ)]
 Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
 Word = StringConstraints(max_length=40)
-EventType = Annotated[str, Word, _one_of(EVENT_TYPES)]
-McpState = Annotated[str, Word, _one_of(MCP_STATES)]
-Outcome = Annotated[str, Word, _one_of(TURN_OUTCOMES)]
-Reason = Annotated[str, Word, _one_of(CONTINUATION_CAUSE)]
-Cause = Annotated[str, Word, _one_of(CAUSE_TEXT)]
+# Strings checked against the vocabulary (a strict model takes no str for an enum field).
+EventTypeWord = Annotated[str, Word, _one_of(EventType)]
+McpStateWord = Annotated[str, Word, _one_of(MCP_STATES)]
+ReasonWord = Annotated[str, Word, _one_of(AssignReason)]
+CauseWord = Annotated[str, Word, _one_of(Cause)]
 
 
 class _Message(BaseModel):
@@ -179,7 +170,7 @@ class Heartbeat(_FromWorker):
     type: Literal["heartbeat"] = "heartbeat"
     sessions: Count
     turns: Count
-    mcp: dict[McpState, Count]
+    mcp: dict[McpStateWord, Count]
     append_latency: Latency
 
 
@@ -187,14 +178,7 @@ class Committed(_FromWorker):
     type: Literal["committed"] = "committed"
     session: Id
     seq: Seq
-    event_type: EventType
-
-
-class TurnDone(_FromWorker):
-    type: Literal["turn_done"] = "turn_done"
-    session: Id
-    turn_id: Id
-    outcome: Outcome
+    event_type: EventTypeWord
 
 
 class Released(_FromWorker):
@@ -211,8 +195,8 @@ class Assign(_Message):
     type: Literal["assign"] = "assign"
     session: Id
     token: Seq
-    reason: Reason
-    cause: Cause | None = None
+    reason: ReasonWord
+    cause: CauseWord | None = None
 
 
 class Release(_Message):
@@ -235,14 +219,14 @@ class Stop(_Message):
 
 
 FromWorker = Annotated[
-    Hello | Ready | Heartbeat | Committed | TurnDone | Released | LeaseLost,
+    Hello | Ready | Heartbeat | Committed | Released | LeaseLost,
     Field(discriminator="type"),
 ]
 FromSupervisor = Annotated[Assign | Release | Wake | Interrupt | Stop, Field(discriminator="type")]
 WORKER_MESSAGES: TypeAdapter[FromWorker] = TypeAdapter(FromWorker)
 SUPERVISOR_MESSAGES: TypeAdapter[FromSupervisor] = TypeAdapter(FromSupervisor)
 
-_ALL: list[type[_Message]] = [Hello, Ready, Heartbeat, Committed, TurnDone, Released]
+_ALL: list[type[_Message]] = [Hello, Ready, Heartbeat, Committed, Released]
 _ALL += [LeaseLost, Assign, Release, Wake, Interrupt, Stop]
 _MODELS: dict[str, type[_Message]] = {m.model_fields["type"].default: m for m in _ALL}
 

@@ -54,45 +54,18 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, NamedTuple, Protocol
 
+from supervisor.core.tail import (
+    CONTINUABLE_TAILS,
+    ENDED_TAILS,
+    UNSAFE_TAILS,
+    TailClass,
+    TailEvent,
+    classify_tail,
+)
+
 # The attempt schedule: delay before continuation attempt n+1, from the start of attempt n.
 ATTEMPT_DELAYS: tuple[float, ...] = (0.0, 5.0, 30.0)
 MAX_ATTEMPTS = len(ATTEMPT_DELAYS)
-
-
-class TailClass(Enum):
-    """How the tail of an interrupted turn stands; decides how, or whether, to go on."""
-
-    # Continued:
-    UNANSWERED_USER_MESSAGE = "unanswered_user_message"  # no model call answered it yet
-    TOOL_RESULT_NOT_CONSUMED = "tool_result_not_consumed"  # the model has not seen it yet
-    TOOL_CALL_WITHOUT_RESULT = "tool_call_without_result"  # repaired first, then continued
-    CUT_BY_MAX_TOKENS = "cut_by_max_tokens"  # the model's output stopped at its token limit
-    ANSWERED = "answered"  # the final answer is committed; only `turn_ended` is missing
-    # Never continued; the user is asked to resend:
-    AWAITING_CONFIRMATION = "awaiting_confirmation"  # going on would answer for the user
-    LAST_IS_CONTINUATION_NOTE = "last_is_continuation_note"  # a note would follow a note
-    # Never continued; nothing to say:
-    OPERATOR_INTERRUPT = "operator_interrupt"  # `POST /interrupt` ended it
-    ENDED_IN_ERROR = "ended_in_error"  # the turn ended in an error
-
-    @property
-    def continuable(self) -> bool:
-        """True for a tail that a continuation may go on from."""
-        return self in CONTINUABLE_TAILS
-
-
-CONTINUABLE_TAILS = frozenset(
-    {
-        TailClass.UNANSWERED_USER_MESSAGE,
-        TailClass.TOOL_RESULT_NOT_CONSUMED,
-        TailClass.TOOL_CALL_WITHOUT_RESULT,
-        TailClass.CUT_BY_MAX_TOKENS,
-        TailClass.ANSWERED,
-    }
-)
-UNSAFE_TAILS = frozenset({TailClass.AWAITING_CONFIRMATION, TailClass.LAST_IS_CONTINUATION_NOTE})
-ENDED_TAILS = frozenset({TailClass.OPERATOR_INTERRUPT, TailClass.ENDED_IN_ERROR})
-TERMINAL_TAILS = UNSAFE_TAILS | ENDED_TAILS
 
 
 class Trigger(Enum):
@@ -350,65 +323,49 @@ def boot_scan_plan(candidates: Iterable[tuple[str, float]], max_per_boot: int) -
     return plan
 
 
-class TailEvent(Protocol):
-    """What the classifier reads of an event (a `supervisor.store.EventRecord`)."""
+class StampedEvent(TailEvent, Protocol):
+    """An event with the time it was committed (a `supervisor.store.EventRecord`)."""
 
     @property
-    def type(self) -> str: ...
-    @property
-    def turn_id(self) -> str | None: ...
-    @property
-    def payload(self) -> dict[str, Any]: ...
+    def created_at(self) -> float: ...
 
 
-def classify_tail(events: Sequence[TailEvent], turn_id: str) -> TailClass:
-    """How the interrupted turn `turn_id` stands, from the session's latest events.
+def interruption(
+    row: Any,
+    events: Sequence[StampedEvent],
+    trigger: Trigger,
+    now: float,
+    *,
+    host_prefix: str,
+    last_attempt_at: float | None,
+    died: bool,
+) -> Interruption:
+    """The facts `decide` reads, from a session row (`SessionInfo`) and its latest events.
 
-    `events` oldest first, from at least the turn's `turn_started` (earlier ones are
-    ignored). User messages that arrived during the turn are not its tail: a queued
-    message is its own fact (`Interruption.queued_user_message`).
-
-    | the turn's events, latest last                      | tail                     |
-    |-----------------------------------------------------|--------------------------|
-    | a `turn_ended`, interrupted_by_operator             | OPERATOR_INTERRUPT       |
-    | a `turn_ended`, any other outcome                   | ENDED_IN_ERROR           |
-    | the last is a `continuation` note                   | LAST_IS_CONTINUATION_NOTE|
-    | a call the model asked for has no result            | TOOL_CALL_WITHOUT_RESULT |
-    | the last step is a `tool_result`                    | TOOL_RESULT_NOT_CONSUMED |
-    | the last step is an answer cut at the token limit   | CUT_BY_MAX_TOKENS        |
-    | the last step is a final answer                     | ANSWERED                 |
-    | no model or tool step yet                           | UNANSWERED_USER_MESSAGE  |
+    `last_attempt_at` is when this boot last charged an attempt at the turn; `died` that
+    the session's worker died during this boot (not only its lease ran out).
     """
-    start = 0
-    for index, event in enumerate(events):
-        if event.type == "turn_started" and event.turn_id == turn_id:
-            start = index
-    own = [e for e in events[start:] if e.turn_id == turn_id]
-    for event in own:
-        if event.type == "turn_ended":
-            if event.payload.get("outcome") == "interrupted_by_operator":
-                return TailClass.OPERATOR_INTERRUPT
-            return TailClass.ENDED_IN_ERROR
-    steps = [e for e in own if e.type in ("model_response", "tool_result", "continuation")]
-    if not steps:
-        return TailClass.UNANSWERED_USER_MESSAGE
-    if steps[-1].type == "continuation":
-        return TailClass.LAST_IS_CONTINUATION_NOTE
-    asked = {
-        str(call.get("id"))
-        for e in own
-        if e.type == "model_response"
-        for call in e.payload.get("tool_calls") or []
-    }
-    answered = {str(e.payload.get("call_id")) for e in own if e.type == "tool_result"}
-    if asked - answered:
-        return TailClass.TOOL_CALL_WITHOUT_RESULT
-    last = steps[-1]
-    if last.type == "tool_result":
-        return TailClass.TOOL_RESULT_NOT_CONSUMED
-    if last.payload.get("finish_reason") == "length":
-        return TailClass.CUT_BY_MAX_TOKENS
-    return TailClass.ANSWERED
+    turn = row.active_turn_id
+    tail = classify_tail(events, turn) if turn else TailClass.ANSWERED
+    own = [e for e in events if e.turn_id == turn]
+    last = own[-1] if own else (events[-1] if events else None)
+    notes = [e.created_at for e in own if e.type == "continuation"]
+    started = [t for t in (last_attempt_at, *notes) if t]
+    charged = row.attempt_turn_id == turn and turn is not None
+    lease_expired = row.lease_expires_at is not None and row.lease_expires_at < now
+    other_host = bool(row.owner) and not str(row.owner).startswith(host_prefix)
+    return Interruption(
+        active_turn_id=turn,
+        tail=tail,
+        interrupted_at=last.created_at if last else row.updated_at,
+        status=row.status,
+        lease_live=other_host and not lease_expired,
+        lease_other_host=other_host,
+        queued_user_message=row.pending,
+        attempts=max(0, row.attempt_count - 1) if charged else 0,
+        last_attempt_at=max(started) if started else None,
+        cause=cause_of(tail, trigger, lease_expired and not died),
+    )
 
 
 def cause_of(tail: TailClass, trigger: Trigger, lease_expired: bool) -> str:

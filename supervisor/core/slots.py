@@ -17,8 +17,8 @@ Rules
   - Every crash counts, also after ready (supervisord's gap). `crashes` counts consecutive
     crashes of either kind, `failed_starts` those before ready (a ready resets it). At
     `max_failed_starts` in a row -> FATAL: a broken install or plug-in, never restarted.
-  - Otherwise BACKOFF with restart_at = now + min(cap, initial * factor ** (crashes - 1)),
-    that is 0.5, 1, 2, 4, 8, 16, 30, 30, ... seconds.
+  - Otherwise BACKOFF with restart_at = now + the shared backoff's delay for `crashes`
+    (`supervisor.core.backoff`): 0.5, 1, 2, 4, 8, 16, 30, 30, ... seconds.
   - Running for `healthy_after` seconds forgives the past: a crash after that counts as the
     first one, and a requested exit after that clears the count.
 - `due(now)`: BACKOFF and now >= restart_at.
@@ -31,19 +31,20 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from enum import Enum
 from typing import Literal
 
+from supervisor.core.backoff import Backoff
+from supervisor.core.vocabulary import SlotState
 
-class SlotState(Enum):
-    """Where a worker slot is in its life."""
-
-    STARTING = "starting"  # process started, has not reported ready
-    RUNNING = "running"  # reported ready
-    BACKOFF = "backoff"  # no process; waiting until restart_at to start one
-    FATAL = "fatal"  # could not even start max_failed_starts times in a row; never restarted
-    STOPPED = "stopped"  # stopped on request; not restarted
-
+__all__ = [
+    "DEFAULT_POLICY",
+    "BackoffPolicy",
+    "Slot",
+    "SlotError",
+    "SlotState",
+    "Transition",
+    "all_fatal",
+]
 
 Event = Literal["start", "ready", "exit", "stop"]
 
@@ -70,28 +71,15 @@ class SlotError(Exception):
 
 
 @dataclass(frozen=True)
-class BackoffPolicy:
-    """How long a slot waits before restarting its worker, and when it gives up."""
+class BackoffPolicy(Backoff):
+    """The shared backoff, and when a slot gives up: `max_failed_starts` deaths before ready."""
 
-    initial: float = 0.5  # delay after the first crash, in seconds
-    factor: float = 2.0  # each further consecutive crash multiplies the delay by this
-    cap: float = 30.0  # longest delay
-    healthy_after: float = 60.0  # running this long forgives earlier crashes
     max_failed_starts: int = 5  # deaths before ready in a row that make the slot FATAL
 
     def __post_init__(self) -> None:
-        if not (0 < self.initial <= self.cap and self.factor >= 1 and self.max_failed_starts >= 1):
-            raise ValueError(
-                f"need 0 < initial <= cap, factor >= 1, max_failed_starts >= 1: {self}"
-            )
-
-    def delay(self, crashes: int) -> float:
-        """The wait before a restart after `crashes` (at least 1) consecutive crashes."""
-        try:
-            raw = self.initial * self.factor ** (crashes - 1)
-        except OverflowError:  # a crash loop long enough to overflow a float
-            return self.cap
-        return min(self.cap, raw)
+        super().__post_init__()
+        if self.max_failed_starts < 1:
+            raise ValueError(f"need 0 < initial <= cap, max_failed_starts >= 1: {self}")
 
 
 DEFAULT_POLICY = BackoffPolicy()
@@ -168,7 +156,7 @@ class Slot:
         """Record that the worker is gone; `requested` if the supervisor asked it to stop."""
         self._check("exit")
         ran = now - self.ready_at if self.ready_at is not None else 0.0
-        if self.state is SlotState.RUNNING and ran >= self.policy.healthy_after:
+        if self.state is SlotState.RUNNING and self.policy.forgives(ran):
             self.crashes = 0
         if self.stopping:
             return self._move("exit", SlotState.STOPPED, "exited while the pool is stopping")

@@ -26,10 +26,15 @@ import hmac
 import os
 import re
 import secrets
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
+
+from aiohttp import web
 
 from supervisor import trust
 from supervisor.contract.logs import log
+from supervisor.http.answers import error_response
 
 ADMIN = "admin"
 _LINE = re.compile(r"^(?P<principal>[A-Za-z0-9_.@-]{1,100})\s+sha256:(?P<hash>[0-9a-f]{64})$")
@@ -167,3 +172,32 @@ class Tokens:
             if hmac.compare_digest(wanted, stored):
                 found = principal
         return found
+
+
+def bearer(tokens: Tokens, public: Callable[[str], bool]) -> Any:
+    """The middleware that names the request's principal from its bearer token.
+
+    A path `public` says yes to needs none; any other is a 401 without a known token.
+    """
+
+    @web.middleware
+    async def middleware(
+        request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        if not public(request.path):
+            header = request.headers.get("Authorization", "")
+            scheme, _, token = header.partition(" ")
+            # Auth schemes are case-insensitive (RFC 7235 section 2.1).
+            bearer = scheme.lower() == "bearer"
+            principal = tokens.principal(token.strip()) if bearer else None
+            if principal is None:
+                return error_response(
+                    401,
+                    "unauthorized",
+                    "send Authorization: Bearer <token>",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+            request["principal"] = principal
+        return await handler(request)
+
+    return middleware

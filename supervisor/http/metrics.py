@@ -23,11 +23,10 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from supervisor.contract.control import APPEND_BUCKETS, MCP_STATES
+from supervisor.contract.control import APPEND_BUCKETS
+from supervisor.core.vocabulary import MCP_REPORTED, SessionCount, SlotState
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-SLOT_STATES = ("starting", "running", "backoff", "fatal", "stopped")
-SESSION_STATES = ("open", "running", "pending", "quarantined", "closed")
 
 
 class _State(Collector):
@@ -51,15 +50,15 @@ class _State(Collector):
         counts: dict[str, int] = {}
         for slot in status.get("slots", []):
             counts[slot["state"]] = counts.get(slot["state"], 0) + 1
-        for state in SLOT_STATES:
+        for state in SlotState:
             workers.add_metric([state], counts.get(state, 0))
         yield workers
         mcp = GaugeMetricFamily(
             "turnkeeper_mcp_servers", "MCP servers of the live workers, by state.", labels=["state"]
         )
         states = self.mcp()
-        for state in MCP_STATES:
-            mcp.add_metric([state], states.get(state, 0))
+        for mcp_state in MCP_REPORTED:
+            mcp.add_metric([mcp_state], states.get(mcp_state, 0))
         yield mcp
         if self.sessions is not None:
             sessions = GaugeMetricFamily(
@@ -71,8 +70,8 @@ class _State(Collector):
                 by_state = self.sessions()
             except Exception:
                 by_state = None  # a busy database: leave the family empty for this scrape
-            for state in SESSION_STATES if by_state is not None else ():
-                sessions.add_metric([state], by_state.get(state, 0))  # type: ignore[union-attr]
+            for count in SessionCount if by_state is not None else ():
+                sessions.add_metric([count], by_state.get(count, 0))  # type: ignore[union-attr]
             yield sessions
 
 

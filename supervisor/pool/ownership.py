@@ -1,12 +1,13 @@
-"""Who owns which session: the supervisor's half of the lease protocol.
+"""Who owns which session: the supervisor's half of the lease protocol, carried out.
 
-The supervisor is the only one that decides ownership. It assigns each session with work
-to the least-loaded live worker under a new lease token (the spare first when a worker
-died), wakes owners of new input, and moves a session whose owner stopped renewing its
-lease. A turn in flight with no live owner is interrupted: recovery decides whether and
-how it goes on, and a continuation is charged before the worker gets it.
+The decisions are `supervisor.core.engine.plan`'s (pure, tested on their own): which
+session goes to which worker, whose owner is woken, which is moved, which interrupted
+turn recovery judges, user input first and within a budget per pass. `Ownership` looks
+the facts up, asks the engine, and carries the commands out: it charges a continuation
+before the lease (a worker that dies at once has still used up the attempt), leases,
+sends and logs.
 
-`Ownership` is a part of `Pool` (see pool.py), kept apart so that either reads whole.
+The pool holds one `Ownership` and hands it the workers it runs.
 """
 
 from __future__ import annotations
@@ -18,17 +19,18 @@ from typing import Any
 
 from supervisor.contract.config import Config
 from supervisor.contract.logs import log
-from supervisor.core.recovery import Action, Trigger
+from supervisor.core import engine
+from supervisor.core.engine import Assign, Budget, Judge, Move, Next, Wake
 from supervisor.core.slots import Slot
+from supervisor.core.vocabulary import AssignReason
 from supervisor.pool.recoverer import Judged, Recoverer
 from supervisor.store import SessionInfo, SessionNotFound, Store
 
-# The assignment reason a worker is given, by what made recovery continue the turn.
-RECOVERY_REASON = {Trigger.WORKER_DEATH: "adopt"}
+Send = Callable[..., bool]  # (worker, type, **fields) -> sent
 
 
 @dataclass(eq=False)
-class Worker:
+class WorkerHandle:
     """The supervisor's view of one worker process."""
 
     slot: Slot
@@ -36,7 +38,7 @@ class Worker:
     process: Any  # multiprocess.Process
     spare: bool
     started: float
-    route: bytes = field(default=b"", repr=False)  # its routing identity (control.py)
+    route: bytes = field(default=b"", repr=False)  # its routing identity (plane.py)
     secret: str = field(default="", repr=False)  # what its hello must carry
     hello: bool = False  # said a valid hello: its messages are read from now on
     ready: bool = False
@@ -49,6 +51,7 @@ class Worker:
     child_row: int | None = None
     mcp: dict[str, int] = field(default_factory=dict)  # its MCP servers by state
     replacing: bool = False  # sent a malformed message: killed, its frames ignored
+    exited: bool = False  # its sentinel fired: gone, whether reaped yet or not
 
     @property
     def pid(self) -> int:
@@ -56,41 +59,62 @@ class Worker:
 
     @property
     def alive(self) -> bool:
-        return self.process.exitcode is None
+        return not self.exited and self.process.exitcode is None
+
+    def view(self) -> engine.WorkerView:
+        """What the ownership engine reads of it."""
+        return engine.WorkerView(
+            name=self.identity,
+            ready=self.ready,
+            alive=self.alive,
+            spare=self.spare,
+            sessions=len(self.sessions),
+            last_heartbeat=self.last_heartbeat,
+            retiring=self.retiring,
+            stop_requested=self.stop_requested,
+            aborted=self.aborted_at is not None,
+            replacing=self.replacing,
+        )
 
 
 class Ownership:
-    """Session ownership, as a part of `Pool`, which provides these attributes."""
+    """Carries out the engine's plans for the workers it is handed."""
 
-    config: Config
-    store: Store
-    recovery: Recoverer
-    owner_prefix: str  # "<host>/<boot>": lease owners of this boot
-    host_prefix: str
-    clock: Callable[[], float]
-    workers: dict[str, Worker]
-    assigned: dict[str, Worker]
-    woken: dict[str, int]
-    busy: set[str]
-    stopping: bool
-    _poked: asyncio.Event
-    log: Any
+    def __init__(
+        self,
+        config: Config,
+        store: Store,
+        recovery: Recoverer,
+        workers: dict[str, WorkerHandle],
+        send: Send,
+        clock: Callable[[], float],
+        budget: Budget | None = None,
+    ) -> None:
+        self.config = config
+        self.store = store
+        self.recovery = recovery
+        self.workers = workers  # the pool's, by name
+        self.send = send
+        self.clock = clock  # monotonic: heartbeats
+        self.budget = budget or Budget()
+        self.owner_prefix = recovery.owner_prefix  # "<host>/<boot>": this boot's owners
+        self.assigned: dict[str, WorkerHandle] = {}
+        self.woken: dict[str, int] = {}
+        self.busy: set[str] = set()  # sessions being assigned right now
+        self.stopping = False
+        self.wanted = recovery.wanted  # set: dispatch now rather than at the next poll
 
-    def send(self, worker: Worker, type: str, **fields: Any) -> bool:
-        raise NotImplementedError  # the pool's control plane
-
-    def input(self, session_id: str) -> None:
+    def wake(self, session_id: str) -> None:
         """New input was committed for the session: wake its owner, or find it one now."""
         owner = self.assigned.get(session_id)
         if owner is not None and owner.alive and self.send(owner, "wake", session=session_id):
             return
-        self._poked.set()
+        self.wanted.set()
 
     def touch(self, session_id: str) -> None:
         """A request touched the session: an interrupted turn of it may go on (lazy resume)."""
-        if session_id not in self.recovery.touched:
-            self.recovery.touched.add(session_id)
-            self._poked.set()
+        if self.recovery.touch(session_id):
+            self.wanted.set()
 
     def interrupt(self, session_id: str) -> None:
         """The operator ended the session's turn (already in the database): stop it now."""
@@ -98,64 +122,87 @@ class Ownership:
         if owner is not None:
             owner.sessions.discard(session_id)
             self.send(owner, "interrupt", session=session_id)
-        self._poked.set()
+        self.wanted.set()
+
+    def orphaned(self, worker: WorkerHandle) -> None:
+        """The worker exited: its sessions are free; recovery decides how each goes on."""
+        orphans = list(worker.sessions)
+        for session_id in orphans:
+            if self.assigned.get(session_id) is worker:
+                del self.assigned[session_id]
+        if orphans and not self.stopping:
+            self.recovery.died(orphans)
+            self.wanted.set()
+
+    def let_go(self, worker: WorkerHandle, session_id: str) -> bool:
+        """The worker gave the session up (released, fenced out); True if it was its owner."""
+        worker.sessions.discard(session_id)
+        if self.assigned.get(session_id) is worker:
+            del self.assigned[session_id]
+            return True
+        return False
 
     async def dispatch(self) -> None:
-        """Give every session with work an owner, and wake owners of new input.
-
-        A session whose owner stopped renewing its lease (a frozen process, say) is given
-        to another worker under a new token: the old owner is fenced out. A turn in flight
-        with no live owner is interrupted; recovery decides whether and how it goes on.
-        """
+        """One pass: ask the engine what to do with every session with work, and do it."""
         now, sessions = await asyncio.to_thread(self._sessions_with_work)
-        for info in sessions:
-            owner = self.assigned.get(info.id)
-            lease_live = info.lease_expires_at is not None and info.lease_expires_at >= now
-            if owner is not None and owner.alive and lease_live:
-                if info.pending and self.woken.get(info.id) != info.last_seq:
-                    self.woken[info.id] = info.last_seq
-                    self.send(owner, "wake", session=info.id)
-                continue
-            if owner is not None:
-                owner.sessions.discard(info.id)
-                del self.assigned[info.id]
-                self.log.warning(
-                    "{} stopped renewing the lease of session {}; moving it",
-                    owner.identity,
-                    info.id,
-                )
-            # Free, stale, or held by this host (a dead worker of ours, an earlier boot).
-            # A live lease of another host is that host's to keep.
-            ours = info.owner is None or info.owner.startswith(self.host_prefix)
-            if info.id in self.busy or not (ours or not lease_live) or self.stopping:
-                continue
-            if info.active_turn_id is None:
-                await self._assign(info, "new")
-            else:
-                await self._recover(info)
+        infos = {info.id: info for info in sessions}
+        facts = engine.Facts(
+            owner_prefix=self.owner_prefix,
+            host_prefix=self.recovery.host + "/",
+            heartbeat_interval=self.config.pool.heartbeat_interval,
+            budget=self.budget,
+            breaker_tripped=self.recovery.breaker.tripped,
+            stopping=self.stopping,
+        )
+        commands = engine.plan(
+            [engine.SessionView.of(info) for info in sessions],
+            {name: w.view() for name, w in self.workers.items()},
+            {sid: w.identity for sid, w in self.assigned.items()},
+            self.woken,
+            self.recovery.memory,
+            facts,
+            now=now,
+            wall=self.recovery.clock(),
+            monotonic=self.clock(),
+            busy=frozenset(self.busy),
+        )
+        for command in commands:
+            info = infos[command.session]
+            match command:
+                case Wake():
+                    owner = self.workers.get(command.worker)
+                    if owner is not None and self.send(owner, "wake", session=info.id):
+                        self.woken[info.id] = command.seq
+                case Move():
+                    owner = self.assigned.get(info.id)
+                    if owner is not None and owner.identity == command.worker:
+                        self.let_go(owner, info.id)
+                    if command.renewing:
+                        log("pool", session=info.id).warning(
+                            "{} stopped renewing the lease; moving the session", command.worker
+                        )
+                case Assign():
+                    await self._assign(info, self.workers.get(command.worker), command.reason)
+                case Judge():
+                    await self._judge(info, command)
 
     def _sessions_with_work(self) -> tuple[float, list[SessionInfo]]:
         return self.store.now(), self.store.sessions.with_work()
 
-    async def _recover(self, info: SessionInfo) -> None:
-        recovery = self.recovery
-        trigger = recovery.trigger_for(info, self.owner_prefix)
-        due = recovery.waiting(info.id, recovery.clock())
-        if trigger is None or due or recovery.settled(info, trigger):
-            return  # left for the boot scan, the retry timer or a first touch
-        if self._pick(prefer_spare=True) is None:
-            return  # no worker is ready (yet): judge it when one is
-        judged = await recovery.judge(info, trigger)
-        action = judged.decision.action
-        if action is Action.CONTINUE:
-            await self._assign(info, RECOVERY_REASON.get(trigger, "restart"), judged)
-        elif action is Action.DRIVE_WITH_QUEUED_MESSAGE:
-            recovery.drive(info, judged)
-            await self._assign(info, "new")
+    async def _judge(self, info: SessionInfo, command: Judge) -> None:
+        judged = await self.recovery.judge(info, command.trigger)
+        then, reason = engine.after_judgement(judged.decision, command.trigger)
+        target = self.workers.get(command.worker)
+        if then is Next.CONTINUE:
+            assert reason is not None
+            await self._assign(info, target, reason, judged)
+        elif then is Next.DRIVE:
+            self.recovery.drive(info, judged)
+            await self._assign(info, target, AssignReason.NEW)
         else:
-            await recovery.carry_out(info, judged)
+            await self.recovery.carry_out(info, judged)
 
-    async def _adopt(self, session_ids: list[str], reason: str) -> None:
+    async def adopt(self, session_ids: list[str], reason: AssignReason) -> None:
         """Hand sessions over at once (a rolling restart released them at a boundary)."""
         for session_id in session_ids:
             try:
@@ -163,20 +210,35 @@ class Ownership:
             except SessionNotFound:
                 continue
             if info.status == "open" and (info.active_turn_id or info.pending):
-                await self._assign(info, reason)
+                spare = reason is AssignReason.ADOPT
+                await self._assign(info, self._choose(prefer_spare=spare), reason)
 
-    async def _assign(self, info: SessionInfo, reason: str, judged: Judged | None = None) -> None:
-        """Lease the session to the least-loaded worker and tell it.
+    def _choose(self, prefer_spare: bool) -> WorkerHandle | None:
+        views = [w.view() for w in self.workers.values()]
+        fresh = self.clock() - engine.HEARTBEATS_MISSED * self.config.pool.heartbeat_interval
+        name = engine.choose(
+            [v for v in views if engine.takes_sessions(v, fresh)],
+            {v.name: v.sessions for v in views},
+            {v.name for v in views if v.spare},
+            prefer_spare=prefer_spare,
+        )
+        return None if name is None else self.workers[name]
 
-        A continuation (`judged`) is charged in the database once a worker is found, before
-        the lease: a worker that dies at once has still used up the attempt. A charge that
-        no worker took is refunded.
+    async def _assign(
+        self,
+        info: SessionInfo,
+        target: WorkerHandle | None,
+        reason: AssignReason,
+        judged: Judged | None = None,
+    ) -> None:
+        """Lease the session to `target` and tell it.
+
+        A continuation (`judged`) is charged in the database before the lease: a worker
+        that dies at once has still used up the attempt. A charge no worker took is
+        refunded.
         """
-        if info.id in self.busy or self.stopping:
+        if target is None or info.id in self.busy or self.stopping:
             return
-        target = self._pick(prefer_spare=reason == "adopt")
-        if target is None:
-            return  # no ready worker now; the next dispatch tries again
         self.busy.add(info.id)
         try:
             if judged is not None and not await self.recovery.charge(info, judged):
@@ -198,27 +260,11 @@ class Ownership:
         target.spare = False
         self.assigned[info.id] = target
         self.woken[info.id] = info.last_seq
-        self.recovery.died.discard(info.id)
+        self.recovery.assigned(info.id)
         cause = judged.decision.cause if judged is not None else None
-        self.send(target, "assign", session=info.id, token=lease.token, reason=reason, cause=cause)
-        log("pool", session=info.id).info(
-            "assigned to {} ({}, token {})", target.identity, reason, lease.token
+        self.send(
+            target, "assign", session=info.id, token=lease.token, reason=reason.value, cause=cause
         )
-
-    def _pick(self, prefer_spare: bool) -> Worker | None:
-        # A worker that missed 3 heartbeats (frozen, swapping, hung) gets no new sessions.
-        fresh = self.clock() - 3 * self.config.pool.heartbeat_interval
-        candidates = [
-            w
-            for w in self.workers.values()
-            if w.ready
-            and w.alive
-            and not w.retiring
-            and not w.stop_requested
-            and w.aborted_at is None
-            and not w.replacing
-            and w.last_heartbeat >= fresh
-        ]
-        if not candidates:
-            return None
-        return min(candidates, key=lambda w: (w.spare != prefer_spare, len(w.sessions)))
+        log("pool", session=info.id).info(
+            "assigned to {} ({}, token {})", target.identity, reason.value, lease.token
+        )

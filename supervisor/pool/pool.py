@@ -1,14 +1,13 @@
-"""The worker pool: processes and the control plane (who owns which session: ownership.py).
+"""The worker pool: the worker processes, their slots, and what they say.
+
+Who owns which session is `Ownership`'s (ownership.py), which carries out the plans of
+`supervisor.core.engine`; the socket the workers talk to is the `ControlPlane`'s
+(plane.py). The pool holds both.
 
 When a worker dies (its process sentinel fires at once, even for SIGKILL or an OOM kill)
 its sessions go to the hot spare first, and a replacement is started in the dead worker's
 slot, which then becomes the spare. A worker whose event loop stops sending heartbeats is
 hung: it gets SIGABRT (its traceback goes to the log) and, a second later, SIGKILL.
-
-The control plane trusts only what it handed out (see control.py): a frame from a routing
-identity no worker was spawned with is dropped, and logged once per peer; a worker is read
-only after a hello with its spawn's secret; a message that does not fit its schema gets
-the worker that sent it replaced. Nothing a peer sends can end the receive loop.
 """
 
 from __future__ import annotations
@@ -18,25 +17,31 @@ import contextlib
 import os
 import secrets
 import signal
-import time
-from collections import deque
+from collections import Counter
 from collections.abc import Callable, Coroutine
 from typing import Any
 
 import multiprocess
-import multiprocess.resource_tracker
 import psutil
-import zmq
-import zmq.asyncio
 
 from supervisor.contract import control
+from supervisor.contract.clock import SYSTEM, Clock
 from supervisor.contract.config import Config
 from supervisor.contract.logs import log
 from supervisor.contract.reaper import descendants, reap_orphans, terminate
 from supervisor.contract.spawn import WorkerSpec
 from supervisor.core.slots import Slot, SlotState, all_fatal
+from supervisor.core.vocabulary import AssignReason
 from supervisor.http.metrics import Metrics
-from supervisor.pool.ownership import Ownership, Worker
+from supervisor.pool.ownership import Ownership, WorkerHandle
+from supervisor.pool.plane import ControlPlane
+from supervisor.pool.processes import (
+    describe_exit,
+    resource_tracker,
+    send_signal,
+    slot_status,
+    stop_resource_tracker,
+)
 from supervisor.pool.recoverer import Recoverer
 from supervisor.store import Store
 from workers.entry import run_worker
@@ -47,8 +52,8 @@ START_TIMEOUT = 30.0  # a worker that has not said hello by then is hung
 ABORT_GRACE = 1.0  # between SIGABRT (traceback) and SIGKILL for a hung worker
 
 
-class Pool(Ownership):
-    """The worker processes and the ROUTER they talk to; who owns what (`Ownership`)."""
+class Pool:
+    """The worker processes; who owns what (`ownership`) and how they talk (`plane`)."""
 
     def __init__(
         self,
@@ -59,27 +64,24 @@ class Pool(Ownership):
         recovery: Recoverer,
         metrics: Metrics,
         *,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Clock = SYSTEM,
     ) -> None:
         self.config = config
         self.store = store
         self.boot_id = boot_id
         self.address = address
         self.owner_prefix = recovery.owner_prefix  # "<host>/<boot>": this boot's lease owners
-        self.host_prefix = recovery.host + "/"
-        self.clock = clock
+        self.timer = clock
+        self.clock = clock.monotonic
         self.recovery = recovery
         self.metrics = metrics
-        recovery.poke = self.poke
         self.slots = [Slot(i) for i in range(config.pool.workers + config.pool.spare)]
-        self.current: dict[int, Worker] = {}
-        self.workers: dict[str, Worker] = {}  # by name
-        self.routes: dict[bytes, Worker] = {}  # by routing identity
-        self._buried: deque[bytes] = deque(maxlen=64)  # routes of workers that exited
-        self.refusals = control.Refusals(clock=clock)
-        self.assigned: dict[str, Worker] = {}
-        self.woken: dict[str, int] = {}
-        self.busy: set[str] = set()  # sessions being assigned right now
+        self.current: dict[int, WorkerHandle] = {}
+        self.workers: dict[str, WorkerHandle] = {}  # by name
+        self.plane = ControlPlane(address, self.workers, self._handle, self._replace, self.clock)
+        self.ownership = Ownership(
+            config, store, recovery, self.workers, self.plane.send, self.clock
+        )
         self.stopping = False
         self.fatal = asyncio.Event()
         self.restarts = 0
@@ -87,26 +89,32 @@ class Pool(Ownership):
         self.log = log("pool")
         self._spawn_context = multiprocess.get_context("spawn")
         self.tasks: list[asyncio.Task[None]] = []  # run until stop; the daemon watches them
-        self._pending: set[asyncio.Task[Any]] = set()
-        self._poked = asyncio.Event()
+        self._pending: set[asyncio.Task[Any]] = set()  # background work; awaited by stop
+        self._wanted = self.ownership.wanted
+
+    # --- what requests tell the pool about sessions: `Ownership`'s to carry out -----
+
+    def wake(self, session_id: str) -> None:
+        """New input was committed for the session: wake its owner, or find it one."""
+        self.ownership.wake(session_id)
+
+    def touch(self, session_id: str) -> None:
+        """A request touched the session: an interrupted turn of it may go on."""
+        self.ownership.touch(session_id)
+
+    def interrupt(self, session_id: str) -> None:
+        """The operator ended the session's turn (already in the database): stop it now."""
+        self.ownership.interrupt(session_id)
 
     # --- lifecycle ------------------------------------------------------------------
 
     async def start(self) -> None:
         """Bind the control plane and start every worker."""
-        self.zmq = zmq.asyncio.Context()
-        self.router = self.zmq.socket(zmq.ROUTER)
-        self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.router.setsockopt(zmq.ROUTER_HANDOVER, 0)  # a connected identity stays its own
-        self.router.setsockopt(zmq.MAXMSGSIZE, control.MAX_FRAME)
-        self.router.setsockopt(zmq.LINGER, 0)
-        self.router.bind(self.address)
-        if self.address.startswith("ipc://"):
-            os.chmod(self.address.removeprefix("ipc://"), 0o600)  # in a 0700 directory
+        self.plane.bind()
         for slot in self.slots:
             self._spawn(slot)
         self.tasks = [
-            asyncio.create_task(self._receive(), name="pool-receive"),
+            asyncio.create_task(self.plane.receive(), name="pool-receive"),
             asyncio.create_task(self._housekeeping(), name="pool-housekeeping"),
         ]
 
@@ -121,7 +129,7 @@ class Pool(Ownership):
             ]
             if all(settled):
                 return not self.fatal.is_set()
-            await asyncio.sleep(0.05)
+            await self.timer.sleep(0.05)
         return False
 
     async def stop(self, grace: float) -> None:
@@ -131,7 +139,7 @@ class Pool(Ownership):
         including processes that left their process group (this process is a subreaper,
         so orphans come to it) and members of the groups recorded for MCP servers.
         """
-        self.stopping = True
+        self.stopping = self.ownership.stopping = True
         for slot in self.slots:
             slot.stop_requested()
         for task in self.tasks:
@@ -140,12 +148,13 @@ class Pool(Ownership):
         for worker in self.workers.values():
             worker.stop_requested = True
         groups = await asyncio.to_thread(self._recorded_groups)
-        tracker = _resource_tracker()
+        tracker = resource_tracker()
         procs = [p for p in descendants(os.getpid(), groups) if p.pid != tracker]
         report = await asyncio.to_thread(terminate, procs, grace)
-        await asyncio.to_thread(_stop_resource_tracker)
+        await asyncio.to_thread(stop_resource_tracker)
         for worker in list(self.workers.values()):
             worker.process.join(timeout=0)
+        await asyncio.gather(*self._pending, return_exceptions=True)
         self.log.info(
             "{} processes stopped in {:.2f} s: {} exited on SIGTERM, {} needed SIGKILL{}",
             len(procs),
@@ -154,20 +163,16 @@ class Pool(Ownership):
             len(report.killed),
             f", {len(report.survivors)} SURVIVED" if report.survivors else "",
         )
-        self.router.close()
-        self.zmq.term()
+        self.plane.close()
 
     def mcp_states(self) -> dict[str, int]:
         """MCP servers of the live workers by state, as their last heartbeats said."""
-        states: dict[str, int] = {}
-        for worker in self.workers.values():
-            for state, count in worker.mcp.items():
-                states[state] = states.get(state, 0) + count
-        return states
+        return dict(sum((Counter(w.mcp) for w in self.workers.values()), Counter()))
 
-    def poke(self) -> None:
-        """Dispatch now rather than at the next poll."""
-        self._poked.set()
+    @property
+    def assigned(self) -> dict[str, WorkerHandle]:
+        """Which worker owns which session."""
+        return self.ownership.assigned
 
     def breaker(self) -> dict[str, Any]:
         """The breaker as recovery judged it last, for /v1/status."""
@@ -178,22 +183,8 @@ class Pool(Ownership):
 
     def status(self) -> dict[str, Any]:
         """The slots and workers, for /v1/status and `turnkeeper status`."""
-        return {
-            "slots": [
-                {
-                    "slot": s.index,
-                    "state": s.state.value,
-                    "worker": (w := self.current.get(s.index)) and w.identity,
-                    "pid": w.pid if w else None,
-                    "ready": bool(w and w.ready),
-                    "spare": bool(w and w.spare),
-                    "sessions": len(w.sessions) if w else 0,
-                    "turns": w.turns if w else 0,
-                }
-                for s in self.slots
-            ],
-            "restarts": self.restarts,
-        }
+        slots = [slot_status(s, self.current.get(s.index)) for s in self.slots]
+        return {"slots": slots, "restarts": self.restarts}
 
     # --- processes ------------------------------------------------------------------
 
@@ -217,7 +208,7 @@ class Pool(Ownership):
             target=run_worker, args=(spec,), name=f"turnkeeper-{slot.identity}"
         )
         process.start()
-        worker = Worker(
+        worker = WorkerHandle(
             slot,
             slot.identity,
             process,
@@ -229,7 +220,7 @@ class Pool(Ownership):
         )
         self.current[slot.index] = worker
         self.workers[worker.identity] = worker
-        self.routes[worker.route] = worker
+        self.plane.admit(worker)
         asyncio.get_running_loop().add_reader(process.sentinel, self._on_exit, worker)
         self.log.info(
             "started worker {} (pid {}{})",
@@ -239,7 +230,7 @@ class Pool(Ownership):
         )
         self._background(self._record_child(worker))
 
-    async def _record_child(self, worker: Worker) -> None:
+    async def _record_child(self, worker: WorkerHandle) -> None:
         try:
             created = psutil.Process(worker.pid).create_time()
             worker.child_row = await asyncio.to_thread(
@@ -254,18 +245,22 @@ class Pool(Ownership):
         except (psutil.NoSuchProcess, Exception) as exc:
             self.log.warning("could not record worker {}: {}", worker.identity, exc)
 
-    def _on_exit(self, worker: Worker) -> None:
-        loop = asyncio.get_running_loop()
-        loop.remove_reader(worker.process.sentinel)
-        # The sentinel fires when the child closes its pipe, a moment before it can be reaped.
-        worker.process.join(timeout=1.0)
-        code = worker.process.exitcode
-        requested = worker.stop_requested or worker.retiring
+    def _on_exit(self, worker: WorkerHandle) -> None:
+        # The sentinel fired: the worker is gone, for ownership at once. Its exit status
+        # comes a moment later (it closes its pipe before it can be reaped): read in a
+        # thread, so that the event loop never waits for it.
+        asyncio.get_running_loop().remove_reader(worker.process.sentinel)
+        worker.exited = True
         self.workers.pop(worker.identity, None)
-        if self.routes.pop(worker.route, None) is not None:
-            self._buried.append(worker.route)  # its last frames are dropped without a word
+        self.plane.bury(worker)
+        self.ownership.orphaned(worker)
         if worker.child_row is not None:
             self._background(asyncio.to_thread(self.store.children.forget, [worker.child_row]))
+        self._background(self._bury(worker))
+
+    async def _bury(self, worker: WorkerHandle) -> None:
+        await asyncio.to_thread(worker.process.join, 1.0)
+        requested = worker.stop_requested or worker.retiring
         if self.current.get(worker.slot.index) is worker:
             del self.current[worker.slot.index]
             transition = worker.slot.exited(self.clock(), requested=requested)
@@ -276,21 +271,13 @@ class Pool(Ownership):
                 "worker {} (pid {}) exited with {}; slot {}",
                 worker.identity,
                 worker.pid,
-                _describe_exit(code),
+                describe_exit(worker.process.exitcode),
                 transition.reason,
             )
             if transition.new is SlotState.FATAL:
                 self.log.critical(
                     "slot {} is fatal: its worker cannot start (see above)", worker.slot.index
                 )
-        orphans = list(worker.sessions)
-        for session_id in orphans:
-            if self.assigned.get(session_id) is worker:
-                del self.assigned[session_id]
-        if orphans and not self.stopping:
-            # Recovery decides how each goes on; the spare takes the first ones at once.
-            self.recovery.died.update(orphans)
-            self._poked.set()
         if all_fatal(self.slots):
             self.fatal.set()
 
@@ -304,15 +291,15 @@ class Pool(Ownership):
                         self._spawn(slot)
             self._check_hangs(now)
             reap_orphans(w.pid for w in self.workers.values())
-            if now >= next_poll or self._poked.is_set():
-                self._poked.clear()
+            if now >= next_poll or self._wanted.is_set():
+                self._wanted.clear()
                 next_poll = now + POLL
                 try:
-                    await self.dispatch()
+                    await self.ownership.dispatch()
                 except Exception:
                     self.log.exception("dispatch failed; trying again")
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._poked.wait(), TICK)
+                await asyncio.wait_for(self._wanted.wait(), TICK)
 
     def _check_hangs(self, now: float) -> None:
         limit = self.config.pool.hang_timeout
@@ -322,7 +309,7 @@ class Pool(Ownership):
             silent = now - worker.last_heartbeat
             if worker.aborted_at is not None:
                 if now - worker.aborted_at >= ABORT_GRACE:
-                    self._signal(worker, signal.SIGKILL)
+                    send_signal(worker.pid, signal.SIGKILL)
             elif silent > (limit if worker.ready else max(limit, START_TIMEOUT)):
                 self.log.error(
                     "worker {} sent no heartbeat for {:.1f} s: hung; aborting it",
@@ -330,11 +317,7 @@ class Pool(Ownership):
                     silent,
                 )
                 worker.aborted_at = now
-                self._signal(worker, signal.SIGABRT)
-
-    def _signal(self, worker: Worker, signum: int) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(worker.pid, signum)
+                send_signal(worker.pid, signal.SIGABRT)
 
     def _background(self, work: Coroutine[Any, Any, Any]) -> None:
         task = asyncio.create_task(work)
@@ -346,54 +329,9 @@ class Pool(Ownership):
         if not task.cancelled() and (exc := task.exception()) is not None:
             self.log.warning("background work failed: {!r}", exc)
 
-    # --- control plane --------------------------------------------------------------
+    # --- what workers say -----------------------------------------------------------
 
-    async def _receive(self) -> None:
-        while True:
-            route, *frames = await self.router.recv_multipart()
-            try:
-                self._on_frames(route, frames)
-            except Exception:
-                self.log.exception("control plane: a message could not be handled; going on")
-
-    def _on_frames(self, route: bytes, frames: list[bytes]) -> None:
-        worker = self.routes.get(route)
-        if worker is None:
-            if route not in self._buried and not self.refusals.seen(route):
-                reason = control.stranger(route, frames, self._secret_of)
-                self._refuse(f"peer {control.printable(route)}", route, reason)
-            return
-        if worker.replacing:
-            return
-        try:
-            message = control.decode(frames, control.WORKER_MESSAGES)
-            control.check_sender(message, worker.identity, worker.secret, worker.pid)
-        except control.ProtocolError as exc:
-            if worker.hello:
-                self._replace(worker, str(exc))
-            else:
-                self._refuse(f"worker {worker.identity}", route, f"{exc} (before its hello)")
-            return
-        if not worker.hello and not isinstance(message, control.Hello):
-            self._refuse(f"worker {worker.identity}", route, f"a {message.type} before its hello")
-            return
-        self._handle(worker, message)
-
-    def _secret_of(self, name: str) -> str | None:
-        worker = self.workers.get(name)
-        return worker.secret if worker is not None else None
-
-    def _refuse(self, who: str, route: bytes, reason: str) -> None:
-        unlogged = self.refusals.first(route)
-        if unlogged is not None:
-            self.log.warning(
-                "control plane: refused {}: {}; dropping what it sends{}",
-                who,
-                reason,
-                f" ({unlogged} more refused peers not logged)" if unlogged else "",
-            )
-
-    def _replace(self, worker: Worker, cause: str) -> None:
+    def _replace(self, worker: WorkerHandle, cause: str) -> None:
         worker.replacing = True
         self.log.error(
             "worker {} (pid {}) sent a malformed message ({}); replacing it",
@@ -401,9 +339,9 @@ class Pool(Ownership):
             worker.pid,
             cause,
         )
-        self._signal(worker, signal.SIGKILL)  # its sessions are adopted as after a crash
+        send_signal(worker.pid, signal.SIGKILL)  # its sessions are adopted as after a crash
 
-    def _handle(self, worker: Worker, message: control.FromWorker) -> None:
+    def _handle(self, worker: WorkerHandle, message: control.FromWorker) -> None:
         worker.last_heartbeat = self.clock()
         match message:
             case control.Hello():
@@ -422,23 +360,10 @@ class Pool(Ownership):
                 for callback in self.on_event:
                     callback(message.session, {"seq": message.seq, "type": message.event_type})
             case control.Released() | control.LeaseLost():
-                session_id = message.session
-                worker.sessions.discard(session_id)
-                if self.assigned.get(session_id) is worker:
-                    del self.assigned[session_id]
-                    if message.type == "released" and not self.stopping:
-                        self._background(self._adopt([session_id], reason="handoff"))
-
-    def send(self, worker: Worker, type: str, **fields: Any) -> bool:
-        """Send a control message; False if the worker is not connected (any more)."""
-        try:
-            self.router.send_multipart(
-                [worker.route, control.encode(type, **fields)], flags=zmq.NOBLOCK
-            )
-            return True
-        except zmq.ZMQError as exc:
-            self.log.warning("control plane: cannot send {} to {}: {}", type, worker.identity, exc)
-            return False
+                owned = self.ownership.let_go(worker, message.session)
+                if owned and message.type == "released" and not self.stopping:
+                    handoff = self.ownership.adopt([message.session], AssignReason.HANDOFF)
+                    self._background(handoff)
 
     # --- rolling restart ------------------------------------------------------------
 
@@ -455,41 +380,15 @@ class Pool(Ownership):
             new = self.current[slot.index]
             deadline = self.clock() + timeout
             while not new.ready and new.alive and self.clock() < deadline:
-                await asyncio.sleep(0.05)
+                await self.timer.sleep(0.05)
             for session_id in list(old.sessions):
-                self.send(old, "release", session=session_id)
+                self.plane.send(old, "release", session=session_id)
             while old.sessions and old.alive and self.clock() < deadline:
-                await asyncio.sleep(0.05)
+                await self.timer.sleep(0.05)
             old.stop_requested = True
-            self.send(old, "stop")
+            self.plane.send(old, "stop")
             while old.alive and self.clock() < deadline:
-                await asyncio.sleep(0.05)
+                await self.timer.sleep(0.05)
             if old.alive:
-                self._signal(old, signal.SIGKILL)
+                send_signal(old.pid, signal.SIGKILL)
         self.log.info("rolling restart done")
-
-
-def _resource_tracker() -> int | None:
-    """The pid of multiprocess's resource tracker, a helper process that spawn starts."""
-    tracker = getattr(multiprocess.resource_tracker, "_resource_tracker", None)
-    pid = getattr(tracker, "_pid", None)
-    return pid if isinstance(pid, int) else None
-
-
-def _stop_resource_tracker() -> None:
-    # It ignores SIGTERM by design and exits when every holder of its pipe (we and the
-    # workers) has closed it; with the workers gone, closing ours ends it, and _stop reaps it.
-    tracker = getattr(multiprocess.resource_tracker, "_resource_tracker", None)
-    with contextlib.suppress(Exception):
-        tracker._stop()  # type: ignore[union-attr]
-
-
-def _describe_exit(code: int | None) -> str:
-    if code is None:
-        return "an unknown status"
-    if code < 0:
-        try:
-            return f"signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"signal {-code}"
-    return f"code {code}"

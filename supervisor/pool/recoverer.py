@@ -1,18 +1,18 @@
 """Recovery at work: the breaker, the boot scan and the retry timer, and each decision
 carried out.
 
-The rules live in `supervisor.core.breaker` and `supervisor.core.recovery` (pure code, tested on
-their own). This module looks the facts up, asks those rules, does what they say and
-logs every decision under subsystem `recovery` with the session id and the reason.
+The rules live in `supervisor.core` (pure code, tested on their own): `breaker`,
+`recovery` (the decision table), `tail` (how a turn stands) and `engine` (when the pool
+asks for a judgement). This module looks the facts up, asks those rules, does what they
+say and logs every decision under subsystem `recovery` with the session id and reason.
+What it remembers of a session during a boot is one `engine.Memory` record.
 
 Who triggers what:
-- the pool, when a session with a turn in flight has no live owner: a worker of this
-  boot died (WORKER_DEATH), a user message is queued (USER_MESSAGE), a request touched the
-  session (FIRST_TOUCH), or the boot scan or the retry timer picked it;
+- the pool, when the engine plans a `Judge` (a worker of this boot died, a user message
+  is queued, a request touched the session, or the boot scan or retry timer picked it);
 - the boot scan, once the HTTP listener is up: sessions interrupted before this boot that
   nobody touches, oldest first, at most `max_per_boot`, written to the boot row first;
-- the retry timer, every `retry_interval`: the same guarded pass, for attempts that
-  failed transiently;
+- the retry timer, every `retry_interval`: the same guarded pass;
 - the breaker loop, every few seconds: re-reads the boot log, so the breaker clears when
   the window drains or after `turnkeeper breaker reset`, and then runs the boot scan that
   it suppressed.
@@ -23,16 +23,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
-from datetime import UTC, datetime
+from dataclasses import dataclass, replace
 from typing import Any
 
+from supervisor.contract.clock import SYSTEM, Clock
 from supervisor.contract.config import Config
-from supervisor.contract.control import CAUSE_TEXT
 from supervisor.contract.logs import log
-from supervisor.core import autonomy, breaker, recovery
-from supervisor.core.recovery import Action, Decision, Interruption, TailClass, Trigger
+from supervisor.core import autonomy, breaker, engine, recovery
+from supervisor.core.engine import Memory, SessionView
+from supervisor.core.notices import notice
+from supervisor.core.recovery import Action, Decision, Interruption, Trigger
 from supervisor.http.metrics import Metrics
 from supervisor.store import EventRecord, SessionInfo, Store
 
@@ -40,8 +40,6 @@ BREAKER_CHECK = 2.0  # seconds between readings of the boot log
 TAIL_EVENTS = 200  # events read to classify a turn's tail
 NOT_EVALUATED = "not evaluated yet"
 RUN_TAIL = 20  # events read to find an autonomous run's newest checkpoint
-
-RESEND = "Please send your message again."
 
 
 @dataclass(frozen=True)
@@ -64,7 +62,7 @@ class Recoverer:
         host: str,
         metrics: Metrics,
         *,
-        clock: Callable[[], float] | None = None,
+        clock: Clock = SYSTEM,
     ) -> None:
         self.config = config
         self.settings = config.recovery
@@ -75,18 +73,15 @@ class Recoverer:
         self.metrics = metrics
         # Decisions compare with events' times, which workers stamp from the wall clock;
         # the breaker reads boot rows, stamped by the database clock, in a thread.
-        self.clock = clock or time.time
+        self.timer = clock  # the breaker loop's and the retry timer's waits
+        self.clock = clock.time
         self.breaker = breaker.BreakerState(False, 0, NOT_EVALUATED)
-        self.touched: set[str] = set()  # sessions a request touched (first touch)
-        self.died: set[str] = set()  # sessions whose worker died during this boot
-        self.picked: dict[str, Trigger] = {}  # chosen by the boot scan or the retry timer
-        self.due: dict[str, float] = {}  # session -> when its next attempt may start
-        self.quiet: dict[str, tuple[Any, ...]] = {}  # SKIPs already logged, by session
+        self.memory: dict[str, Memory] = {}  # what this boot remembers, by session
         self.attempted: list[str] = []  # this boot's `attempted` list, as written
         self.scanned = False  # the boot scan ran (not suppressed)
-        self.poke: Callable[[], None] = lambda: None
-        self._last_attempt: dict[tuple[str, str], float] = {}
-        self._settled: dict[str, tuple[Any, ...]] = {}  # SKIPs not worth judging again
+        # Set when recovery has work for the pool (picked sessions, a resumed run): the
+        # pool's dispatch waits on it.
+        self.wanted = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self.log = log("recovery")
 
@@ -116,7 +111,8 @@ class Recoverer:
             self.log.log(
                 level, "breaker {}: {}", "TRIPPED" if state.tripped else "clear", state.reason
             )
-            self.quiet.clear()
+            for memory in self.memory.values():
+                memory.quiet = None
             with contextlib.suppress(Exception):
                 self.store.boots.set_breaker(self.boot_id, self.breaker_dict())
         self.metrics.breaker_tripped.set(1 if state.tripped else 0)
@@ -160,7 +156,7 @@ class Recoverer:
     async def _breaker_loop(self) -> None:
         await self.scan(Trigger.BOOT_SCAN)
         while True:
-            await asyncio.sleep(BREAKER_CHECK)
+            await self.timer.sleep(BREAKER_CHECK)
             was = self.breaker.tripped
             await asyncio.to_thread(self.evaluate_breaker)
             if was and not self.breaker.tripped and not self.scanned:
@@ -168,7 +164,7 @@ class Recoverer:
 
     async def _retry_loop(self) -> None:
         while True:
-            await asyncio.sleep(self.settings.retry_interval)
+            await self.timer.sleep(self.settings.retry_interval)
             await self.scan(Trigger.RETRY_TIMER)
 
     # --- the guarded pass -----------------------------------------------------------
@@ -182,16 +178,14 @@ class Recoverer:
 
     async def _scan(self, trigger: Trigger) -> None:
         sessions = await asyncio.to_thread(self.store.sessions.with_work)
+        rows = {info.id: info for info in sessions}
+        facts = engine.Facts(
+            self.owner_prefix, self.host + "/", self.config.pool.heartbeat_interval
+        )
+        views = [SessionView.of(info) for info in sessions]
         judged: list[tuple[SessionInfo, Judged]] = []
-        for info in sessions:
-            if info.active_turn_id is None or info.id in self.picked:
-                continue
-            if info.owner and not info.owner.startswith(self.host + "/"):
-                continue  # another host's session: its lease decides (the pool adopts)
-            if info.owner and info.owner.startswith(self.owner_prefix + "/"):
-                continue  # a worker of this boot runs it, or died with it: the pool's call
-            own = Trigger.AUTONOMOUS_RESUME if info.kind == "autonomous" else trigger
-            judged.append((info, await self.judge(info, own)))
+        for view, own in engine.scan_targets(views, self.memory, facts, trigger):
+            judged.append((rows[view.id], await self.judge(rows[view.id], own)))
         held = await self._resume_runs(trigger)
         continuing = [(i.id, j.facts.interrupted_at) for i, j in judged if j.decision.charged]
         plan = recovery.boot_scan_plan(continuing, self.settings.max_per_boot)
@@ -214,10 +208,10 @@ class Recoverer:
                 return
             self.attempted += plan
         for session_id in plan:
-            self.picked[session_id] = trigger
+            self._memory(session_id).picked = trigger
         for info, j in judged:
             if j.decision.action is Action.DRIVE_WITH_QUEUED_MESSAGE:
-                self.poke()  # the pool hands it to a worker, as for any queued message
+                self.wanted.set()  # the pool hands it to a worker, as for any queued message
             elif not j.decision.charged:
                 await self.carry_out(info, j)
         left = len(continuing) - len(plan)
@@ -230,7 +224,7 @@ class Recoverer:
             f", {suppressed} suppressed by the breaker" if suppressed else "",
         )
         if plan:
-            self.poke()
+            self.wanted.set()
 
     async def _resume_runs(self, trigger: Trigger) -> int:
         """Autonomous runs that stopped between turns (no turn in flight) go on by
@@ -251,8 +245,8 @@ class Recoverer:
             if self.breaker.tripped:
                 held += 1
                 key = ("autonomous resume suppressed", trigger)
-                if self.quiet.get(info.id) != key:
-                    self.quiet[info.id] = key
+                if self._memory(info.id).quiet != key:
+                    self._memory(info.id).quiet = key
                     self.metrics.recovery.labels("resume_run", "daemon_restart", "suppressed").inc()
                     log("recovery", session=info.id).warning(
                         "breaker tripped: autonomous resume suppressed"
@@ -269,40 +263,27 @@ class Recoverer:
             log("recovery", session=info.id).info(
                 "autonomous run resumed after {} turns", checkpoint.get("turns", 0)
             )
-            self.poke()
+            self.wanted.set()
         return held
 
-    def trigger_for(self, info: SessionInfo, owner_prefix: str) -> Trigger | None:
-        """Why the pool should look at this ownerless session with a turn in flight."""
-        if info.pending:
-            return Trigger.USER_MESSAGE
-        if info.id in self.died or (info.owner or "").startswith(owner_prefix + "/"):
-            return Trigger.WORKER_DEATH
-        if info.owner and not info.owner.startswith(self.host + "/"):
-            return Trigger.WORKER_DEATH  # another host's lease ran out: it stopped
-        if info.id in self.touched:
-            return Trigger.FIRST_TOUCH
-        return self.picked.get(info.id)
+    def touch(self, session_id: str) -> bool:
+        """A request touched the session (first touch); True the first time."""
+        memory = self._memory(session_id)
+        first, memory.touched = not memory.touched, True
+        return first
 
-    def settled(self, info: SessionInfo, trigger: Trigger) -> bool:
-        """True when the session was judged SKIP and nothing it was judged on changed."""
-        return self._settled.get(info.id) == self._key(info, trigger)
+    def died(self, session_ids: list[str]) -> None:
+        """The worker of these sessions died during this boot."""
+        for session_id in session_ids:
+            self._memory(session_id).died = True
 
-    def _key(self, info: SessionInfo, trigger: Trigger) -> tuple[Any, ...]:
-        return (
-            info.last_seq,
-            info.pending,
-            info.owner,
-            info.lease_token,
-            info.status,
-            trigger,
-            self.breaker.tripped,
-        )
+    def assigned(self, session_id: str) -> None:
+        """The pool gave the session a new owner: its old owner's death is history."""
+        if session_id in self.memory:
+            self.memory[session_id].died = False
 
-    def waiting(self, session_id: str, now: float) -> bool:
-        """True while the session's next attempt is not due yet."""
-        due = self.due.get(session_id)
-        return due is not None and now < due
+    def _memory(self, session_id: str) -> Memory:
+        return self.memory.setdefault(session_id, Memory())
 
     # --- judging --------------------------------------------------------------------
 
@@ -317,26 +298,16 @@ class Recoverer:
     def facts(
         self, info: SessionInfo, events: list[EventRecord], trigger: Trigger, now: float
     ) -> Interruption:
-        turn = info.active_turn_id
-        tail = recovery.classify_tail(events, turn) if turn else TailClass.ANSWERED
-        own = [e for e in events if e.turn_id == turn]
-        last = own[-1] if own else (events[-1] if events else None)
-        notes = [e.created_at for e in own if e.type == "continuation"]
-        started = [t for t in (self._last_attempt.get((info.id, turn or "")), *notes) if t]
-        charged = info.attempt_turn_id == turn and turn is not None
-        lease_expired = info.lease_expires_at is not None and info.lease_expires_at < now
-        other_host = bool(info.owner) and not (info.owner or "").startswith(self.host + "/")
-        return Interruption(
-            active_turn_id=turn,
-            tail=tail,
-            interrupted_at=last.created_at if last else info.updated_at,
-            status=info.status,
-            lease_live=other_host and not lease_expired,
-            lease_other_host=other_host,
-            queued_user_message=info.pending,
-            attempts=max(0, info.attempt_count - 1) if charged else 0,
-            last_attempt_at=max(started) if started else None,
-            cause=recovery.cause_of(tail, trigger, lease_expired and info.id not in self.died),
+        memory = self.memory.get(info.id, Memory())
+        attempt = memory.last_attempt
+        return recovery.interruption(
+            info,
+            events,
+            trigger,
+            now,
+            host_prefix=self.host + "/",
+            last_attempt_at=attempt[1] if attempt and attempt[0] == info.active_turn_id else None,
+            died=memory.died,
         )
 
     # --- carrying out ---------------------------------------------------------------
@@ -350,11 +321,8 @@ class Recoverer:
         if count is None:
             self._count(j, "skipped")
             return False
-        self._last_attempt[info.id, info.active_turn_id] = self.clock()
-        self.due.pop(info.id, None)
-        self.picked.pop(info.id, None)
-        self.quiet.pop(info.id, None)
-        self._settled.pop(info.id, None)
+        memory = self._memory(info.id)
+        self.memory[info.id] = engine.charged(memory, info.active_turn_id, self.clock())
         self.metrics.recovery_age.observe(max(0.0, self.clock() - j.facts.interrupted_at))
         self._count(j, "started")
         self._log(info, j).info("{}", j.decision.reason)
@@ -364,7 +332,9 @@ class Recoverer:
         """An attempt that was charged but never handed to a worker is given back."""
         assert info.active_turn_id is not None
         await asyncio.to_thread(self.store.sessions.refund_attempt, info.id, info.active_turn_id)
-        self._last_attempt.pop((info.id, info.active_turn_id), None)
+        memory = self._memory(info.id)
+        if memory.last_attempt and memory.last_attempt[0] == info.active_turn_id:
+            memory.last_attempt = None
         self.metrics.recovery_refunds.inc()
         self._log(info, j).info("attempt refunded: no worker took the session")
 
@@ -373,62 +343,42 @@ class Recoverer:
         d, f = j.decision, j.facts
         if d.action in (Action.CONTINUE, Action.DRIVE_WITH_QUEUED_MESSAGE):
             raise ValueError(f"{d.action.value} is the pool's to carry out")
+        memory = self._memory(info.id)
         if d.action is Action.SKIP:
-            self._settled[info.id] = self._key(info, j.trigger)
+            memory.settled = engine.settled_key(
+                SessionView.of(info), j.trigger, self.breaker.tripped
+            )
             key = (d.reason, j.trigger)
-            if self.quiet.get(info.id) != key:
-                self.quiet[info.id] = key
+            if memory.quiet != key:
+                memory.quiet = key
                 self._count(j, "suppressed" if d.suppressed else "skipped")
                 self._log(info, j).log("WARNING" if d.suppressed else "INFO", "{}", d.reason)
             return
         if d.action is Action.CONTINUE_AT:
             assert d.at is not None
-            if self.due.get(info.id) != d.at:
-                self.due[info.id] = d.at
+            if memory.due != d.at:
+                memory.due = d.at
                 self._count(j, "scheduled")
                 self._log(info, j).info("{}", d.reason)
             return
-        if d.action is Action.FINALIZE_STALE:
-            text = (
-                f"This turn was interrupted ({_cause_text(f.cause)}) at {_when(f.interrupted_at)}, "
-                f"longer ago than recovery continues turns by itself. {RESEND}"
-            )
-            outcome = "finalized"
-        elif d.quarantine:
-            text = (
-                f"This turn was interrupted ({_cause_text(f.cause)}) and each of the "
-                f"{f.attempts} attempts to continue it failed, so this session is "
-                "quarantined: it will not be run again by itself. An operator can lift this "
-                f"with `turnkeeper sessions release {info.id}`; then {RESEND[0].lower()}"
-                f"{RESEND[1:]}"
-            )
-            outcome = "quarantined"
-        else:
-            text = (
-                f"This turn was interrupted ({_cause_text(f.cause)}) at a point where going "
-                f"on by itself would not be safe. {RESEND}"
-            )
-            outcome = "noticed"
-        reason = {"finalized": "stale", "quarantined": "quarantined"}.get(outcome, "unsafe_tail")
+        told = notice(d, f, info.id)
         assert info.active_turn_id is not None
         done = await asyncio.to_thread(
             self.store.sessions.finalize,
             info.id,
             info.active_turn_id,
-            text,
-            reason,
+            told.text,
+            told.reason,
             quarantine=d.quarantine,
         )
-        self._count(j, outcome if done else "skipped")
+        self._count(j, told.outcome if done else "skipped")
         level = "ERROR" if d.quarantine else "WARNING"
         self._log(info, j).log(level, "{}{}", d.reason, "" if done else " (turn moved on)")
-        self.due.pop(info.id, None)
-        self.picked.pop(info.id, None)
+        memory.due, memory.picked = None, None
 
     def drive(self, info: SessionInfo, j: Judged) -> None:
         """A queued user message drives the next turn (the pool assigns it)."""
-        self.due.pop(info.id, None)
-        self.picked.pop(info.id, None)
+        self.memory[info.id] = replace(self._memory(info.id), due=None, picked=None)
         self._count(j, "started")
         self._log(info, j).info("{}", j.decision.reason)
 
@@ -442,11 +392,3 @@ class Recoverer:
             action=j.decision.action.value,
             trigger=j.trigger.value,
         )
-
-
-def _cause_text(cause: str) -> str:
-    return CAUSE_TEXT.get(cause, cause)
-
-
-def _when(at: float) -> str:
-    return datetime.fromtimestamp(at, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")

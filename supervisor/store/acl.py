@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import peewee
 
+from supervisor.core.vocabulary import EventType, Permission, Writer
 from supervisor.store.db import run_write
 from supervisor.store.errors import SessionNotFound
 from supervisor.store.eventlog import make_request, write_events
 from supervisor.store.models import Session, SessionACL
 
-PERMISSIONS = ("read", "write", "admin")  # each includes the ones before it
+PERMISSIONS = tuple(Permission)  # each includes the ones before it
 
 
 class Acl:
@@ -34,9 +35,9 @@ class Acl:
     def _change(self, session_id: str, principal: str, permission: str | None, by: str) -> int:
         event = make_request(
             session_id,
-            "acl",
+            EventType.ACL,
             {"principal": principal, "permission": permission, "by": by},
-            writer="supervisor",
+            writer=Writer.SUPERVISOR,
         )
 
         def work() -> int:
@@ -64,11 +65,6 @@ class Acl:
             .scalar()
         )
         return value
-
-    def allows(self, session_id: str, principal: str, needed: str) -> bool:
-        """Whether `principal` holds `needed` or a stronger permission."""
-        held = self.permission(session_id, principal)
-        return held is not None and PERMISSIONS.index(held) >= PERMISSIONS.index(needed)
 
     def entries(self, session_id: str) -> dict[str, str]:
         """Every principal's permission on the session."""

@@ -10,10 +10,11 @@ from typing import Any
 
 import peewee
 
+from supervisor.core.vocabulary import BootOutcome
 from supervisor.store.db import db_now, run_write
 from supervisor.store.models import AgentBootLog, ChildProcess
 
-OUTCOMES = ("clean", "unclean", "startup_failed")
+OUTCOMES = tuple(BootOutcome)
 
 
 @dataclass(frozen=True)

@@ -17,14 +17,13 @@ import json
 import queue
 import threading
 import time
-import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
 
 import peewee
 
-from supervisor.store.db import backend, run_write
+from supervisor.store.db import run_write
 from supervisor.store.errors import (
     IdempotencyConflict,
     LeaseLost,
@@ -43,6 +42,7 @@ from supervisor.store.events import (
     make_request,
 )
 from supervisor.store.models import Event, IntakeKey
+from supervisor.store.statements import sql_for
 
 __all__ = [
     "EVENT_TYPES",
@@ -58,70 +58,6 @@ __all__ = [
 
 # Commit at most this many appends in one transaction; the rest wait for the next one.
 MAX_BATCH = 512
-
-
-_ROW_COLUMNS = (
-    "last_seq",
-    "lease_token",
-    "pending",
-    "active_turn_id",
-    "attempt_turn_id",
-    "attempt_count",
-    "resend_requested_at",
-)
-_EVENT_COLUMNS = (
-    "session_id",
-    "seq",
-    "type",
-    "turn_id",
-    "payload",
-    "created_at",
-    "writer",
-    "lease_token",
-)
-
-
-class _Sql:
-    """The append statements for one database, built once: the hot path builds no query."""
-
-    def __init__(self, db: peewee.Database) -> None:
-        self.kind = backend(db)
-        p = self.p = db.param
-        q = db.quote
-        self.session = f"{q[0]}session{q[1]}"
-        self.insert = (
-            f"INSERT INTO {q[0]}event{q[1]} ({', '.join(_EVENT_COLUMNS)}) "
-            f"VALUES ({', '.join([p] * len(_EVENT_COLUMNS))})"
-        )
-        self.insert_key = (
-            f"INSERT INTO {q[0]}intake_key{q[1]} (session_id, {q[0]}key{q[1]}, seq, digest) "
-            f"VALUES ({p}, {p}, {p}, {p})"
-        )
-        settable = [c for c in _ROW_COLUMNS if c != "lease_token"]
-        self.update = (
-            f"UPDATE {self.session} SET {', '.join(f'{c} = {p}' for c in settable)}, "
-            f"updated_at = {p} WHERE id = {p}"
-        )
-
-    def lock_rows(self, count: int) -> str:
-        """Read (and on servers, lock in id order) the session rows a batch appends to."""
-        sql = (
-            f"SELECT id, {', '.join(_ROW_COLUMNS)} FROM {self.session} "
-            f"WHERE id IN ({', '.join([self.p] * count)}) ORDER BY id"
-        )
-        # SQLite's BEGIN IMMEDIATE already excludes every other writer.
-        return sql if self.kind == "sqlite" else sql + " FOR UPDATE"
-
-
-# Keyed by the database object itself: an id() can be reused by a later database.
-_statements: weakref.WeakKeyDictionary[peewee.Database, _Sql] = weakref.WeakKeyDictionary()
-
-
-def _sql_for(db: peewee.Database) -> _Sql:
-    sql = _statements.get(db)
-    if sql is None:
-        sql = _statements[db] = _Sql(db)
-    return sql
 
 
 def write_events(db: peewee.Database, requests: Sequence[AppendRequest]) -> list[int | StoreError]:
@@ -154,7 +90,7 @@ def write_events(db: peewee.Database, requests: Sequence[AppendRequest]) -> list
             first_with_key[key] = i
         todo.append(i)
 
-    sql = _sql_for(db)
+    sql = sql_for(db)
     session_ids = sorted({requests[i].session_id for i in todo})
     rows: dict[str, SessionRow] = {}
     if session_ids:

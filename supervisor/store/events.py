@@ -11,22 +11,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-EVENT_TYPES = frozenset(
-    {
-        "user_message",
-        "turn_started",
-        "model_response",
-        "tool_call",
-        "tool_result",
-        "turn_ended",
-        "repair",
-        "continuation",
-        "checkpoint",
-        "notice",
-        "acl",
-    }
-)
-WRITERS = frozenset({"worker", "boot", "intake", "supervisor", "cli"})
+from supervisor.core.vocabulary import TURN_EVENTS, EventType, Writer
+
+EVENT_TYPES = frozenset(EventType)
+WRITERS = frozenset(Writer)
 
 
 @dataclass(frozen=True)
@@ -103,7 +91,7 @@ def make_request(
     *,
     token: int | None = None,
     turn_id: str | None = None,
-    writer: str = "worker",
+    writer: str = Writer.WORKER,
     idempotency_key: str | None = None,
     idempotency_digest: str | None = None,
     created_at: float | None = None,
@@ -144,15 +132,12 @@ def make_request(
 
 
 def _read_to(type: str, payload: dict[str, Any]) -> int | None:
-    value = payload.get("read_to") if type == "turn_started" else None
+    value = payload.get("read_to") if type == EventType.TURN_STARTED else None
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"turn_started read_to must be a seq (a whole number), not {value!r}")
     return value
-
-
-TURN_EVENTS = frozenset({"turn_started", "turn_ended", "continuation"})
 
 
 @dataclass
@@ -183,13 +168,13 @@ def advance(row: SessionRow, event: AppendRequest) -> None:
     dies before its note was still charged.
     """
     row.last_seq += 1
-    if event.type == "user_message":
+    if event.type == EventType.USER_MESSAGE:
         row.pending = True
         row.resend_requested_at = None
-    elif event.type == "turn_started":
+    elif event.type == EventType.TURN_STARTED:
         row.pending = False
         row.active_turn_id = event.turn_id
         row.attempt_turn_id, row.attempt_count = event.turn_id, 1
-    elif event.type == "turn_ended":
+    elif event.type == EventType.TURN_ENDED:
         row.active_turn_id = None
         row.attempt_turn_id, row.attempt_count = None, 0

@@ -12,12 +12,21 @@ from typing import Any
 
 import peewee
 
+from supervisor.core.vocabulary import (
+    EventType,
+    Permission,
+    SessionCount,
+    SessionKind,
+    SessionStatus,
+    TurnOutcome,
+    Writer,
+)
 from supervisor.store.db import run_write
 from supervisor.store.errors import SessionNotFound
 from supervisor.store.eventlog import make_request, write_events
 from supervisor.store.models import Session, SessionACL
 
-KINDS = ("attached", "channel", "autonomous", "subagent")
+KINDS = tuple(SessionKind)
 QUARANTINE_NOTICE = (
     "This session is quarantined: its turn failed every time it was run, so "
     "it will not be run again by itself. An operator can lift this with "
@@ -83,7 +92,7 @@ class Sessions:
         self,
         principal: str,
         *,
-        kind: str = "attached",
+        kind: str = SessionKind.ATTACHED,
         title: str = "",
         agent: str = "",
         parent: str | None = None,
@@ -108,10 +117,12 @@ class Sessions:
                 created_at=now,
                 updated_at=now,
             ).execute()
-            SessionACL.insert(session=session_id, principal=principal, permission="admin").execute()
+            SessionACL.insert(
+                session=session_id, principal=principal, permission=Permission.ADMIN
+            ).execute()
             for outcome in write_events(
                 self._db,
-                [make_request(session_id, t, p, writer="intake") for t, p in events],
+                [make_request(session_id, t, p, writer=Writer.INTAKE) for t, p in events],
             ):
                 if isinstance(outcome, Exception):
                     raise outcome
@@ -129,25 +140,30 @@ class Sessions:
     def with_work(self, limit: int = 1000) -> list[SessionInfo]:
         """Open sessions that need a turn (pending input) or have a turn in flight.
 
-        Both columns are indexed, so this costs what it returns, not the number of
-        sessions stored.
+        Pending sessions come first, oldest first, then the others with a turn in
+        flight, oldest first: user input is never crowded out of the `limit` by a backlog
+        of interrupted turns. Both columns are indexed, so this costs what it returns,
+        not the number of sessions stored.
         """
-        query = (
-            Session.select()
-            .where(Session.pending | Session.active_turn_id.is_null(False))
-            .where(Session.status == "open")
-            .order_by(Session.updated_at)
-            .limit(limit)
-        )
-        return [_info(row) for row in query]
+        open_ = Session.status == "open"
+        pending = Session.select().where(Session.pending, open_)
+        rows = list(pending.order_by(Session.updated_at, Session.id).limit(limit))
+        if len(rows) < limit:
+            running = Session.select().where(
+                ~Session.pending, Session.active_turn_id.is_null(False), open_
+            )
+            seen = {row.id for row in rows}  # a turn may have started between the reads
+            more = running.order_by(Session.updated_at, Session.id).limit(limit - len(rows))
+            rows += [row for row in more if row.id not in seen]
+        return [_info(row) for row in rows]
 
     def idle_autonomous(self, limit: int = 1000) -> list[SessionInfo]:
         """Open autonomous sessions with no turn in flight and no input waiting."""
         query = (
             Session.select()
             .where(
-                (Session.kind == "autonomous")
-                & (Session.status == "open")
+                (Session.kind == SessionKind.AUTONOMOUS)
+                & (Session.status == SessionStatus.OPEN)
                 & ~Session.pending
                 & Session.active_turn_id.is_null()
             )
@@ -190,20 +206,20 @@ class Sessions:
             events = [
                 make_request(
                     session_id,
-                    "notice",
+                    EventType.NOTICE,
                     {"text": notice, "reason": reason, "resend": True},
                     turn_id=row.active_turn_id,
-                    writer="supervisor",
+                    writer=Writer.SUPERVISOR,
                 )
             ]
             if row.active_turn_id:
                 events.append(
                     make_request(
                         session_id,
-                        "turn_ended",
-                        {"outcome": "failed", "reason": reason},
+                        EventType.TURN_ENDED,
+                        {"outcome": TurnOutcome.FAILED, "reason": reason},
                         turn_id=row.active_turn_id,
-                        writer="supervisor",
+                        writer=Writer.SUPERVISOR,
                     )
                 )
             for outcome in write_events(self._db, events):
@@ -217,7 +233,7 @@ class Sessions:
             changes[Session.resend_requested_at] = time.time()
             if quarantine:
                 changes |= {
-                    Session.status: "quarantined",
+                    Session.status: SessionStatus.QUARANTINED,
                     Session.quarantined_at: time.time(),
                     Session.quarantine_reason: reason,
                 }
@@ -279,10 +295,10 @@ class Sessions:
                 return None
             event = make_request(
                 session_id,
-                "turn_ended",
-                {"outcome": "interrupted_by_operator", "by": by},
+                EventType.TURN_ENDED,
+                {"outcome": TurnOutcome.INTERRUPTED_BY_OPERATOR, "by": by},
                 turn_id=row.active_turn_id,
-                writer="intake",
+                writer=Writer.INTAKE,
             )
             (outcome,) = write_events(self._db, [event])
             if isinstance(outcome, Exception):
@@ -309,13 +325,13 @@ class Sessions:
         def work() -> bool:
             updated = (
                 Session.update(
-                    status="open",
+                    status=SessionStatus.OPEN,
                     quarantined_at=None,
                     quarantine_reason=None,
                     attempt_turn_id=None,
                     attempt_count=0,
                 )
-                .where((Session.id == session_id) & (Session.status == "quarantined"))
+                .where((Session.id == session_id) & (Session.status == SessionStatus.QUARANTINED))
                 .execute()
             )
             if not updated:
@@ -327,12 +343,12 @@ class Sessions:
                 [
                     make_request(
                         session_id,
-                        "notice",
+                        EventType.NOTICE,
                         {
                             "text": f"The quarantine was lifted by {by}. "
                             "Send your message again to go on."
                         },
-                        writer="supervisor",
+                        writer=Writer.SUPERVISOR,
                     )
                 ],
             )
@@ -343,14 +359,14 @@ class Sessions:
     def counts(self) -> dict[str, int]:
         """Sessions by state: open, quarantined, closed; running (a turn in flight) and
         pending (input waiting for a turn) among the open ones."""
-        counts = {"open": 0, "quarantined": 0, "closed": 0}
+        counts: dict[str, int] = {status: 0 for status in SessionStatus}
         query = Session.select(Session.status, peewee.fn.COUNT(Session.id)).group_by(Session.status)
         rows: list[tuple[str, int]] = list(query.tuples())  # type: ignore[arg-type]
         for status, number in rows:
             counts[status] = int(number)
-        open_ = Session.select().where(Session.status == "open")
-        counts["running"] = open_.where(Session.active_turn_id.is_null(False)).count()
-        counts["pending"] = open_.where(Session.pending).count()
+        open_ = Session.select().where(Session.status == SessionStatus.OPEN)
+        counts[SessionCount.RUNNING] = open_.where(Session.active_turn_id.is_null(False)).count()
+        counts[SessionCount.PENDING] = open_.where(Session.pending).count()
         return counts
 
     def list(self, principal: str | None = None, limit: int = 100) -> list[SessionInfo]:

@@ -1,0 +1,45 @@
+"""The backoff policy: how long to wait before starting again something that crashed.
+
+One policy for the worker slots (`supervisor.core.slots`) and the MCP servers of a worker
+(`workers.mcp`). Pure: the caller counts the crashes and passes them in.
+
+Rules
+-----
+- After the n-th crash in a row the wait is `min(cap, initial * factor ** (n - 1))`: with
+  the defaults 0.5, 1, 2, 4, 8, 16, 30, 30, ... seconds.
+- A run that lasted `healthy_after` seconds forgives the crashes before it: the next crash
+  counts as the first one again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """The waits between restarts of something that keeps crashing."""
+
+    initial: float = 0.5  # wait after the first crash, in seconds
+    factor: float = 2.0  # each further consecutive crash multiplies the wait by this
+    cap: float = 30.0  # longest wait
+    healthy_after: float = 60.0  # running this long forgives earlier crashes
+
+    def __post_init__(self) -> None:
+        if not (0 < self.initial <= self.cap and self.factor >= 1 and self.healthy_after >= 0):
+            raise ValueError(f"need 0 < initial <= cap, factor >= 1, healthy_after >= 0: {self}")
+
+    def delay(self, crashes: int) -> float:
+        """The wait before a restart after `crashes` (at least 1) consecutive crashes."""
+        try:
+            raw = self.initial * self.factor ** (crashes - 1)
+        except OverflowError:  # a crash loop long enough to overflow a float
+            return self.cap
+        return min(self.cap, raw)
+
+    def forgives(self, ran: float) -> bool:
+        """Whether a run of `ran` seconds was long enough to forget the crashes before it."""
+        return ran >= self.healthy_after
+
+
+DEFAULT_BACKOFF = Backoff()

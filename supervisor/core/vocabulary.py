@@ -1,0 +1,213 @@
+"""turnkeeper's vocabulary: every fixed set of words the daemon stores, sends or counts.
+
+Each set is a `StrEnum` whose values are the strings on the wire, in the database and in
+metric labels, so a member compares equal to its string and serializes as it. Imported by
+every layer; imports nothing but the standard library.
+
+Glossary (one word per concept; the words after "not" are not used for it)
+---------------------------------------------------------------------------
+session        a conversation with an agent, its event log and its lease.
+event          one committed entry of a session's log (`EventType`); its `seq` orders it.
+user message   the text a client adds to a session (event `user_message`).
+inject         what a client does to add a user message (`POST /v1/sessions/{id}/inject`,
+               `turnkeeper inject`); not send, input or post.
+intake         the side of the daemon that takes requests in and commits them before it
+               answers (log subsystem, event writer, `turnkeeper_intake_rejections`).
+pending        a session whose committed input has not been read by a turn yet; not
+               queued or waiting.
+turn           one run of the agent over a session's pending input, from `turn_started`
+               to `turn_ended` (`TurnOutcome`).
+wake           a signal that a session may have work: re-read it (control message `wake`,
+               `POST /wake`); not kick, poke or nudge.
+continuation   going on with a turn a previous owner left unfinished; its note names the
+               `Cause`. Not resume or retry.
+worker         one worker process (`w<slot>.<generation>`); not child or process.
+slot           a place in the pool that one worker generation after another fills
+               (`SlotState`).
+agent          the user's code a worker runs for a turn; not bot or assistant.
+assign         the supervisor handing a session to a worker, with an `AssignReason`.
+lease          a worker's fenced right to write a session's events; its token fences.
+boot           one start of the daemon, from its row in the boot log to its `BootOutcome`.
+backoff        the wait before a crashed slot's worker or MCP server is started again
+               (`supervisor.core.backoff`).
+quarantine     stopping a session whose turns keep killing workers; lifted by release.
+MCP server     a tool server a worker runs as its child (`McpState`).
+principal      who a bearer token speaks for; its `Permission` on a session.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class EventType(StrEnum):
+    """What an event of the log records."""
+
+    USER_MESSAGE = "user_message"  # a client's message (intake), or an autonomous run's goal
+    TURN_STARTED = "turn_started"  # a turn read the pending input up to `read_to`
+    MODEL_RESPONSE = "model_response"  # one answer of the model, with its tool calls
+    TOOL_CALL = "tool_call"  # a tool call is about to run
+    TOOL_RESULT = "tool_result"  # what it returned
+    TURN_ENDED = "turn_ended"  # the turn is over, with its `TurnOutcome`
+    CONTINUATION = "continuation"  # a new owner goes on with an interrupted turn
+    CHECKPOINT = "checkpoint"  # an autonomous run's progress and budgets
+    NOTICE = "notice"  # the daemon tells the user something (quarantine, resend)
+    ACL = "acl"  # a principal's permission changed
+
+
+TURN_EVENTS = frozenset({EventType.TURN_STARTED, EventType.TURN_ENDED, EventType.CONTINUATION})
+"""Events that belong to a turn: they need a turn id."""
+
+
+class Writer(StrEnum):
+    """Who appended an event."""
+
+    WORKER = "worker"  # the worker holding the session's lease
+    INTAKE = "intake"  # the HTTP API, for a client
+    SUPERVISOR = "supervisor"  # recovery, quarantine, ACL changes
+    CLI = "cli"  # an operator's command on the database
+
+
+class TurnOutcome(StrEnum):
+    """How a turn ended (`turn_ended`'s outcome)."""
+
+    COMPLETED = "completed"  # the agent answered
+    TRUNCATED = "truncated"  # the model's answer was cut off by its token limit
+    FAILED = "failed"  # an error, or recovery gave up on it
+    INTERRUPTED = "interrupted"  # its worker stopped it (release, lease lost)
+    INTERRUPTED_BY_OPERATOR = "interrupted_by_operator"  # `POST /interrupt`; never continued
+
+
+class BootOutcome(StrEnum):
+    """How a boot of the daemon ended (None in the boot log: it never ended)."""
+
+    CLEAN = "clean"  # stopped on request, everything released
+    UNCLEAN = "unclean"  # stopped, but something was left behind
+    STARTUP_FAILED = "startup_failed"  # it never became ready
+
+
+class SessionKind(StrEnum):
+    """Who drives a session."""
+
+    ATTACHED = "attached"  # a client that reads its answers
+    CHANNEL = "channel"  # a chat channel bridged to the session
+    AUTONOMOUS = "autonomous"  # a run that goes on by itself towards a goal
+    SUBAGENT = "subagent"  # started by another session (its `parent`)
+
+
+class SessionStatus(StrEnum):
+    """Whether a session takes turns."""
+
+    OPEN = "open"
+    QUARANTINED = "quarantined"  # its turns kept killing workers; an operator releases it
+    CLOSED = "closed"
+
+
+class Permission(StrEnum):
+    """A principal's access to a session; each includes the ones before it."""
+
+    READ = "read"
+    WRITE = "write"
+    ADMIN = "admin"
+
+    def includes(self, needed: Permission | str) -> bool:
+        """Whether holding this permission allows what `needed` allows."""
+        order = list(Permission)
+        return order.index(self) >= order.index(Permission(needed))
+
+
+class AssignReason(StrEnum):
+    """Why the supervisor assigns a session to a worker (control message `assign`)."""
+
+    NEW = "new"  # the session has work and no owner
+    ADOPT = "adopt"  # its worker died; another one takes it over
+    HANDOFF = "handoff"  # its worker released it during a rolling restart
+    RESTART = "restart"  # recovery continues a turn a previous boot left unfinished
+
+    @property
+    def cause(self) -> Cause:
+        """What a continuation note says stopped the turn, when the assign names none."""
+        return _CAUSE_OF_REASON[self]
+
+
+class Cause(StrEnum):
+    """What stopped a turn, as its continuation note and recovery's notices tell it."""
+
+    WORKER_CRASH = "worker_crash"
+    DAEMON_RESTART = "daemon_restart"
+    HANDOFF = "handoff"
+    LEASE_EXPIRED = "lease_expired"
+    INTERRUPTED = "interrupted"
+    MAX_TOKENS = "max_tokens"
+    STORAGE_UNAVAILABLE = "storage_unavailable"
+
+    @property
+    def text(self) -> str:
+        """The cause in words, for the user."""
+        return _CAUSE_TEXT[self]
+
+
+_CAUSE_OF_REASON = {
+    AssignReason.ADOPT: Cause.WORKER_CRASH,
+    AssignReason.RESTART: Cause.DAEMON_RESTART,
+    AssignReason.HANDOFF: Cause.HANDOFF,
+    AssignReason.NEW: Cause.INTERRUPTED,
+}
+_CAUSE_TEXT = {
+    Cause.WORKER_CRASH: "the worker process running it stopped unexpectedly",
+    Cause.DAEMON_RESTART: "the turnkeeper daemon restarted",
+    Cause.HANDOFF: "the session moved to another worker during a rolling restart",
+    Cause.LEASE_EXPIRED: "the worker running it stopped responding and lost the session",
+    Cause.INTERRUPTED: "its previous owner stopped",
+    Cause.MAX_TOKENS: "the model's answer was cut off by its output token limit",
+    Cause.STORAGE_UNAVAILABLE: "the database could not be written for a while",
+}
+
+
+class SlotState(StrEnum):
+    """Where a worker slot is in its life (`supervisor.core.slots`)."""
+
+    STARTING = "starting"  # process started, has not reported ready
+    RUNNING = "running"  # reported ready
+    BACKOFF = "backoff"  # no process; waiting until restart_at to start one
+    FATAL = "fatal"  # could not even start max_failed_starts times in a row; never restarted
+    STOPPED = "stopped"  # stopped on request; not restarted
+
+
+class McpState(StrEnum):
+    """Where an MCP server is in its life (`workers.mcp`)."""
+
+    NEW = "new"  # start() not called yet; reported as starting
+    STARTING = "starting"  # spawned, initializing and listing its tools
+    READY = "ready"  # answering calls
+    BACKOFF = "backoff"  # died or failed to start; restarted after a delay
+    DOWN = "down"  # crashed too often; unavailable until the workers restart
+    STOPPED = "stopped"  # closed by the worker
+
+    @property
+    def reported(self) -> McpState:
+        """The state a heartbeat reports (a server not started yet is starting)."""
+        return McpState.STARTING if self is McpState.NEW else self
+
+
+MCP_REPORTED = tuple(state for state in McpState if state is not McpState.NEW)
+"""The MCP states heartbeats carry and the metric counts."""
+
+
+class SessionCount(StrEnum):
+    """The label values of `turnkeeper_sessions`: statuses, and two states of open ones."""
+
+    OPEN = SessionStatus.OPEN.value
+    RUNNING = "running"  # open, with a turn in flight
+    PENDING = "pending"  # open, with input waiting for a turn
+    QUARANTINED = SessionStatus.QUARANTINED.value
+    CLOSED = SessionStatus.CLOSED.value
+
+
+class Rejection(StrEnum):
+    """Why intake refused a request (`turnkeeper_intake_rejections`)."""
+
+    TOO_LARGE = "too_large"  # the body is over http.max_body
+    STOPPING = "stopping"  # the daemon is stopping
+    STORAGE_UNAVAILABLE = "storage_unavailable"  # the database takes no writes
+    TOO_MANY_STREAMS = "too_many_streams"  # the principal holds its limit of attach streams

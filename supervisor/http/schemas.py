@@ -1,0 +1,209 @@
+"""The bodies of the HTTP API: what a request may send and what every answer holds.
+
+Pydantic models, so that one definition both validates a request and describes it: the
+OpenAPI document (`openapi.py`) builds its component schemas from these, and the handlers
+(`app.py`) build their answers with them, so the document cannot drift from the code.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from supervisor.core.vocabulary import Permission, SessionKind, SessionStatus
+
+MAX_TEXT = 100_000  # characters of a message, a goal or a prompt
+SESSION_ID_PATTERN = r"^[0-9a-f]{32}$"
+AGENT_PATTERN = r"^$|^[\w.]+:\w+$"
+PRINCIPAL_PATTERN = r"^[A-Za-z0-9_.@-]{1,100}$"
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# --- requests ---------------------------------------------------------------------------
+
+
+class RunBody(_Request):
+    """An autonomous run: what to achieve, how to go on, and what it may spend."""
+
+    goal: str = Field(min_length=1, max_length=MAX_TEXT)
+    prompt: str = Field(
+        default="Continue working towards the goal. Say [goal met] when it is achieved.",
+        min_length=1,
+        max_length=MAX_TEXT,
+        description="sent as the user message of each next turn",
+    )
+    max_turns: int = Field(ge=1, le=100_000)
+    max_tokens: int | None = Field(default=None, ge=1)
+    deadline_seconds: float | None = Field(default=None, gt=0)
+
+
+class CreateSession(_Request):
+    """A new session; `run` goes with kind autonomous, and only there."""
+
+    kind: SessionKind = SessionKind.ATTACHED
+    title: str = Field(default="", max_length=200)
+    agent: str = Field(
+        default="",
+        max_length=200,
+        pattern=AGENT_PATTERN,
+        description="package.module:Class, or empty for the default",
+    )
+    run: RunBody | None = Field(
+        default=None, description="required for kind autonomous, and only there"
+    )
+
+    @model_validator(mode="after")
+    def _run_for_autonomous(self) -> CreateSession:
+        if (self.kind == SessionKind.AUTONOMOUS) != (self.run is not None):
+            raise ValueError("run (goal, max_turns, ...) goes with kind autonomous, and only there")
+        return self
+
+
+class Inject(_Request):
+    """A user message."""
+
+    text: str = Field(min_length=1, max_length=MAX_TEXT)
+
+
+class AclChange(_Request):
+    """Grant a principal a permission on the session, or revoke it (null)."""
+
+    principal: str = Field(pattern=PRINCIPAL_PATTERN)
+    permission: Permission | None = Field(description="null revokes the principal's access")
+
+
+# --- answers ----------------------------------------------------------------------------
+
+
+class ErrorDetail(BaseModel):
+    """What went wrong: a stable code and a message naming what to fix."""
+
+    code: str
+    message: str
+    field: str | None = Field(default=None, description="the invalid field, for a 422")
+    seq: int | None = Field(default=None, description="the seq the Idempotency-Key made, for a 409")
+
+
+class ErrorBody(BaseModel):
+    """Every error answer."""
+
+    error: ErrorDetail
+
+
+class SessionOut(BaseModel):
+    """A session."""
+
+    id: str = Field(pattern=SESSION_ID_PATTERN)
+    kind: SessionKind
+    parent: str | None
+    title: str
+    agent: str
+    status: SessionStatus
+    created_at: float
+    updated_at: float
+    last_seq: int = Field(ge=0)
+    pending: bool
+    active_turn_id: str | None
+    resend_requested_at: float | None = Field(
+        description="recovery ended a turn it could not continue and asked the user to "
+        "resend; cleared by the next message"
+    )
+
+
+class SessionList(BaseModel):
+    """Sessions the caller may read, newest first."""
+
+    sessions: list[SessionOut]
+
+
+class EventOut(BaseModel):
+    """One committed event of a session's log."""
+
+    seq: int = Field(ge=1)
+    type: str = Field(description="an event type (user_message, turn_started, ...)")
+    turn_id: str | None
+    payload: dict[str, Any]
+    created_at: float
+
+
+class EventList(BaseModel):
+    """Events with seq > after, oldest first."""
+
+    events: list[EventOut]
+
+
+class Injected(BaseModel):
+    """The seq the user message was committed as."""
+
+    seq: int = Field(ge=1)
+
+
+class Woken(BaseModel):
+    """The session is pending: a turn will run."""
+
+    pending: bool
+
+
+class Interrupted(BaseModel):
+    """Whether a turn was running, and the seq of its `turn_ended`."""
+
+    interrupted: bool
+    seq: int | None
+
+
+class AclEntries(BaseModel):
+    """Every principal's permission on the session now."""
+
+    acl: dict[str, Permission]
+
+
+class BootState(BaseModel):
+    """This boot of the daemon."""
+
+    id: str
+    ready: bool
+    stopping: bool
+
+
+class Status(BaseModel):
+    """The daemon's state, for the operator."""
+
+    boot: BootState
+    breaker: dict[str, Any] | None
+    slots: list[dict[str, Any]]
+    worker_restarts: int = Field(ge=0)
+    sessions: dict[str, int] = Field(description="by state: open, running, pending, ...")
+    attach_streams: int = Field(ge=0)
+
+
+class Health(BaseModel):
+    """Alive."""
+
+    status: Literal["ok"] = "ok"
+
+
+class Readiness(BaseModel):
+    """Ready, or why not (with a 503)."""
+
+    status: Literal["ready", "starting", "stopping", "storage_unavailable"]
+    error: str | None = Field(default=None, description="why the database takes no writes")
+
+
+REQUESTS: tuple[type[BaseModel], ...] = (CreateSession, Inject, AclChange)
+ANSWERS: tuple[type[BaseModel], ...] = (
+    ErrorBody,
+    SessionOut,
+    SessionList,
+    EventList,
+    Injected,
+    Woken,
+    Interrupted,
+    AclEntries,
+    Status,
+    Health,
+    Readiness,
+)

@@ -1,0 +1,91 @@
+"""Before the daemon starts anything: the plug-ins load, the files it will trust are
+judged, the locks are taken and the tokens read. Every failure here is one line: a
+configuration error (exit 78) or a start that cannot happen (exit 1).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from supervisor import locks, trust
+from supervisor.contract.config import Config, Paths, make_private_dir
+from supervisor.http.auth import (
+    ADMIN,
+    Tokens,
+    TokensFileError,
+    digest,
+    ensure_admin_token,
+    read_tokens_file,
+)
+from supervisor.store import sqlite_path
+
+
+class StartupError(Exception):
+    """The daemon cannot start; the message says why (one line)."""
+
+
+class PluginError(Exception):
+    """`agent.class`, the `[model]` settings or the tokens file cannot work (config error)."""
+
+
+def check_plugins(config: Config) -> None:
+    """Fail before anything starts if the agent plug-in or the model cannot be loaded."""
+    from workers.agent import AgentLoadError, load_agent_class
+    from workers.models import ModelError, make_model
+
+    try:
+        load_agent_class(config.agent.class_)
+        make_model(config.model)
+    except (AgentLoadError, ModelError) as exc:
+        raise PluginError(str(exc)) from exc
+
+
+def take_files(config: Config, paths: Paths) -> Tokens:
+    """Judge and take the daemon's files; the tokens it will accept.
+
+    Raises PluginError (a configuration error) or StartupError (another daemon holds the
+    lock).
+    """
+    try:
+        _take_files(paths)
+        return _tokens(config, paths)
+    except locks.LockHeld as exc:
+        raise StartupError(str(exc)) from exc
+    except trust.Untrusted as exc:
+        raise PluginError(str(exc)) from exc
+
+
+def _take_files(paths: Paths) -> None:
+    """Make or judge the directories, take the locks, judge the database files.
+
+    Nothing is trusted before `supervisor.trust` has judged it, and a directory that
+    exists already is never changed. Raises trust.Untrusted and locks.LockHeld.
+    """
+    user = trust.effective_user()
+    for directory, expect in (
+        (paths.state_dir, trust.STATE_DIR),
+        (paths.runtime_dir, trust.RUNTIME_DIR),
+    ):
+        make_private_dir(directory)
+        trust.require(directory, expect, user)
+    locks.acquire(paths.state_dir / locks.LEADER_LOCK)
+    locks.acquire(paths.runtime_dir / locks.CONTROL_LOCK)
+    database = sqlite_path(paths.db_url)
+    if database is not None:
+        if database.parent != paths.state_dir:
+            trust.require(database.parent, trust.DATABASE_DIR, user)
+        for path in trust.database_files(database):
+            trust.require(path, trust.DATABASE, user)
+
+
+def _tokens(config: Config, paths: Paths) -> Tokens:
+    """The admin token and the tokens file's principals; raises trust.Untrusted."""
+    user = trust.effective_user()
+    admin = digest(ensure_admin_token(paths.admin_token_file, user))
+    hashes = {ADMIN: admin}
+    if config.auth.tokens_file:
+        try:
+            hashes |= read_tokens_file(Path(config.auth.tokens_file), user, admin)
+        except TokensFileError as exc:
+            raise PluginError(str(exc)) from exc
+    return Tokens(hashes)
