@@ -5,12 +5,16 @@
 /crash-at-start     SIGKILL the worker before the turn does anything (every time)
 /hang-once PATH     block the worker's event loop for good, unless PATH exists
                     (it is created first, so a continuation of the turn goes on)
+/gate PATH T        hold the turn until PATH exists (checked every 50 ms, the event loop
+                    free: heartbeats go on), then go on as usual (the echo model answers
+                    `echo: /gate PATH T`); a test holds a turn in flight with it
 /raise KIND         fail for real with SystemExit, KeyboardInterrupt, RecursionError
                     (unbounded recursion) or MemoryError (one oversized allocation)
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import sys
@@ -34,6 +38,10 @@ class ChaosAgent(ToolLoopAgent):
             os.kill(os.getpid(), signal.SIGKILL)
         if last.startswith("/raise "):
             _fail(last.split(maxsplit=1)[1])
+        if last.startswith("/gate "):
+            gate = Path(last.split(maxsplit=2)[1])
+            while not gate.exists():
+                await asyncio.sleep(0.05)
         if last.startswith("/hang-once "):
             marker = Path(last.split(maxsplit=1)[1])
             if not marker.exists():

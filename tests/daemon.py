@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import re
 import signal
 import subprocess
 import time
@@ -51,6 +50,9 @@ class Daemon:
             # The attempt schedule shortened from 0, 5 and 30 s, so tests need not wait.
             "recovery": {"attempt_delays": [0.0, 0.5, 1.0]},
         }
+        # The API on a socket of this daemon's own, so daemons of tests running in parallel
+        # never share a port; a test that wants TCP gives its own `http.listen`.
+        config["http"] = {"listen": f"unix:{root / 'api.sock'}"}
         for name, values in sections.items():
             config.setdefault(name, {}).update(values)
         self.config = config
@@ -61,6 +63,9 @@ class Daemon:
         self.log_path = root / "daemon.log"
         self.runs = 0
         self.env: dict[str, str] = {}  # extra environment for the daemon process
+        # Every worker the API or the process tree showed, as pid and start time, so the
+        # cleanup kills no process of another test that reused a pid.
+        self.seen: dict[int, float] = {}
 
     def start(self, wait: bool = True) -> Daemon:
         self.runs += 1
@@ -77,24 +82,58 @@ class Daemon:
         log.close()
         if wait:
             wait_until(
-                lambda: self.ready_count() >= self.runs or self._died(),
+                lambda: self.ready() or self._died(),
                 READY_TIMEOUT,
                 "the daemon to be ready",
             )
             assert self.proc.poll() is None, self.log()
         return self
 
-    def client(self) -> httpx.Client:
-        """An admin client of the API; the daemon must listen on a unix socket."""
-        listen = str(self.config.get("http", {}).get("listen", ""))
-        assert listen.startswith("unix:"), "give the daemon http={'listen': 'unix:PATH'}"
-        token = (self.state / "admin.token").read_text().strip()
+    @property
+    def listen(self) -> str:
+        return str(self.config.get("http", {}).get("listen", ""))
+
+    def _http(self, token: str | None, timeout: float) -> httpx.Client:
+        """A client of this daemon's `http.listen`, a unix socket or a TCP address."""
+        headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
+        listen = self.listen
+        if listen.startswith("unix:"):
+            return httpx.Client(
+                transport=httpx.HTTPTransport(uds=listen.removeprefix("unix:")),
+                base_url="http://turnkeeper",
+                headers=headers,
+                timeout=timeout,
+                trust_env=False,
+            )
+        host, port = listen.rsplit(":", 1)
+        host = host.strip("[]")
+        host = f"[{host}]" if ":" in host else host
         return httpx.Client(
-            transport=httpx.HTTPTransport(uds=listen.removeprefix("unix:")),
-            base_url="http://turnkeeper",
-            headers={"Authorization": f"Bearer {token}"},
-            timeout=10,
+            base_url=f"http://{host}:{port}", headers=headers, timeout=timeout, trust_env=False
         )
+
+    def client(self) -> httpx.Client:
+        """An admin client of the API, on the daemon's unix socket or TCP port."""
+        token = (self.state / "admin.token").read_text().strip()
+        return self._http(token, timeout=10)
+
+    def ready(self) -> bool:
+        """The latest run is alive and its `/readyz` answers 200."""
+        if self.proc is None or self.proc.poll() is not None:
+            return False
+        try:
+            with self._http(None, timeout=5) as http:
+                return http.get("/readyz").status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def status(self) -> dict[str, Any]:
+        """`GET /v1/status` as the admin."""
+        with self.client() as http:
+            answer = http.get("/v1/status")
+        answer.raise_for_status()
+        found: dict[str, Any] = answer.json()
+        return found
 
     def _died(self) -> bool:
         return self.proc is not None and self.proc.poll() is not None
@@ -107,15 +146,20 @@ class Daemon:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
-    def ready_count(self) -> int:
-        return self.log().count("[daemon] ready:")
-
-    def worker_pids(self) -> dict[str, int]:
-        """Every worker this daemon's runs started, by identity (the latest run wins)."""
-        run_log = self.log().rsplit(f"--- run {self.runs} ---", 1)[-1]
-        return {
-            w: int(p) for w, p in re.findall(r"started worker (w\d+\.\d+) \(pid (\d+)", run_log)
+    def worker_pids(self, ready: bool = False) -> dict[str, int]:
+        """The workers in the pool's slots now, by identity (`ready`: only those that said so)."""
+        found = {
+            slot["worker"]: int(slot["pid"])
+            for slot in self.status()["slots"]
+            if slot["worker"] and slot["pid"] and (slot["ready"] or not ready)
         }
+        for pid in found.values():
+            self._note(pid)
+        return found
+
+    def _note(self, pid: int) -> None:
+        with contextlib.suppress(psutil.Error):
+            self.seen[pid] = psutil.Process(pid).create_time()
 
     def live_workers(self) -> list[psutil.Process]:
         try:
@@ -125,6 +169,7 @@ class Daemon:
         return [c for c in children if "spawn_main" in " ".join(_cmdline(c))]
 
     def owner_pid(self, store: Store, session_id: str) -> int | None:
+        """The pid of the worker that owns the session, if it is in the pool now."""
         owner = store.sessions.get(session_id).owner
         if owner is None:
             return None
@@ -132,6 +177,8 @@ class Daemon:
 
     def signal(self, signum: int) -> None:
         assert self.proc is not None
+        for worker in self.live_workers():  # a SIGKILL may leave them orphans to clean up
+            self._note(worker.pid)
         self.proc.send_signal(signum)
 
     def wait(self, timeout: float) -> int:
@@ -148,12 +195,11 @@ class Daemon:
                 with contextlib.suppress(psutil.NoSuchProcess):
                     proc.send_signal(signal.SIGCONT)
                     proc.kill()
-        for pid in self.worker_pids().values():
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                if psutil.pid_exists(pid) and "spawn_main" in " ".join(
-                    _cmdline(psutil.Process(pid))
-                ):
-                    psutil.Process(pid).kill()
+        for pid, started in self.seen.items():
+            with contextlib.suppress(psutil.Error):
+                proc = psutil.Process(pid)
+                if proc.create_time() == started and "spawn_main" in " ".join(_cmdline(proc)):
+                    proc.kill()
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=10)
 

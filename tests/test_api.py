@@ -721,7 +721,7 @@ def test_the_bearer_scheme_is_case_insensitive(shared: Api) -> None:
 
 
 def test_interrupt_ends_the_turn_for_good_and_the_next_message_runs_normally(
-    start: Callable[..., Api],
+    start: Callable[..., Api], tmp_path: Path
 ) -> None:
     api = start()
     alice = api.client("alice")
@@ -731,7 +731,8 @@ def test_interrupt_ends_the_turn_for_good_and_the_next_message_runs_normally(
         "seq": None,
     }
     with api.store() as store:
-        asked = inject(alice, sid, "/sleep 5 x")
+        gate = tmp_path / "gate"  # holds the turn in flight until it was interrupted
+        asked = inject(alice, sid, f"/gate {gate} x")
         turn_id = wait_until(
             lambda: store.sessions.get(sid).active_turn_id, 20, "the turn to start"
         )
@@ -749,15 +750,14 @@ def test_interrupt_ends_the_turn_for_good_and_the_next_message_runs_normally(
         assert ended.payload["outcome"] == "interrupted_by_operator"
         assert store.sessions.get(sid).active_turn_id is None
 
-        time.sleep(6)  # past the model's 5 s sleep: a worker still running would answer now
+        gate.touch()  # a worker still running the turn would answer now
+        after = inject(alice, sid, "after")
+        wait_until(lambda: turn_ended(store, sid, after), 20, "the next turn to end")
         turn = [e for e in events(store, sid) if e.turn_id == turn_id]
         assert [e.type for e in turn] == ["turn_started", "turn_ended"], [
             (e.type, e.payload) for e in turn
         ]
         assert [e for e in events(store, sid) if e.type == "continuation"] == []
-
-        after = inject(alice, sid, "after")
-        wait_until(lambda: turn_ended(store, sid, after), 20, "the next turn to end")
         later = events(store, sid)[after:]
         assert later[-1].payload["outcome"] == "completed"
         assert later[-1].turn_id != turn_id

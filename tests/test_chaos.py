@@ -52,7 +52,6 @@ PAUSE = (0.3, 2.0)  # seconds between kills
 MODEL_DELAY = 0.25  # seconds added to every echo model call
 IDLE_TIMEOUT = 60.0  # at the end: every session at rest (even with a 30 s attempt due)
 TOOL_OFFSET = 1_000_000  # `add(n, TOOL_OFFSET)`: a tool result that names its message
-WORKER_READY = re.compile(r"ready as w\d+\.\d+ \(pid (\d+)\)")
 # A notice that asks the user to send the message again (quarantine, unsafe tail, stale).
 RESEND = re.compile(r"\bresend\b|\bsend\b.{0,40}\bagain\b", re.IGNORECASE)
 OPERATOR = "interrupted_by_operator"
@@ -159,9 +158,11 @@ class Injector:
 
 
 def ready_workers(daemon: Daemon) -> list[psutil.Process]:
-    """Workers of the current run that said they are ready and are still alive."""
-    run_log = daemon.log().rsplit(f"--- run {daemon.runs} ---", 1)[-1]
-    ready = {int(pid) for pid in WORKER_READY.findall(run_log)}
+    """Workers of the current run that are ready (as `/v1/status` says) and still alive."""
+    try:
+        ready = set(daemon.worker_pids(ready=True).values())
+    except httpx.HTTPError:
+        return []  # not serving (yet)
     alive = []
     for proc in daemon.live_workers():
         with contextlib.suppress(psutil.Error):
@@ -191,7 +192,7 @@ def wait_ready(daemon: Daemon) -> None:
     proc = daemon.proc
     assert proc is not None
     wait_until(
-        lambda: daemon.ready_count() >= daemon.runs or proc.poll() is not None,
+        lambda: daemon.ready() or proc.poll() is not None,
         60,
         "the daemon to be ready",
     )

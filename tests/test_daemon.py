@@ -71,7 +71,7 @@ def test_a_second_daemon_on_the_same_state_dir_is_refused(daemons: Daemons) -> N
 
 
 @pytest.mark.timeout(300)
-def test_sigkill_of_a_worker_mid_turn_twenty_times(daemons: Daemons) -> None:
+def test_sigkill_of_a_worker_mid_turn_twenty_times(daemons: Daemons, tmp_path: Path) -> None:
     # Five slots, so that 20 kills stay below the crash-loop backoff's long delays.
     daemon = daemons(pool={"workers": 4, "spare": 1}).start()
     rng = random.Random(3)
@@ -80,7 +80,9 @@ def test_sigkill_of_a_worker_mid_turn_twenty_times(daemons: Daemons) -> None:
         for round in range(20):
             wait_until(lambda: len(daemon.live_workers()) >= 4, 30, "workers to adopt with")
             sid = sessions[round % len(sessions)]
-            seq = inject(store, sid, f"/sleep 1.0 round {round}")
+            # The turn is held at a gate until its worker is dead, so no kill comes too late.
+            gate = tmp_path / f"gate-{round}"
+            seq = inject(store, sid, f"/gate {gate} round {round}")
             started = wait_until(
                 lambda sid=sid, seq=seq: next(
                     (e for e in store.events.read(sid, after=seq) if e.type == "turn_started"), None
@@ -91,7 +93,8 @@ def test_sigkill_of_a_worker_mid_turn_twenty_times(daemons: Daemons) -> None:
             time.sleep(rng.uniform(0.1, 0.6))
             victim = daemon.owner_pid(store, sid)
             assert victim is not None
-            psutil.Process(victim).kill()
+            psutil.Process(victim).kill()  # dead before it runs again: then the gate opens
+            gate.touch()
             ended = wait_until(
                 lambda sid=sid, seq=seq: turn_ended(store, sid, seq),
                 20,
@@ -104,7 +107,7 @@ def test_sigkill_of_a_worker_mid_turn_twenty_times(daemons: Daemons) -> None:
             continuation = next(e for e in turn if e.type == "continuation")
             assert continuation.payload["cause"] == "worker_crash"
             answers = [e for e in turn if e.type == "model_response"]
-            assert [a.payload["text"] for a in answers] == [f"echo: round {round}"]
+            assert [a.payload["text"] for a in answers] == [f"echo: /gate {gate} round {round}"]
             assert daemon.owner_pid(store, sid) != victim
         # Every dead worker's slot was filled again: 4 workers + 1 spare are alive.
         wait_until(lambda: len(daemon.live_workers()) == 5, 40, "the slots to be refilled")
@@ -112,13 +115,14 @@ def test_sigkill_of_a_worker_mid_turn_twenty_times(daemons: Daemons) -> None:
 
 
 def test_sigkill_of_the_supervisor_leaves_no_worker_and_turns_finish_after_restart(
-    daemons: Daemons,
+    daemons: Daemons, tmp_path: Path
 ) -> None:
     daemon = daemons().start()
+    gate = tmp_path / "gate"  # every turn is held until the supervisor was killed
     with Store(daemon.url, migrate=False) as store:
         sessions = [store.sessions.create("test").id for _ in range(4)]
         for sid in sessions:
-            inject(store, sid, "/sleep 2 after the crash")
+            inject(store, sid, f"/gate {gate} after the crash")
         wait_until(
             lambda: all(store.sessions.get(s).active_turn_id for s in sessions),
             20,
@@ -132,6 +136,7 @@ def test_sigkill_of_the_supervisor_leaves_no_worker_and_turns_finish_after_resta
         _, alive = psutil.wait_procs(workers, timeout=2.0)
         assert not alive, f"workers outlived the supervisor: {[p.pid for p in alive]}"
         assert time.monotonic() <= gone_by + 0.5
+        gate.touch()
         daemon.start()
         for sid in sessions:
             ended = wait_until(lambda sid=sid: turn_ended(store, sid), 30, "the turn to end")
@@ -211,18 +216,22 @@ def test_rolling_restart_under_load_loses_and_duplicates_nothing(daemons: Daemon
     assert "rolling restart of 3 workers" in daemon.log()
 
 
-def test_a_frozen_worker_is_fenced_out_after_its_lease_goes_stale(daemons: Daemons) -> None:
+def test_a_frozen_worker_is_fenced_out_after_its_lease_goes_stale(
+    daemons: Daemons, tmp_path: Path
+) -> None:
     daemon = daemons(
         pool={"heartbeat_interval": 0.2, "hang_timeout": 120.0}, lease={"stale_after": 1.5}
     ).start()
+    gate = tmp_path / "gate"  # holds the turn in its first worker until that one is frozen
     with Store(daemon.url, migrate=False) as store:
         sid = store.sessions.create("test").id
-        seq = inject(store, sid, "/sleep 2.5 fenced")
+        seq = inject(store, sid, f"/gate {gate} fenced")
         wait_until(lambda: store.sessions.get(sid).active_turn_id, 20, "the turn to start")
         frozen = daemon.owner_pid(store, sid)
         old_token = store.sessions.get(sid).lease_token
         assert frozen is not None
         psutil.Process(frozen).suspend()
+        gate.touch()
         try:
             ended = wait_until(
                 lambda: turn_ended(store, sid, seq), 30, "another worker to finish the turn"
@@ -231,15 +240,14 @@ def test_a_frozen_worker_is_fenced_out_after_its_lease_goes_stale(daemons: Daemo
             assert new_token > old_token
         finally:
             psutil.Process(frozen).resume()
-        # The frozen worker wakes up inside its model call and tries to commit the answer.
-        time.sleep(4.0)
+        # The frozen worker wakes up inside its turn and tries to commit the answer.
+        wait_until(lambda: "fenced out" in daemon.log(), 30, "the old worker to log being fenced")
         after = [e for e in events(store, sid) if e.seq > seq]
         assert [e.type for e in after].count("model_response") == 1
         assert [e.type for e in after].count("turn_ended") == 1
         late = [e for e in after if e.seq > ended.seq]
         assert late == [], f"the fenced worker committed {late}"
         assert all(e.lease_token != old_token for e in after if e.type != "turn_started")
-    wait_until(lambda: "fenced out" in daemon.log(), 10, "the old worker to log being fenced")
 
 
 def test_a_turn_that_keeps_killing_its_worker_is_quarantined(daemons: Daemons) -> None:
@@ -269,7 +277,9 @@ def test_a_turn_that_keeps_killing_its_worker_is_quarantined(daemons: Daemons) -
         assert ended.payload["outcome"] == "completed"
         # The quarantined session is left alone, even with new input, until released.
         inject(store, poisoned, "hello?")
-        time.sleep(1.0)
+        # A positive signal first: input sent after it was taken up and answered.
+        seq = inject(store, healthy, "and after it")
+        wait_until(lambda: turn_ended(store, healthy, seq), 20, "the later healthy turn")
         assert store.sessions.get(poisoned).status == "quarantined"
         released = subprocess.run(
             [

@@ -140,6 +140,7 @@ def alive(pid: int) -> bool:
 # (stopasgroup=false) never signals it, so turnkeeper must stop it.
 DAEMON_CONFIG = {
     "pool": {"workers": 1, "spare": 0, "heartbeat_interval": 0.2},
+    "agent": {"class": "tests.agents:ChaosAgent"},  # for its `/gate`
     "mcp": {
         "servers": [
             {
@@ -314,9 +315,12 @@ def wait_ready(sup: Supervisord, what: str) -> None:
 def test_supervisorctl_stop_and_start_finish_the_turn_in_flight(supervisord: Supervisord) -> None:
     sup = supervisord
     wait_ready(sup, "the daemon under supervisord to be ready")
+    gate = sup.root / "gate"  # the turn is held in flight until the daemon was stopped
     with sup.client() as client:
         session_id = client.post("/v1/sessions", json={"title": "deploy"}).json()["id"]
-        response = client.post(f"/v1/sessions/{session_id}/inject", json={"text": "/sleep 5 hi"})
+        response = client.post(
+            f"/v1/sessions/{session_id}/inject", json={"text": f"/gate {gate} hi"}
+        )
         assert response.status_code == 202, response.text
         seq = response.json()["seq"]
         turn_id = wait_until(
@@ -356,6 +360,7 @@ def test_supervisorctl_stop_and_start_finish_the_turn_in_flight(supervisord: Sup
         in_flight = store.events.read(session_id, after=seq, limit=1000)
         assert "turn_ended" not in [e.type for e in in_flight], "the turn was not in flight"
 
+    gate.touch()
     started = time.monotonic()
     restarted = sup.ctl("start", "turnkeeper")
     print(f"supervisorctl start: {time.monotonic() - started:.2f} s")
@@ -373,4 +378,4 @@ def test_supervisorctl_stop_and_start_finish_the_turn_in_flight(supervisord: Sup
     ends = [(e["turn_id"], e["payload"].get("outcome")) for e in found if e["type"] == "turn_ended"]
     assert ends == [(turn_id, "completed")], found
     replies = [e["payload"].get("text") for e in found if e["type"] == "model_response"]
-    assert replies == ["echo: hi"], found
+    assert replies == [f"echo: /gate {gate} hi"], found

@@ -382,7 +382,7 @@ def test_a_child_with_pdeathsig_dies_with_its_parent(
     parent.kill()
     parent.wait()
     if dies:
-        assert wait_for(lambda: gone(child), 2.0)
+        assert wait_for(lambda: gone(child), 10.0)
     else:
         # Nothing to poll for: the control case is a child that stays.
         time.sleep(0.5)
@@ -397,7 +397,7 @@ def test_a_child_that_sets_pdeathsig_itself_dies_with_its_parent(kids: Kids) -> 
     child = kids.track(int(kids.line(parent)))
     parent.kill()
     parent.wait()
-    assert wait_for(lambda: gone(child), 2.0)
+    assert wait_for(lambda: gone(child), 10.0)
 
 
 @pytest.mark.timeout(30)

@@ -185,11 +185,11 @@ def test_sigterm_with_20_turns_in_flight_and_a_client_injecting(
     daemon = daemons(http={"listen": f"unix:{socket}"}, recovery={"max_per_boot": 20}).start()
     client = daemon.client()
     sessions = [client.post("/v1/sessions", json={}).json()["id"] for _ in range(20)]
+    gate = tmp_path / "gate"  # the turns are held in flight until the daemon has stopped
     for sid in sessions:
         assert (
-            client.post(f"/v1/sessions/{sid}/inject", json={"text": "/sleep 3 slow"}).status_code
-            == 202
-        )
+            client.post(f"/v1/sessions/{sid}/inject", json={"text": f"/gate {gate} slow"})
+        ).status_code == 202
     answers: list[tuple[str, str, int | str]] = []
     stop = threading.Event()
 
@@ -229,6 +229,7 @@ def test_sigterm_with_20_turns_in_flight_and_a_client_injecting(
             client.close()
         interrupted = [s for s in in_flight if store.sessions.get(s).active_turn_id]
         assert len(interrupted) >= 10, "the stop did not interrupt turns in flight"
+        gate.touch()
         daemon.start()
         for sid in interrupted:
             wait_until(
@@ -273,10 +274,10 @@ def test_stop_with_drain_lets_the_turn_in_flight_finish(daemons: Daemons, tmp_pa
     daemon = daemons(http={"listen": f"unix:{socket}"}).start()
     client = daemon.client()
     sid = client.post("/v1/sessions", json={}).json()["id"]
+    gate = tmp_path / "gate"  # the turn is held in flight until the drain has begun
     assert (
-        client.post(f"/v1/sessions/{sid}/inject", json={"text": "/sleep 3 drained"}).status_code
-        == 202
-    )
+        client.post(f"/v1/sessions/{sid}/inject", json={"text": f"/gate {gate} drained"})
+    ).status_code == 202
     with Store(daemon.url, migrate=False) as store:
         wait_until(lambda: store.sessions.get(sid).active_turn_id, 20, "the turn to start")
         stop = subprocess.Popen(
@@ -298,13 +299,14 @@ def test_stop_with_drain_lets_the_turn_in_flight_finish(daemons: Daemons, tmp_pa
         wait_until(lambda: "draining" in daemon.log(), 20, "the drain to begin")
         refused = client.post(f"/v1/sessions/{sid}/inject", json={"text": "too late"})
         assert refused.status_code == 503 and refused.headers["Retry-After"] == "5"
+        gate.touch()  # the turn may finish now, and the drain with it
         _, err = stop.communicate(timeout=60)
         assert stop.returncode == 0, err
         assert daemon.wait(10) == 0
         ended = turn_ended(store, sid)
         assert ended is not None and ended.payload["outcome"] == "completed"
         texts = [e.payload.get("text") for e in events(store, sid)]
-        assert "echo: drained" in texts and "too late" not in texts
+        assert f"echo: /gate {gate} drained" in texts and "too late" not in texts
         assert store.sessions.get(sid).active_turn_id is None
     client.close()
     assert re.search(r"drain done in [\d.]+ s", daemon.log())

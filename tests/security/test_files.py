@@ -67,7 +67,7 @@ def outcome(daemon: Daemon) -> int | None:
     """The exit code of a daemon that stopped at start, or None if it became ready."""
     proc = daemon.proc
     assert proc is not None
-    wait_until(lambda: proc.poll() is not None or daemon.ready_count(), 45, "an exit or readiness")
+    wait_until(lambda: proc.poll() is not None or daemon.ready(), 45, "an exit or readiness")
     return proc.poll()
 
 

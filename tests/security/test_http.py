@@ -88,12 +88,24 @@ def test_connections_over_the_limit_are_closed_and_the_daemon_serves_on(
     daemons: Daemons, tmp_path: Path
 ) -> None:
     daemon = _daemon(daemons, tmp_path, max_connections=4).start()
-    held = [_connect(tmp_path) for _ in range(4)]
-    try:
-        # Each held connection is registered once it is accepted: a request shows it.
-        for conn in held:
+    held: list[socket.socket] = []
+
+    def hold_one() -> bool:
+        """Open a connection the daemon serves: one registered once it is accepted."""
+        conn = _connect(tmp_path)
+        try:
             conn.sendall(b"GET /healthz HTTP/1.1\r\nHost: turnkeeper\r\n\r\n")
-            assert b"200 OK" in conn.recv(65536)
+            if b"200 OK" in conn.recv(65536):
+                held.append(conn)
+                return True
+        except OSError:
+            pass
+        conn.close()  # the readiness probe's connection was still counted: try again
+        return False
+
+    try:
+        for _ in range(4):
+            wait_until(hold_one, 10, "a connection under the limit to be served")
         with contextlib.closing(_connect(tmp_path)) as extra:
             assert _closed_by_peer(extra, 5.0), "a fifth connection was kept"
     finally:
