@@ -101,7 +101,8 @@ def test_a_fresh_interruption_is_continued_and_charged() -> None:
                      Action.CONTINUE_AT, "due in", id="not-due"),
         pytest.param(facts(interrupted_at=NOW - 7200), ON, False, Trigger.BOOT_SCAN,
                      Action.FINALIZE_STALE, "older than freshness", id="stale"),
-        pytest.param(facts(tail=TailClass.AWAITING_CONFIRMATION), ON, False, Trigger.FIRST_TOUCH,
+        pytest.param(facts(tail=TailClass.LAST_IS_CONTINUATION_NOTE), ON, False,
+                     Trigger.FIRST_TOUCH,
                      Action.NOTICE_RESEND, "unsafe", id="unsafe-tail"),
         pytest.param(facts(attempts=3), ON, False, Trigger.FIRST_TOUCH,
                      Action.NOTICE_RESEND, "3 attempts failed", id="attempts-spent"),
@@ -200,9 +201,9 @@ def test_a_committed_turn_ended_is_never_continued(outcome: str) -> None:
     assert decision.action is Action.SKIP and outcome in decision.reason
 
 
-def test_a_queued_message_answers_a_confirmation() -> None:
-    """The user's message may be the answer the agent waited for: it drives the turn."""
-    f = facts(tail=TailClass.AWAITING_CONFIRMATION, queued_user_message=True)
+def test_a_queued_message_drives_an_unsafe_tail() -> None:
+    """A note would follow a note: the user's own message drives the turn instead."""
+    f = facts(tail=TailClass.LAST_IS_CONTINUATION_NOTE, queued_user_message=True)
     assert run(f, Trigger.USER_MESSAGE).action is Action.DRIVE_WITH_QUEUED_MESSAGE
 
 

@@ -16,10 +16,11 @@ import importlib
 import inspect
 from typing import Protocol, runtime_checkable
 
+from supervisor.core.vocabulary import TurnOutcome
 from workers.models import Message, ModelResponse, ToolCall, ToolSpec
 from workers.tools import ToolOutcome
 
-OUTCOMES = ("completed", "truncated")
+OUTCOMES = (TurnOutcome.COMPLETED, TurnOutcome.TRUNCATED)  # what run_turn may return
 
 
 class Turn(Protocol):

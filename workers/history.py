@@ -14,6 +14,7 @@ from typing import Any
 
 from supervisor.core.tail import Resume as Tail
 from supervisor.core.tail import resume_from
+from supervisor.core.vocabulary import EventType
 from supervisor.store import EventRecord
 from workers.models import Message, ToolCall
 
@@ -26,13 +27,13 @@ NOT_STARTED_RESULT = "not run: the turn was interrupted before this call started
 def message_of(event: EventRecord) -> Message | None:
     """The conversation message an event stands for, if any."""
     payload = event.payload
-    if event.type == "user_message":
+    if event.type == EventType.USER_MESSAGE:
         return Message("user", str(payload.get("text", "")))
-    if event.type == "model_response":
+    if event.type == EventType.MODEL_RESPONSE:
         return Message("assistant", str(payload.get("text", "")), tool_calls=calls_of(payload))
-    if event.type == "tool_result":
+    if event.type == EventType.TOOL_RESULT:
         return Message("tool", str(payload.get("content", "")), tool_call_id=payload.get("call_id"))
-    if event.type == "continuation":
+    if event.type == EventType.CONTINUATION:
         return Message("user", str(payload.get("text", "")), note=True)
     return None
 
@@ -78,14 +79,14 @@ def to_messages(events: Iterable[EventRecord]) -> list[Message]:
             held = []
 
     for event in events:
-        if event.type == "turn_ended" and event.turn_id in waiting:
+        if event.type == EventType.TURN_ENDED and event.turn_id in waiting:
             for message in waiting.pop(event.turn_id):
                 place(message)
             continue
         found = message_of(event)
         if found is None:
             continue
-        turn = unread.get(event.seq) if event.type == "user_message" else None
+        turn = unread.get(event.seq) if event.type == EventType.USER_MESSAGE else None
         if turn is not None:
             waiting.setdefault(turn, []).append(found)
             continue
@@ -96,9 +97,9 @@ def to_messages(events: Iterable[EventRecord]) -> list[Message]:
 def _unread_by(events: Sequence[EventRecord]) -> dict[int, str]:
     """User messages a turn did not read although they came before its end: seq -> turn."""
     spans: list[tuple[int, float, str]] = []  # (read_to, end seq, turn id)
-    ends = {e.turn_id: e.seq for e in events if e.type == "turn_ended" and e.turn_id}
+    ends = {e.turn_id: e.seq for e in events if e.type == EventType.TURN_ENDED and e.turn_id}
     for event in events:
-        read_to = event.payload.get("read_to") if event.type == "turn_started" else None
+        read_to = event.payload.get("read_to") if event.type == EventType.TURN_STARTED else None
         if isinstance(read_to, int) and event.turn_id:
             spans.append((read_to, ends.get(event.turn_id, float("inf")), event.turn_id))
     # Turns follow each other, so the one that could have missed a message is the last to
@@ -107,7 +108,7 @@ def _unread_by(events: Sequence[EventRecord]) -> dict[int, str]:
     reads = [read_to for read_to, _, _ in spans]
     unread: dict[int, str] = {}
     for event in events:
-        if event.type == "user_message" and (i := bisect_left(reads, event.seq)):
+        if event.type == EventType.USER_MESSAGE and (i := bisect_left(reads, event.seq)):
             _, end, turn = spans[i - 1]
             if event.seq < end:
                 unread[event.seq] = turn
@@ -139,12 +140,12 @@ def missing_results(events: Sequence[EventRecord]) -> list[MissingResult]:
     started: set[str] = set()
     answered: set[str] = set()
     for event in events:
-        if event.type == "model_response":
+        if event.type == EventType.MODEL_RESPONSE:
             for call in calls_of(event.payload):
                 asked[call.id] = call.name
-        elif event.type == "tool_call":
+        elif event.type == EventType.TOOL_CALL:
             started.add(str(event.payload.get("call_id")))
-        elif event.type == "tool_result":
+        elif event.type == EventType.TOOL_RESULT:
             answered.add(str(event.payload.get("call_id")))
     return [
         MissingResult(call_id, name, call_id in started)
@@ -157,7 +158,7 @@ def turn_events(events: Sequence[EventRecord], turn_id: str) -> list[EventRecord
     """The events of one turn, from its `turn_started` on."""
     start = 0
     for index, event in enumerate(events):
-        if event.type == "turn_started" and event.turn_id == turn_id:
+        if event.type == EventType.TURN_STARTED and event.turn_id == turn_id:
             start = index
     return [e for e in events[start:] if e.turn_id in (turn_id, None)]
 

@@ -43,6 +43,7 @@ class _FailingAgent:
 
 
 SHUTDOWN_MARGIN = 0.3  # seconds before the supervisor's SIGKILL deadline
+STOP_WAIT = 2.0  # seconds for the cancelled tasks to unwind before the MCP teardown
 
 
 def main(spec: WorkerSpec) -> None:
@@ -116,12 +117,12 @@ class Worker:
         try:
             await self._stop.wait()
         finally:
+            # Every task this loop started is cancelled and awaited: the session runners
+            # too, so none is left half-way through a write when the store closes.
+            tasks += [runner.task for runner in self.runners.values() if runner.task]
             for task in tasks:
                 task.cancel()
-            for runner in self.runners.values():
-                if runner.task:
-                    runner.task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.wait(tasks, timeout=STOP_WAIT)
             if self.mcp is not None:
                 # The supervisor gave every descendant one deadline, kill_grace from now; the
                 # worker finishes with its MCP children just before it, so it exits on its own.

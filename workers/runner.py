@@ -24,9 +24,9 @@ from typing import Any
 import peewee
 from loguru import logger
 
-from supervisor.contract.control import CONTINUATION_CAUSE
 from supervisor.core import autonomy, engine
 from supervisor.core.engine import SessionView, Step
+from supervisor.core.vocabulary import AssignReason, EventType
 from supervisor.store import EventRecord, Lease, LeaseLost, StorageUnavailable, Store
 from workers import turns
 from workers.agent import Agent
@@ -124,9 +124,6 @@ class SessionRunner:
                 delay = STORAGE_RETRY[0]
         except turns.TurnReleased:
             pass
-        except asyncio.CancelledError:
-            self.log.info("turn cancelled")
-            raise
         except LeaseLost as exc:
             self.log.warning("fenced out: {}", exc)
             await self._notify("lease_lost", session=self.session_id)
@@ -170,7 +167,7 @@ class SessionRunner:
                     turn_id, outcome = await turns.start_turn(self._commit, self._read, self._run)
                 elif step is Step.CONTINUE:
                     assert info.active_turn_id is not None
-                    cause = self.cause or CONTINUATION_CAUSE.get(self.reason, "interrupted")
+                    cause = self.cause or AssignReason(self.reason).cause
                     self.log.info("continuing turn {} ({})", info.active_turn_id, cause)
                     turn_id = info.active_turn_id
                     self._load_agent()  # before the note: see the module's docstring
@@ -179,6 +176,9 @@ class SessionRunner:
                     )
                 else:
                     turn_id, outcome = await turns.start_turn(self._commit, self._read, self._run)
+            except asyncio.CancelledError:
+                self.log.info("turn cancelled")  # an idle runner cancelled at stop is not news
+                raise
             finally:
                 self.in_turn = False
             # Whatever comes next is a fresh turn or another continuation of ours.
@@ -194,12 +194,14 @@ class SessionRunner:
         found = autonomy.run_of(events)
         if progress is None or found is None:
             return
-        await self._commit("checkpoint", progress, None)
+        await self._commit(EventType.CHECKPOINT, progress, None)
         if progress["stop_reason"] is not None:
             reason, done = progress["stop_reason"], progress["turns"]
             self.log.info("autonomous run stopped ({}) after {} turns", reason, done)
             return
-        await self._commit("user_message", {"text": found[0].prompt, "autonomous": True}, None)
+        await self._commit(
+            EventType.USER_MESSAGE, {"text": found[0].prompt, "autonomous": True}, None
+        )
 
     async def _read(self) -> list[EventRecord]:
         return await asyncio.to_thread(self._store.events.read, self.session_id, 0, 1_000_000)

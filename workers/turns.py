@@ -18,7 +18,7 @@ from typing import Any
 from loguru import logger
 
 from supervisor.contract.config import mask_urls
-from supervisor.contract.control import CAUSE_TEXT
+from supervisor.core.vocabulary import Cause, EventType, TurnOutcome
 from supervisor.store import EventRecord, LeaseLost, StorageUnavailable
 from workers import history
 from workers.agent import OUTCOMES, Agent
@@ -28,7 +28,7 @@ from workers.tools import Toolbox, ToolOutcome
 
 Commit = Callable[[str, dict[str, Any], str | None], Awaitable[int]]
 
-CONTINUATION_NOTES = CAUSE_TEXT
+CONTINUATION_NOTES: dict[str, str] = {cause: cause.text for cause in Cause}
 
 
 class TurnReleased(Exception):
@@ -87,7 +87,7 @@ class TurnContext:
             raise TurnReleased
         response = call.result()
         await self._commit(
-            "model_response",
+            EventType.MODEL_RESPONSE,
             {
                 "text": response.text,
                 "tool_calls": [
@@ -108,7 +108,7 @@ class TurnContext:
         """Commit `tool_call`, run it to the end, commit `tool_result`."""
         self._boundary()
         await self._commit(
-            "tool_call",
+            EventType.TOOL_CALL,
             {"call_id": call.id, "name": call.name, "arguments": call.arguments},
             self.turn_id,
         )
@@ -120,7 +120,7 @@ class TurnContext:
             logger.bind(subsystem="worker").exception("tool {} raised", call.name)
             outcome = ToolOutcome(f"the tool failed: {_describe(exc)}", is_error=True)
         await self._commit(
-            "tool_result",
+            EventType.TOOL_RESULT,
             {
                 "call_id": call.id,
                 "name": call.name,
@@ -134,7 +134,7 @@ class TurnContext:
 
     async def notice(self, text: str) -> None:
         """Commit a `notice` for the user."""
-        await self._commit("notice", {"text": text}, self.turn_id)
+        await self._commit(EventType.NOTICE, {"text": text}, self.turn_id)
 
 
 def _describe(exc: BaseException) -> str:
@@ -163,7 +163,7 @@ async def start_turn(
     """
     turn_id = uuid.uuid4().hex
     events = await read()
-    await commit("turn_started", {"read_to": events[-1].seq if events else 0}, turn_id)
+    await commit(EventType.TURN_STARTED, {"read_to": events[-1].seq if events else 0}, turn_id)
     repaired = [
         await _repair(missing, turn_id, commit) for missing in history.missing_results(events)
     ]
@@ -172,7 +172,7 @@ async def start_turn(
 
 async def _repair(missing: history.MissingResult, turn_id: str, commit: Commit) -> EventRecord:
     payload = missing.payload()
-    seq = await commit("tool_result", payload, turn_id)
+    seq = await commit(EventType.TOOL_RESULT, payload, turn_id)
     return EventRecord(
         session_id="",
         seq=seq,
@@ -203,8 +203,10 @@ async def resume_turn(
     own = history.missing_results(this_turn)
     tail = Tail.RUN if own else history.classify_tail(this_turn)
     if tail is Tail.ANSWERED:
-        await commit("turn_ended", {"outcome": "completed", "recovered": True}, turn_id)
-        return "completed"
+        await commit(
+            EventType.TURN_ENDED, {"outcome": TurnOutcome.COMPLETED, "recovered": True}, turn_id
+        )
+        return TurnOutcome.COMPLETED
     # A TRUNCATED tail is continued too: the note asks the model to go on from the cut.
     last_at = events[-1].created_at if events else time.time()
     when = datetime.fromtimestamp(last_at, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
@@ -213,7 +215,9 @@ async def resume_turn(
         f"{CONTINUATION_NOTES.get(cause, 'it stopped')}; the last event was recorded at "
         f"{when}. Everything above was recorded before that. Continue the turn from there."
     )
-    await commit("continuation", {"cause": cause, "text": note, "last_event_at": last_at}, turn_id)
+    await commit(
+        EventType.CONTINUATION, {"cause": cause, "text": note, "last_event_at": last_at}, turn_id
+    )
     # The repaired results go right after the calls they answer, as the log now has them.
     messages = history.to_messages([*events, *repaired])
     messages.append(Message("user", note, note=True))
@@ -228,8 +232,8 @@ async def supersede_turn(turn_id: str, events: list[EventRecord], commit: Commit
     for missing in history.missing_results(history.turn_events(events, turn_id)):
         await _repair(missing, turn_id, commit)
     await commit(
-        "turn_ended",
-        {"outcome": "interrupted", "reason": "a newer user message drives the next turn"},
+        EventType.TURN_ENDED,
+        {"outcome": TurnOutcome.INTERRUPTED, "reason": "a newer user message drives the next turn"},
         turn_id,
     )
 
@@ -248,11 +252,11 @@ async def run_agent(agent: Agent, context: TurnContext, commit: Commit) -> str:
             raise ValueError(f"run_turn returned {outcome!r}, not one of {OUTCOMES}")
     except ModelError as exc:
         await commit(
-            "turn_ended",
-            {"outcome": "failed", "error": str(exc), "transient": exc.transient},
+            EventType.TURN_ENDED,
+            {"outcome": TurnOutcome.FAILED, "error": str(exc), "transient": exc.transient},
             context.turn_id,
         )
-        return "failed"
+        return TurnOutcome.FAILED
     except (TurnReleased, asyncio.CancelledError, LeaseLost, StorageUnavailable):
         raise
     except BaseException as exc:
@@ -260,10 +264,10 @@ async def run_agent(agent: Agent, context: TurnContext, commit: Commit) -> str:
             "agent failed: {}", _describe(exc)
         )
         await commit(
-            "turn_ended",
-            {"outcome": "failed", "error": f"agent error: {_describe(exc)}"},
+            EventType.TURN_ENDED,
+            {"outcome": TurnOutcome.FAILED, "error": f"agent error: {_describe(exc)}"},
             context.turn_id,
         )
-        return "failed"
-    await commit("turn_ended", {"outcome": outcome}, context.turn_id)
+        return TurnOutcome.FAILED
+    await commit(EventType.TURN_ENDED, {"outcome": outcome}, context.turn_id)
     return outcome

@@ -15,13 +15,15 @@ from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 import click
 
+from supervisor.core.vocabulary import Permission, SessionKind
+
 if TYPE_CHECKING:
     from supervisor.cli.client import Client
 
 P = ParamSpec("P")
 R = TypeVar("R")
-KINDS = ["attached", "channel", "autonomous", "subagent"]
-PERMISSIONS = ["read", "write", "admin", "none"]
+KINDS = [kind.value for kind in SessionKind]
+PERMISSIONS = [*(permission.value for permission in Permission), "none"]
 
 
 def register(group: click.Group) -> None:

@@ -60,17 +60,7 @@ from supervisor.core.vocabulary import (
     AssignReason,
     Cause,
     EventType,
-    TurnOutcome,
 )
-
-# What a continuation note says about the cause, by assignment reason.
-CONTINUATION_CAUSE: dict[str, str] = {reason: reason.cause for reason in AssignReason}
-# What stopped a turn, as the continuation note and recovery's notices tell the user.
-CAUSE_TEXT: dict[str, str] = {cause: cause.text for cause in Cause}
-# The states a worker reports its MCP servers in (the metric's label values).
-MCP_STATES = MCP_REPORTED
-# How a turn ends (`turn_ended`'s outcome).
-TURN_OUTCOMES = tuple(TurnOutcome)
 
 # Upper bounds (seconds) of the append latency histogram, shared by workers and supervisor.
 APPEND_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -133,7 +123,7 @@ Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
 Word = StringConstraints(max_length=40)
 # Strings checked against the vocabulary (a strict model takes no str for an enum field).
 EventTypeWord = Annotated[str, Word, _one_of(EventType)]
-McpStateWord = Annotated[str, Word, _one_of(MCP_STATES)]
+McpStateWord = Annotated[str, Word, _one_of(MCP_REPORTED)]
 ReasonWord = Annotated[str, Word, _one_of(AssignReason)]
 CauseWord = Annotated[str, Word, _one_of(Cause)]
 
@@ -174,44 +164,45 @@ class Heartbeat(_FromWorker):
     append_latency: Latency
 
 
-class Committed(_FromWorker):
-    type: Literal["committed"] = "committed"
+class _AboutSession(_FromWorker):
     session: Id
+
+
+class _ToSession(_Message):
+    session: Id
+
+
+class Committed(_AboutSession):
+    type: Literal["committed"] = "committed"
     seq: Seq
     event_type: EventTypeWord
 
 
-class Released(_FromWorker):
+class Released(_AboutSession):
     type: Literal["released"] = "released"
-    session: Id
 
 
-class LeaseLost(_FromWorker):
+class LeaseLost(_AboutSession):
     type: Literal["lease_lost"] = "lease_lost"
-    session: Id
 
 
-class Assign(_Message):
+class Assign(_ToSession):
     type: Literal["assign"] = "assign"
-    session: Id
     token: Seq
     reason: ReasonWord
     cause: CauseWord | None = None
 
 
-class Release(_Message):
+class Release(_ToSession):
     type: Literal["release"] = "release"
-    session: Id
 
 
-class Wake(_Message):
+class Wake(_ToSession):
     type: Literal["wake"] = "wake"
-    session: Id
 
 
-class Interrupt(_Message):
+class Interrupt(_ToSession):
     type: Literal["interrupt"] = "interrupt"
-    session: Id
 
 
 class Stop(_Message):

@@ -41,7 +41,7 @@ Decisions: the first row that matches wins.
 | 8  | attempts >= MAX_ATTEMPTS                                | NOTICE_RESEND + quarantine |
 | 9  | a user message is queued after the turn                 | DRIVE_WITH_QUEUED_MESSAGE  |
 | 10 | auto_continue off                                       | SKIP                       |
-| 11 | tail AWAITING_CONFIRMATION or LAST_IS_CONTINUATION_NOTE | NOTICE_RESEND (unsafe)     |
+| 11 | tail LAST_IS_CONTINUATION_NOTE                          | NOTICE_RESEND (unsafe)     |
 | 12 | now - interrupted_at > freshness                        | FINALIZE_STALE             |
 | 13 | attempts > 0 and the next attempt is not due            | CONTINUE_AT(due)           |
 | 14 | a continuable tail                                      | CONTINUE (charged)         |

@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from enum import Enum
 from typing import Any, Protocol
 
+from supervisor.core.vocabulary import EventType, TurnOutcome
+
 
 class TailClass(Enum):
     """How the tail of an interrupted turn stands; decides how, or whether, to go on."""
@@ -25,7 +27,6 @@ class TailClass(Enum):
     CUT_BY_MAX_TOKENS = "cut_by_max_tokens"  # the model's output stopped at its token limit
     ANSWERED = "answered"  # the final answer is committed; only `turn_ended` is missing
     # Never continued; the user is asked to resend:
-    AWAITING_CONFIRMATION = "awaiting_confirmation"  # going on would answer for the user
     LAST_IS_CONTINUATION_NOTE = "last_is_continuation_note"  # a note would follow a note
     # Never continued; nothing to say:
     OPERATOR_INTERRUPT = "operator_interrupt"  # `POST /interrupt` ended it
@@ -46,9 +47,10 @@ CONTINUABLE_TAILS = frozenset(
         TailClass.ANSWERED,
     }
 )
-UNSAFE_TAILS = frozenset({TailClass.AWAITING_CONFIRMATION, TailClass.LAST_IS_CONTINUATION_NOTE})
+UNSAFE_TAILS = frozenset({TailClass.LAST_IS_CONTINUATION_NOTE})
 ENDED_TAILS = frozenset({TailClass.OPERATOR_INTERRUPT, TailClass.ENDED_IN_ERROR})
 TERMINAL_TAILS = UNSAFE_TAILS | ENDED_TAILS
+STEP_EVENTS = (EventType.MODEL_RESPONSE, EventType.TOOL_RESULT, EventType.CONTINUATION)
 
 
 class Resume(Enum):
@@ -93,30 +95,30 @@ def classify_tail(events: Sequence[TailEvent], turn_id: str | None = None) -> Ta
     if turn_id is not None:
         start = 0
         for index, event in enumerate(events):
-            if event.type == "turn_started" and event.turn_id == turn_id:
+            if event.type == EventType.TURN_STARTED and event.turn_id == turn_id:
                 start = index
         own = [e for e in events[start:] if e.turn_id == turn_id]
     for event in own:
-        if event.type == "turn_ended":
-            if event.payload.get("outcome") == "interrupted_by_operator":
+        if event.type == EventType.TURN_ENDED:
+            if event.payload.get("outcome") == TurnOutcome.INTERRUPTED_BY_OPERATOR:
                 return TailClass.OPERATOR_INTERRUPT
             return TailClass.ENDED_IN_ERROR
-    steps = [e for e in own if e.type in ("model_response", "tool_result", "continuation")]
+    steps = [e for e in own if e.type in STEP_EVENTS]
     if not steps:
         return TailClass.UNANSWERED_USER_MESSAGE
-    if steps[-1].type == "continuation":
+    if steps[-1].type == EventType.CONTINUATION:
         return TailClass.LAST_IS_CONTINUATION_NOTE
     asked = {
         str(call.get("id"))
         for e in own
-        if e.type == "model_response"
+        if e.type == EventType.MODEL_RESPONSE
         for call in e.payload.get("tool_calls") or []
     }
-    answered = {str(e.payload.get("call_id")) for e in own if e.type == "tool_result"}
+    answered = {str(e.payload.get("call_id")) for e in own if e.type == EventType.TOOL_RESULT}
     if asked - answered:
         return TailClass.TOOL_CALL_WITHOUT_RESULT
     last = steps[-1]
-    if last.type == "tool_result":
+    if last.type == EventType.TOOL_RESULT:
         return TailClass.TOOL_RESULT_NOT_CONSUMED
     if last.payload.get("finish_reason") == "length":
         return TailClass.CUT_BY_MAX_TOKENS
@@ -129,7 +131,7 @@ def resume_from(turn_events: Sequence[TailEvent]) -> Resume:
     The same classifier as recovery's, with the notes of earlier attempts left out:
     recovery already decided that this turn goes on, and a note is not a step of it.
     """
-    steps = [e for e in turn_events if e.type != "continuation"]
+    steps = [e for e in turn_events if e.type != EventType.CONTINUATION]
     tail = classify_tail(steps)
     if tail is TailClass.ANSWERED:
         return Resume.ANSWERED
