@@ -18,7 +18,17 @@ from supervisor.contract.config import (
 )
 from supervisor.store import BadStoreURL, Store, StoreError
 
-EX_CONFIG = 78
+# Exit codes, as the README's table gives them (systemctl's and sysexits' conventions).
+EX_OK = 0
+EX_FAILURE = 1  # the command ran and failed, or found a failure (doctor, a tripped breaker)
+EX_USAGE = 2  # a usage error (click's own)
+EX_NOT_RUNNING = 3  # the daemon is not running, as `systemctl is-active` says
+EX_CONFIG = 78  # the configuration is wrong (sysexits' EX_CONFIG; systemd does not restart)
+
+CONFIG_HELP = (
+    "Configuration file (default: $TURNKEEPER_CONFIG, else /etc/turnkeeper/turnkeeper.toml"
+    " if present, else built-in defaults). Accepted before or after the command."
+)
 
 
 def config_error(message: str) -> NoReturn:
@@ -53,10 +63,64 @@ def open_store(ctx: click.Context, *, migrate: bool) -> Store:
         fail(str(exc))
 
 
-def fail(message: str) -> NoReturn:
-    """Print one line and exit 1."""
+def fail(message: str, code: int = EX_FAILURE) -> NoReturn:
+    """Print one line and exit `code` (1 unless told)."""
     click.echo(f"turnkeeper: {message}", err=True)
-    sys.exit(1)
+    sys.exit(code)
+
+
+def not_running(message: str = "the daemon is not running") -> NoReturn:
+    """Print one line and exit 3, as `systemctl is-active` does for an inactive unit."""
+    fail(message, EX_NOT_RUNNING)
+
+
+def _remember_config(ctx: click.Context, _param: click.Parameter, value: str | None) -> None:
+    if value is not None:
+        ctx.ensure_object(dict)["config_path"] = value
+
+
+def config_option() -> click.Option:
+    """`--config FILE` on a subcommand: the same as before it (the later one wins)."""
+    return click.Option(
+        ["--config", "config_path"],
+        type=str,
+        default=None,
+        expose_value=False,
+        is_eager=True,
+        callback=_remember_config,
+        help=CONFIG_HELP,
+    )
+
+
+def accept_config_everywhere(group: click.Group) -> None:
+    """Give every command below `group` its own `--config`, so either place works."""
+    for command in group.commands.values():
+        if not any(getattr(p, "name", None) == "config_path" for p in command.params):
+            command.params.append(config_option())
+        if isinstance(command, click.Group):
+            accept_config_everywhere(command)
+
+
+def emit_json(data: object) -> None:
+    """`--json` output: one JSON document on stdout, keys sorted, nothing else."""
+    import json
+
+    click.echo(json.dumps(data, indent=2, sort_keys=True, default=str))
+
+
+json_option = click.option(
+    "--json", "as_json", is_flag=True, help="Print JSON (shape in the README) instead of text."
+)
+
+
+def colour(text: str, fg: str, *, err: bool = False) -> str:
+    """`text` in colour on a terminal, plain when piped or with NO_COLOR set."""
+    import os
+
+    stream = sys.stderr if err else sys.stdout
+    if os.environ.get("NO_COLOR") or not stream.isatty():
+        return text
+    return click.style(text, fg=fg)
 
 
 def when(epoch: float | None) -> str:
