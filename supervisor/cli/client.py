@@ -176,6 +176,14 @@ class Client:
         answer = self._json("POST", f"/v1/sessions/{session_id}/interrupt")
         return None if answer["seq"] is None else int(answer["seq"])
 
+    def close_session(self, session_id: str) -> dict[str, Any]:
+        """Close a session (admin): no more turns, its history kept. Idempotent."""
+        return self._json("DELETE", f"/v1/sessions/{session_id}")
+
+    def release_session(self, session_id: str) -> dict[str, Any]:
+        """Lift a quarantine (write access): the poisoned turn ends failed, never retried."""
+        return self._json("POST", f"/v1/sessions/{session_id}/release")
+
     def status(self) -> dict[str, Any]:
         """Boot, slots, worker restarts, sessions by state, attach streams (admin only)."""
         return self._json("GET", "/v1/status")
