@@ -24,7 +24,7 @@ from supervisor.cli.budget import teardown_budget
 from supervisor.cli.doctor import unit_settings
 from supervisor.contract.config import Config
 from supervisor.store import Store
-from tests.conftest import PYTHON, REPO
+from tests.conftest import PYTHON, REPO, python_env
 from tests.daemon import wait_until
 
 UNIT = REPO / "systemd" / "turnkeeper.service"
@@ -339,6 +339,23 @@ def test_supervisorctl_stop_and_start_finish_the_turn_in_flight(supervisord: Sup
     assert sup.proc is not None and psutil.Process(pid).ppid() == sup.proc.pid
     tree = [pid, *(p.pid for p in psutil.Process(pid).children(recursive=True))]
     assert len(tree) >= 3, f"expected the daemon, a worker and an MCP server: {tree}"
+
+    # `turnkeeper stop` would only make supervisord start it again: it refuses, names the
+    # command that works, and the daemon goes on.
+    program = configparser.ConfigParser(interpolation=None)
+    program.read(sup.conf)
+    refused = subprocess.run(
+        [PYTHON, "-m", "supervisor", "stop"],
+        cwd=REPO,
+        env={**python_env(), **environment(program["program:turnkeeper"]["environment"])},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert refused.returncode == 1, refused
+    assert "runs under supervisord" in refused.stderr, refused.stderr
+    assert "`supervisorctl stop turnkeeper`" in refused.stderr, refused.stderr
+    assert psutil.Process(pid).is_running()
 
     started = time.monotonic()
     stopped = sup.ctl("stop", "turnkeeper", timeout=sup.stopwaitsecs + 30)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 from datetime import datetime
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import click
 
@@ -16,9 +16,11 @@ from supervisor.contract.config import (
     make_private_dir,
     resolve_paths,
 )
-from supervisor.store import BadStoreURL, Store, StoreError
 
 # Exit codes, as the README's table gives them (systemctl's and sysexits' conventions).
+if TYPE_CHECKING:
+    from supervisor.store import Store
+
 EX_OK = 0
 EX_FAILURE = 1  # the command ran and failed, or found a failure (doctor, a tripped breaker)
 EX_USAGE = 2  # a usage error (click's own)
@@ -51,6 +53,8 @@ def load(ctx: click.Context) -> Config:
 
 def open_store(ctx: click.Context, *, migrate: bool) -> Store:
     """The store of the configured database; errors become one line, not a traceback."""
+    from supervisor.store import BadStoreURL, Store, StoreError  # only commands that need it
+
     cfg = load(ctx)
     paths = resolve_paths(cfg)
     try:

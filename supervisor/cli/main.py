@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import signal
 import sys
 import time
+from typing import Any
 
 import click
 
@@ -19,13 +19,10 @@ from supervisor.cli.common import (
     config_error,
     fail,
     load,
+    not_running,
     open_store,
 )
-from supervisor.contract.config import (
-    resolve_paths,
-)
-from supervisor.contract.logs import log, setup_logging
-from supervisor.store import BadStoreURL, StoreError
+from supervisor.contract.config import Config, resolve_paths
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -47,7 +44,11 @@ def main(ctx: click.Context, config_path: str | None) -> None:
 @click.pass_context
 def run(ctx: click.Context) -> None:
     """Run the daemon in the foreground until SIGTERM or SIGINT."""
+    import asyncio
+
+    from supervisor.contract.logs import log, setup_logging
     from supervisor.daemon import Daemon, PluginError, StartupError  # heavy imports
+    from supervisor.store import BadStoreURL, StoreError
 
     cfg = load(ctx)
     setup_logging(cfg.log.level, cfg.log.format)
@@ -79,35 +80,145 @@ def run(ctx: click.Context) -> None:
 @click.option("--timeout", default=120.0, show_default=True, help="Seconds to wait for the exit.")
 @click.pass_context
 def stop(ctx: click.Context, drain: float | None, timeout: float) -> None:
-    """Stop the daemon (SIGTERM) and wait until it has exited."""
+    """Stop the daemon (SIGTERM) and wait until it has exited.
+
+    A daemon that is not running is not an error (exit 0, as `systemctl stop`). Under
+    systemd or supervisord this refuses (exit 1) and names the command to use instead:
+    the service manager would start the daemon again at once.
+    """
+    from supervisor.cli import service
+
     cfg = load(ctx)
     paths = resolve_paths(cfg)
     pid = locks.holder(paths.state_dir / locks.LEADER_LOCK)
     if pid is None:
-        fail("the daemon is not running (no process holds its lock)")
+        click.echo("the daemon is not running; nothing to stop")
+        return
+    manager = service.inspect(pid)
+    if manager is not None:
+        fail(
+            f"the daemon (pid {pid}) runs under {manager.name}, which would start it again at "
+            f"once; run `{manager.stop_command}` instead"
+        )
     if drain is not None:
         seconds = drain if drain >= 0 else (cfg.shutdown.drain_budget or 15.0)
         request = paths.runtime_dir / "stop-request.json"
         request.write_text(json.dumps({"drain": seconds}))
         click.echo(f"draining for up to {seconds:g} s", err=True)
     os.kill(pid, signal.SIGTERM)
+    progress = _DrainProgress(cfg) if drain is not None and sys.stderr.isatty() else None
     deadline = time.monotonic() + timeout
     while locks.holder(paths.state_dir / locks.LEADER_LOCK) == pid:
         if time.monotonic() > deadline:
             fail(f"pid {pid} has not exited after {timeout:g} s")
+        if progress is not None:
+            progress.show()
         time.sleep(0.1)
+    if progress is not None:
+        progress.end()
     click.echo(f"stopped (pid {pid})")
 
 
+class _DrainProgress:
+    """`stop --drain` on a terminal: the turns still in flight, on one updated line."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg, self.shown, self.next_at = cfg, False, 0.0
+
+    def show(self) -> None:
+        if time.monotonic() < self.next_at:
+            return
+        self.next_at = time.monotonic() + 0.5
+        from supervisor.cli.client import Client, ClientError
+
+        try:
+            with Client.from_config(self.cfg) as client:
+                slots = client.status()["slots"]
+        except (ClientError, KeyError, TypeError):
+            return  # it stopped listening: the drain is over, or it is not ours to read
+        turns = sum(int(slot.get("turns") or 0) for slot in slots)
+        click.echo(f"\rdraining: {turns} turns in flight ", nl=False, err=True)
+        self.shown = True
+
+    def end(self) -> None:
+        if self.shown:
+            click.echo("", err=True)
+
+
 @main.command("reload")
+@click.option(
+    "--timeout",
+    default=300.0,
+    show_default=True,
+    type=click.FloatRange(min=0, min_open=True),
+    help="Seconds to wait for the rolling restart to finish.",
+)
+@click.option("--no-wait", is_flag=True, help="Only send the signal; do not wait.")
 @click.pass_context
-def reload(ctx: click.Context) -> None:
-    """Rolling restart of the workers (sends SIGHUP to the daemon): no turn is lost."""
-    pid = locks.holder(resolve_paths(load(ctx)).state_dir / locks.LEADER_LOCK)
+def reload(ctx: click.Context, timeout: float, no_wait: bool) -> None:
+    """Rolling restart of the workers (SIGHUP to the daemon): no turn is lost.
+
+    Waits until every worker has been replaced and the old ones have exited, then prints
+    each slot's old and new worker. Exits 3 if the daemon is not running, 1 on a timeout.
+    """
+    cfg = load(ctx)
+    pid = locks.holder(resolve_paths(cfg).state_dir / locks.LEADER_LOCK)
     if pid is None:
-        fail("the daemon is not running (no process holds its lock)")
+        not_running("the daemon is not running (no process holds its lock)")
+    before = None if no_wait else _slots(cfg)
     os.kill(pid, signal.SIGHUP)
-    click.echo(f"rolling restart requested (pid {pid})")
+    if before is None:
+        click.echo(f"rolling restart requested (pid {pid})")
+        return
+    deadline = time.monotonic() + timeout
+    while True:
+        time.sleep(0.2)
+        after = _slots(cfg)
+        if after is not None and _replaced(before, after):
+            break
+        if time.monotonic() > deadline:
+            fail(f"the rolling restart has not finished after {timeout:g} s")
+    assert after is not None
+    for old in before:
+        new = next(slot for slot in after if slot["slot"] == old["slot"])
+        if old["worker"] is None:
+            continue
+        click.echo(f"slot {old['slot']}: {old['worker']} -> {new['worker']} (pid {new['pid']})")
+    click.echo(f"rolling restart done (pid {pid})")
+
+
+def _slots(cfg: Config) -> list[dict[str, Any]] | None:
+    """The daemon's slots from /v1/status; None while it cannot be read."""
+    from supervisor.cli.client import Client, ClientError
+
+    try:
+        with Client.from_config(cfg) as client:
+            slots: list[dict[str, Any]] = client.status()["slots"]
+            return slots
+    except ClientError as exc:
+        if exc.status is not None:  # it answers, and refuses: waiting will not help
+            fail(f"cannot follow the rolling restart: {exc}")
+        return None
+
+
+def _replaced(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> bool:
+    """Whether every worker of `before` has been replaced by a ready one and has exited."""
+    import psutil
+
+    now = {slot["slot"]: slot for slot in after}
+    for old in before:
+        if old["worker"] is None:
+            continue
+        new = now.get(old["slot"])
+        if new is None or new["worker"] == old["worker"] or not new.get("ready"):
+            return False
+        if old["pid"] is not None and psutil.pid_exists(old["pid"]):
+            try:
+                if psutil.Process(old["pid"]).status() != psutil.STATUS_ZOMBIE:
+                    return False
+            except psutil.NoSuchProcess:
+                pass
+    return True
 
 
 @main.group("db")

@@ -1,0 +1,97 @@
+"""`turnkeeper stop` and `reload` as operators use them: the service manager is
+respected, a stopped daemon is not an error, and a reload waits until it is done."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+import psutil
+import pytest
+
+from supervisor.cli.service import detect
+from tests.conftest import PYTHON, REPO, python_env
+from tests.daemon import Daemon, daemons
+
+__all__ = ["daemons"]  # the fixture
+Daemons = Callable[..., Daemon]
+
+
+def cli(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [PYTHON, "-m", "supervisor", *args, "--config", str(config)],
+        cwd=REPO,
+        env=python_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+SYSTEM = "0::/system.slice/turnkeeper.service\n"
+USER = "0::/user.slice/user-1000.slice/user@1000.service/app.slice/tk.service\n"
+
+
+@pytest.mark.parametrize(
+    ("environ", "cgroup", "parent", "expected"),
+    [
+        pytest.param({"INVOCATION_ID": "x"}, SYSTEM, "systemd", "systemctl stop turnkeeper",
+                     id="systemd"),
+        pytest.param(None, SYSTEM, "systemd", "systemctl stop turnkeeper",
+                     id="systemd-environ-unreadable"),
+        pytest.param({}, USER, "systemd", "systemctl --user stop tk", id="user-unit"),
+        pytest.param({"SUPERVISOR_ENABLED": "1", "SUPERVISOR_PROCESS_NAME": "tk",
+                      "SUPERVISOR_GROUP_NAME": "agents"}, "0::/\n", "supervisord",
+                     "supervisorctl stop agents:tk", id="supervisord-group"),
+        pytest.param({"SUPERVISOR_ENABLED": "1"}, "0::/\n", "supervisord",
+                     "supervisorctl stop turnkeeper", id="supervisord"),
+        # Inherited variables alone: the tests of a CI runner that is itself a service.
+        pytest.param({"INVOCATION_ID": "x"}, "0::/system.slice/ci.service\n", "python3", None,
+                     id="below-a-service"),
+        pytest.param({"SUPERVISOR_ENABLED": "1"}, "0::/\n", "bash", None,
+                     id="below-a-supervisord-program"),
+        pytest.param({}, "0::/\n", "systemd", None, id="pid1-in-a-container"),
+        pytest.param({}, "", "bash", None, id="by-hand"),
+    ],
+)  # fmt: skip
+def test_the_service_manager_is_told_by_the_parent(
+    environ: dict[str, str] | None, cgroup: str, parent: str, expected: str | None
+) -> None:
+    manager = detect(environ, cgroup, parent)
+    assert (manager.stop_command if manager else None) == expected
+
+
+def test_stop_of_a_stopped_daemon_is_not_an_error(tmp_path: Path) -> None:
+    daemon = Daemon(tmp_path / "d")
+    result = cli(daemon.config_path, "stop")
+    assert result.returncode == 0, result
+    assert "not running" in result.stdout
+
+
+def test_reload_without_a_daemon_exits_3(tmp_path: Path) -> None:
+    daemon = Daemon(tmp_path / "d")
+    result = cli(daemon.config_path, "reload")
+    assert result.returncode == 3, result
+    assert "not running" in result.stderr
+
+
+def test_reload_waits_for_the_rolling_restart_and_says_what_it_did(daemons: Daemons) -> None:
+    daemon = daemons().start()
+    before = daemon.worker_pids(ready=True)
+    assert before
+    result = cli(daemon.config_path, "reload")
+    assert result.returncode == 0, result
+    # When it returns every old worker has exited and a new one serves each slot.
+    for pid in before.values():
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie"
+    slots = daemon.status()["slots"]
+    assert all(slot["ready"] for slot in slots)
+    now = {slot["worker"] for slot in slots}
+    for name in before:
+        assert name not in now
+        replaced = next(line for line in result.stdout.splitlines() if f" {name} -> " in line)
+        assert replaced.split(" -> ")[1].split()[0] in now
+    assert result.stdout.rstrip().endswith(f"rolling restart done (pid {daemon.pid})")
+    stopped = cli(daemon.config_path, "stop")
+    assert stopped.returncode == 0 and "stopped" in stopped.stdout, stopped
