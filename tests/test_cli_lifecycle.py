@@ -12,7 +12,7 @@ import pytest
 
 from supervisor.cli.service import detect
 from tests.conftest import PYTHON, REPO, python_env
-from tests.daemon import Daemon, daemons
+from tests.daemon import Daemon, daemons, wait_until
 
 __all__ = ["daemons"]  # the fixture
 Daemons = Callable[..., Daemon]
@@ -95,3 +95,48 @@ def test_reload_waits_for_the_rolling_restart_and_says_what_it_did(daemons: Daem
     assert result.stdout.rstrip().endswith(f"rolling restart done (pid {daemon.pid})")
     stopped = cli(daemon.config_path, "stop")
     assert stopped.returncode == 0 and "stopped" in stopped.stdout, stopped
+
+
+def test_stop_drain_on_a_terminal_shows_the_turns_in_flight(
+    daemons: Daemons, tmp_path: Path
+) -> None:
+    import os
+    import pty
+    import select
+    import signal
+
+    daemon = daemons().start()
+    gate = tmp_path / "gate"  # the turn stays in flight until the progress was seen
+    with daemon.client() as client:
+        sid = client.post("/v1/sessions", json={}).json()["id"]
+        client.post(f"/v1/sessions/{sid}/inject", json={"text": f"/gate {gate} go"})
+    wait_until(lambda: sum(s["turns"] for s in daemon.status()["slots"]), 30, "the turn")
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: the CLI on the terminal
+        os.chdir(REPO)
+        args = ["--config", str(daemon.config_path), "stop", "--drain=60"]
+        os.execve(PYTHON, [PYTHON, "-m", "supervisor", *args], python_env())
+    seen = b""
+    try:
+        while b"draining: 1 turns in flight" not in seen:
+            ready, _, _ = select.select([fd], [], [], 30)
+            assert ready, f"no progress on the terminal: {seen!r}"
+            seen += os.read(fd, 4096)
+        gate.touch()
+        while True:
+            ready, _, _ = select.select([fd], [], [], 60)
+            assert ready, f"stop did not finish: {seen!r}"
+            try:
+                chunk = os.read(fd, 4096)
+            except OSError:  # the terminal closed: the CLI exited
+                break
+            if not chunk:
+                break
+            seen += chunk
+    except BaseException:
+        os.kill(pid, signal.SIGKILL)  # no CLI left waiting on a daemon the cleanup kills
+        raise
+    finally:
+        _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, seen
+    assert b"stopped (pid" in seen, seen
