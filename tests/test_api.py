@@ -27,6 +27,7 @@ import pytest
 
 from supervisor.http.auth import digest
 from supervisor.store import EventRecord, Store
+from tests.conftest import PYTHON
 from tests.daemon import Daemon, daemons, events, turn_ended, wait_until
 
 __all__ = ["daemons"]  # the fixture
@@ -389,6 +390,18 @@ def test_the_same_inject_with_one_idempotency_key_appends_once(
         assert user_messages(events(store, sid), "once") == list(seqs)
         assert user_messages(events(store, sid), "at once") == list(concurrent_seqs)
         assert user_messages(events(store, other), "once") == [1]
+    # Three messages were committed; the eight resends were replays, counted apart.
+    metrics = api.client("admin").get("/metrics").text
+    assert sample(metrics, "turnkeeper_events_committed_total", type="user_message") == 3
+    assert sample(metrics, "turnkeeper_intake_replays_total", type="user_message") == 8
+
+
+def sample(metrics: str, name: str, **labels: str) -> float:
+    """One sample of the Prometheus text `metrics` (0 if it is not there)."""
+    wanted = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    head = f"{name}{{{wanted}}} " if wanted else f"{name} "
+    found = [line for line in metrics.splitlines() if line.startswith(head)]
+    return float(found[0].split()[-1]) if found else 0.0
 
 
 # --- 3. access control ----------------------------------------------------------------------
@@ -567,7 +580,7 @@ def test_bad_input_gets_a_clear_4xx_and_nothing_is_written(start: Callable[..., 
         ("DELETE", "/v1/sessions"),
         ("GET", f"{base}/inject"),
         ("POST", f"{base}/events"),
-        ("DELETE", base),
+        ("PATCH", base),
         ("PUT", "/healthz"),
     ):
         answer = admin.request(method, path)
@@ -764,6 +777,40 @@ def test_interrupt_ends_the_turn_for_good_and_the_next_message_runs_normally(
         answers = [e.payload["text"] for e in later if e.type == "model_response"]
         assert answers == ["echo: after"]
         assert asked < after
+
+
+# --- 5b. status ------------------------------------------------------------------------------
+
+
+def test_status_shows_each_workers_mcp_servers_turns_in_flight_and_turns_served(
+    start: Callable[..., Api], tmp_path: Path
+) -> None:
+    tiny = {"name": "tiny", "command": [PYTHON, "-m", "tests.mcp_servers.tiny"]}
+    api = start(pool={"workers": 1, "spare": 0}, mcp={"servers": [tiny]})
+    admin = api.client("admin")
+
+    def slot() -> dict[str, Any]:
+        answer = admin.get("/v1/status")
+        assert answer.status_code == 200, answer.text
+        (found,) = answer.json()["slots"]
+        return dict(found)
+
+    first = wait_until(lambda: (s := slot())["mcp"] and s, 30, "the MCP server to report")
+    assert set(first) >= {"slot", "state", "worker", "pid", "ready", "spare", "sessions"}
+    assert (first["turns"], first["turns_served"]) == (0, 0)
+    wait_until(lambda: slot()["mcp"] == [{"name": "tiny", "state": "ready"}], 30, "tiny ready")
+    sid = create_session(admin)
+    gate = tmp_path / "gate"
+    inject(admin, sid, f"/gate {gate} x")
+    held = wait_until(lambda: (s := slot())["turns"] == 1 and s, 20, "a turn in flight")
+    assert held["turns_served"] == 0
+    gate.touch()
+    done = wait_until(lambda: (s := slot())["turns_served"] == 1 and s, 20, "a turn served")
+    assert done["turns"] == 0
+    inject(admin, sid, "again")
+    wait_until(lambda: slot()["turns_served"] == 2, 20, "a second turn served")
+    metrics = admin.get("/metrics").text
+    assert sample(metrics, "turnkeeper_mcp_servers", state="ready") == 1
 
 
 # --- 6. readiness and shutdown --------------------------------------------------------------

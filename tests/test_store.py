@@ -17,6 +17,7 @@ from supervisor.store import (
     ReplayedSeq,
     SchemaMissing,
     SchemaTooNew,
+    SessionClosed,
     SessionNotFound,
     Store,
     migrations,
@@ -500,3 +501,106 @@ def test_turn_started_keeps_pending_for_a_message_it_did_not_read(store: Store) 
     assert not store.sessions.get(sid).pending  # it read everything
     with pytest.raises(ValueError, match="read_to"):
         store.events.append(sid, "turn_started", {"read_to": "x"}, token=lease.token, turn_id="t3")
+
+
+# --- close and release ------------------------------------------------------------------
+
+
+def test_close_ends_the_turn_for_good_takes_no_input_and_is_idempotent(store: Store) -> None:
+    sid = store.sessions.create("alice").id
+    lease = store.leases.acquire(sid, "w1", 30)
+    assert lease is not None
+    store.events.append(sid, "user_message", {"text": "hi"}, writer="intake")
+    store.events.append(sid, "turn_started", {}, token=lease.token, turn_id="t1")
+    store.events.append(sid, "user_message", {"text": "queued"}, writer="intake")
+    assert store.sessions.close(sid, "alice")
+    info = store.sessions.get(sid)
+    assert (info.status, info.active_turn_id, info.pending, info.owner) == (
+        "closed",
+        None,
+        False,
+        None,
+    )
+    *_, ended, notice = store.events.read(sid)
+    assert (ended.type, ended.turn_id) == ("turn_ended", "t1")
+    assert ended.payload == {"outcome": "interrupted_by_operator", "by": "alice"}
+    assert (notice.type, notice.payload["reason"]) == ("notice", "closed")
+    last = info.last_seq
+    # The worker that ran the turn is fenced out; nobody may take the session again.
+    with pytest.raises(LeaseLost):
+        store.events.append(sid, "model_response", {}, token=lease.token, turn_id="t1")
+    assert store.leases.acquire(sid, "w2", 30, force=True) is None
+    assert store.leases.acquire(sid, "w2", 30) is None
+    # No new input, whoever writes it; a wake is refused too.
+    for writer in ("intake", "cli"):
+        with pytest.raises(SessionClosed, match="closed"):
+            store.events.append(sid, "user_message", {"text": "late"}, writer=writer)
+    with pytest.raises(SessionClosed):
+        store.sessions.request_turn(sid)
+    assert sid not in {s.id for s in store.sessions.with_work()}
+    # Closing again changes nothing; the history is kept.
+    assert not store.sessions.close(sid, "bob")
+    assert store.sessions.get(sid).last_seq == last
+    assert store.sessions.counts()["closed"] == 1
+    with pytest.raises(SessionNotFound):
+        store.sessions.close("0" * 32, "alice")
+
+
+def test_close_without_a_turn_in_flight_writes_only_its_notice(store: Store) -> None:
+    sid = store.sessions.create("alice", kind="autonomous").id
+    assert store.sessions.close(sid, "alice")
+    assert [e.type for e in store.events.read(sid)] == ["notice"]
+    assert store.sessions.idle_autonomous() == []
+
+
+def quarantine_with_turn(store: Store) -> tuple[str, int]:
+    """A session quarantined by recovery, its poisoned turn t1 ended; and its old token."""
+    sid = store.sessions.create("alice").id
+    lease = store.leases.acquire(sid, "w1", 30)
+    assert lease is not None
+    store.events.append(sid, "user_message", {"text": "/crash"}, writer="intake")
+    store.events.append(sid, "turn_started", {}, token=lease.token, turn_id="t1")
+    for _ in range(3):
+        store.sessions.charge_attempt(sid, "t1")
+    assert store.sessions.finalize(sid, "t1", "quarantined", "quarantined", quarantine=True)
+    return sid, lease.token
+
+
+def test_release_lifts_a_quarantine_with_a_notice_and_resets_the_attempts(store: Store) -> None:
+    sid, _ = quarantine_with_turn(store)
+    store.events.append(sid, "user_message", {"text": "hello?"}, writer="cli")
+    assert store.sessions.get(sid).status == "quarantined"
+    assert store.sessions.release(sid, "bob")
+    info = store.sessions.get(sid)
+    assert (info.status, info.quarantined_at, info.quarantine_reason) == ("open", None, None)
+    assert (info.active_turn_id, info.attempt_turn_id, info.attempt_count) == (None, None, 0)
+    notice = store.events.read(sid)[-1]
+    assert (notice.type, notice.turn_id, notice.payload["reason"]) == ("notice", "t1", "released")
+    assert "bob" in notice.payload["text"] and "not be retried" in notice.payload["text"]
+    # Nothing can continue t1; the message sent meanwhile drives a new turn.
+    assert store.sessions.charge_attempt(sid, "t1") is None
+    assert [s.id for s in store.sessions.with_work()] == [sid] and info.pending
+    assert not store.sessions.release(sid, "bob")  # not quarantined (any more)
+    with pytest.raises(SessionNotFound):
+        store.sessions.release("0" * 32)
+
+
+def test_release_ends_a_poisoned_turn_that_is_still_active_as_failed(store: Store) -> None:
+    sid = store.sessions.create("alice").id
+    lease = store.leases.acquire(sid, "w1", 30)
+    assert lease is not None
+    store.events.append(sid, "user_message", {"text": "/crash"}, writer="intake")
+    store.events.append(sid, "turn_started", {}, token=lease.token, turn_id="t1")
+    store.sessions.charge_attempt(sid, "t1")
+    # Quarantined with its turn left active (by an earlier version, or by hand).
+    Session.update(status="quarantined").where(Session.id == sid).execute()
+    assert store.sessions.release(sid)
+    *_, ended, notice = store.events.read(sid)
+    assert (ended.type, ended.turn_id) == ("turn_ended", "t1")
+    assert ended.payload == {"outcome": "failed", "reason": "released"}
+    assert (notice.type, notice.turn_id) == ("notice", "t1")
+    info = store.sessions.get(sid)
+    assert (info.status, info.active_turn_id, info.attempt_count) == ("open", None, 0)
+    assert info.lease_token > lease.token and info.owner is None
+    assert store.sessions.charge_attempt(sid, "t1") is None  # never continued
+    assert sid not in {s.id for s in store.sessions.with_work()}  # nothing to run

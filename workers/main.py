@@ -71,6 +71,7 @@ class Worker:
         self._mcp_rows: dict[int, int] = {}
         self._stop = asyncio.Event()
         self.latency = control.Histogram(control.APPEND_BUCKETS)
+        self.turns_served = 0  # turns this worker's runners ended since it started
         self.log = logger.bind(subsystem="worker")
 
     async def run(self) -> int:
@@ -167,6 +168,7 @@ class Worker:
                     reason,
                     cause=cause,
                     observe=self.latency.observe,
+                    served=self._served,
                     store=self.store,
                     make_agent=self._make_agent,
                     model=self.model,
@@ -227,20 +229,23 @@ class Worker:
             return _FailingAgent(f"agent {spec!r} could not be built: {type(exc).__name__}: {exc}")
 
     async def _heartbeat(self) -> None:
+        """Alive: the turns in flight and served, each MCP server's state by name."""
         while True:
             self._forget_finished()
-            mcp: dict[str, int] = {}
-            for client in self.mcp.clients if self.mcp is not None else ():
-                state = client.state.value if client.state.value != "new" else "starting"
-                mcp[state] = mcp.get(state, 0) + 1
+            clients = self.mcp.clients if self.mcp is not None else ()
             await self.send(
                 "heartbeat",
                 sessions=len(self.runners),
                 turns=sum(1 for r in self.runners.values() if r.in_turn),
-                mcp=mcp,
+                turns_served=self.turns_served,
+                mcp={client.name: client.state.reported.value for client in clients},
                 append_latency=self.latency.take(),
             )
             await asyncio.sleep(self.config.pool.heartbeat_interval)
+
+    def _served(self) -> None:
+        """A runner ended a turn (any outcome): one more for the heartbeat's count."""
+        self.turns_served += 1
 
     def _forget_finished(self) -> None:
         for session_id, runner in list(self.runners.items()):

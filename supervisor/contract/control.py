@@ -9,9 +9,11 @@ worker -> supervisor (every one also names its `worker`, `w<slot>.<generation>`)
     hello       {pid, secret}                  connected: proves the spawn's secret
     ready       {}                             store open, MCP servers started: ready for
                                                sessions
-    heartbeat   {sessions, turns, mcp,         alive; sent from the worker's event loop,
-                 append_latency}               with its MCP servers by state and the
-                                               append latencies since the last one
+    heartbeat   {sessions, turns,              alive; sent from the worker's event loop,
+                 turns_served, mcp,            with its turns in flight, the turns it
+                 append_latency}               ended since it started, each MCP server's
+                                               state by name, and the append latencies
+                                               since the last one
     committed   {session, seq, event_type}     an event was committed (a signal: readers
                                                read the event from the database)
     released    {session}                      stopped at an event boundary, lease released
@@ -55,6 +57,9 @@ from pydantic import (
     ValidationError,
 )
 
+from supervisor.contract.limits import MAX_NAME as MAX_NAME
+from supervisor.contract.limits import MAX_SERVERS as MAX_SERVERS
+from supervisor.contract.limits import PRINTABLE
 from supervisor.core.vocabulary import (
     MCP_REPORTED,
     AssignReason,
@@ -67,7 +72,7 @@ APPEND_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 
 
 MAX_FRAME = 64 * 1024  # bytes; a peer that sends a bigger frame is disconnected by zmq
 MAX_SEQ = 2**62  # beyond any seq or lease token, and within every backend's BIGINT
-MAX_COUNT = 1_000_000  # sessions, turns, MCP servers, observations per heartbeat
+MAX_COUNT = 1_000_000  # sessions, turns, observations per heartbeat
 
 
 class Histogram:
@@ -120,6 +125,9 @@ Secret = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
 WorkerName = Annotated[str, StringConstraints(pattern=r"^w[0-9]{1,6}\.[0-9]{1,12}$")]
 Seq = Annotated[int, Field(ge=1, le=MAX_SEQ)]
 Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
+Total = Annotated[int, Field(ge=0, le=MAX_SEQ)]  # grows for as long as a worker lives
+# A name shown to the operator (status, tables): printable, no control characters.
+ServerName = Annotated[str, StringConstraints(min_length=1, max_length=MAX_NAME, pattern=PRINTABLE)]
 Word = StringConstraints(max_length=40)
 # Strings checked against the vocabulary (a strict model takes no str for an enum field).
 EventTypeWord = Annotated[str, Word, _one_of(EventType)]
@@ -159,8 +167,9 @@ class Latency(_Message):
 class Heartbeat(_FromWorker):
     type: Literal["heartbeat"] = "heartbeat"
     sessions: Count
-    turns: Count
-    mcp: dict[McpStateWord, Count]
+    turns: Count  # in flight
+    turns_served: Total  # ended since the worker started
+    mcp: Annotated[dict[ServerName, McpStateWord], Field(max_length=MAX_SERVERS)]  # by name
     append_latency: Latency
 
 

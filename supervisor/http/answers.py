@@ -21,7 +21,7 @@ from supervisor.core.vocabulary import Rejection
 from supervisor.http.metrics import Metrics
 from supervisor.http.schemas import ErrorBody, ErrorDetail
 from supervisor.http.storage import StorageHealth
-from supervisor.store import IdempotencyConflict, StorageUnavailable
+from supervisor.store import IdempotencyConflict, SessionClosed, StorageUnavailable
 
 M = TypeVar("M", bound=BaseModel)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -114,6 +114,8 @@ def errors(storage: StorageHealth, metrics: Metrics, max_body: int) -> Any:
             return response
         except IdempotencyConflict as exc:
             return error_response(409, "idempotency_conflict", str(exc), seq=exc.seq)
+        except SessionClosed as exc:  # closed after the handler read the session
+            return error_response(409, "closed", str(exc))
         except (StorageUnavailable, peewee.DatabaseError) as exc:
             storage.failed(exc)
             return error_response(

@@ -30,6 +30,7 @@ from supervisor.core.vocabulary import (
 from supervisor.http import answers, attach, auth, openapi
 from supervisor.http.answers import MAX_SEQ, RETRY_AFTER, ApiError, answer, read_body, whole
 from supervisor.http.auth import ADMIN, Tokens
+from supervisor.http.lifecycle import Lifecycle, refuse_closed
 from supervisor.http.metrics import CONTENT_TYPE, Metrics
 from supervisor.http.schemas import (
     AclChange,
@@ -41,7 +42,6 @@ from supervisor.http.schemas import (
     Health,
     Inject,
     Injected,
-    Interrupted,
     Readiness,
     SessionList,
     SessionOut,
@@ -74,7 +74,7 @@ class PoolView(Protocol):
         """A request touched the session: an interrupted turn of it may go on."""
 
     def interrupt(self, session_id: str) -> None:
-        """The operator ended the session's turn (already in the database)."""
+        """The session's turn was ended in the database (interrupt, close): stop it now."""
 
     def status(self) -> dict[str, Any]:
         """The slots and workers, for /v1/status."""
@@ -111,6 +111,7 @@ class Api:
         self.ready = False
         self.stopping = False
         self.storage = StorageHealth(store.probe_write, metrics)
+        self.lifecycle = Lifecycle(store, self._session, self.publish, pool)
         self.log = log("intake")
 
     def app(self) -> web.Application:
@@ -127,7 +128,9 @@ class Api:
         r.add_get("/v1/sessions/{id}", self.get)
         r.add_post("/v1/sessions/{id}/inject", self.inject)
         r.add_post("/v1/sessions/{id}/wake", self.wake)
-        r.add_post("/v1/sessions/{id}/interrupt", self.interrupt)
+        r.add_delete("/v1/sessions/{id}", self.lifecycle.close)
+        r.add_post("/v1/sessions/{id}/interrupt", self.lifecycle.interrupt)
+        r.add_post("/v1/sessions/{id}/release", self.lifecycle.release)
         r.add_get("/v1/sessions/{id}/events", self.events)
         r.add_get("/v1/sessions/{id}/attach", self.attach)
         r.add_put("/v1/sessions/{id}/acl", self.acl)
@@ -263,9 +266,14 @@ class Api:
                 field="Idempotency-Key",
             )
         body = await read_body(request, Inject, self.config.http.read_timeout)
+        refuse_closed(info)
         if info.status == SessionStatus.QUARANTINED:
             raise ApiError(
-                409, "quarantined", "the session is quarantined; an operator must release it first"
+                409,
+                "quarantined",
+                "the session is quarantined: its turn failed every time it ran. A principal "
+                f"with write access can release it with POST /v1/sessions/{info.id}/release "
+                f"(or `turnkeeper sessions release {info.id}`); then send the message again",
             )
         principal = request["principal"]
         seq = await self.store.events.append_async(
@@ -278,7 +286,8 @@ class Api:
             idempotency_digest=None if key is None else request_digest(body.model_dump_json()),
         )
         self.storage.worked()
-        if isinstance(seq, ReplayedSeq):
+        if isinstance(seq, ReplayedSeq):  # committed before: nothing new to count
+            self.metrics.intake_replays.labels(EventType.USER_MESSAGE).inc()
             return answer(Injected(seq=int(seq)), 202, {"Idempotent-Replayed": "true"})
         await self._publish_seq(info.id, seq)
         if self.pool is not None:
@@ -288,19 +297,11 @@ class Api:
     async def wake(self, request: web.Request) -> web.Response:
         self._refuse_while_stopping()
         info = await self._session(request, Permission.WRITE)
+        refuse_closed(info)
         await asyncio.to_thread(self.store.sessions.request_turn, info.id)
         if self.pool is not None:
             self.pool.wake(info.id)
         return answer(Woken(pending=True), 202)
-
-    async def interrupt(self, request: web.Request) -> web.Response:
-        info = await self._session(request, Permission.WRITE)
-        seq = await asyncio.to_thread(self.store.sessions.interrupt, info.id, request["principal"])
-        if seq is not None:
-            await self._publish_seq(info.id, seq)
-            if self.pool is not None:
-                self.pool.interrupt(info.id)
-        return answer(Interrupted(interrupted=seq is not None, seq=seq))
 
     async def events(self, request: web.Request) -> web.Response:
         info = await self._session(request)

@@ -113,6 +113,13 @@ class Metrics:
         self.events_committed = Counter(
             "turnkeeper_events_committed", "Events committed, by type.", ["type"], registry=r
         )
+        self.intake_replays = Counter(
+            "turnkeeper_intake_replays",
+            "Requests intake answered from an earlier commit (the same Idempotency-Key and "
+            "body), by the type of the event they made; nothing new was committed.",
+            ["type"],
+            registry=r,
+        )
         self.intake_rejections = Counter(
             "turnkeeper_intake_rejections",
             "Requests intake refused, by reason.",

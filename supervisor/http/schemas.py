@@ -11,7 +11,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from supervisor.core.vocabulary import Permission, SessionKind, SessionStatus
+from supervisor.core.vocabulary import (
+    MCP_REPORTED,
+    McpState,
+    Permission,
+    SessionKind,
+    SessionStatus,
+    SlotState,
+)
 
 MAX_TEXT = 100_000  # characters of a message, a goal or a prompt
 SESSION_ID_PATTERN = r"^[0-9a-f]{32}$"
@@ -155,6 +162,21 @@ class Interrupted(BaseModel):
     seq: int | None
 
 
+class Closed(BaseModel):
+    """The session is closed (it was already, or is now): no more turns, history kept."""
+
+    id: str = Field(pattern=SESSION_ID_PATTERN)
+    status: Literal[SessionStatus.CLOSED] = SessionStatus.CLOSED
+
+
+class Released(BaseModel):
+    """Whether a quarantine was lifted (false: the session was not quarantined)."""
+
+    id: str = Field(pattern=SESSION_ID_PATTERN)
+    released: bool
+    status: SessionStatus
+
+
 class AclEntries(BaseModel):
     """Every principal's permission on the session now."""
 
@@ -169,12 +191,34 @@ class BootState(BaseModel):
     stopping: bool
 
 
+class McpServerOut(BaseModel):
+    """One MCP server of a worker, as the worker's last heartbeat reported it."""
+
+    name: str
+    state: McpState = Field(description="one of " + ", ".join(MCP_REPORTED))
+
+
+class SlotOut(BaseModel):
+    """A worker slot and the worker in it now (null fields: no worker)."""
+
+    slot: int = Field(ge=0)
+    state: SlotState
+    worker: str | None
+    pid: int | None
+    ready: bool
+    spare: bool
+    sessions: int = Field(ge=0, description="sessions the worker owns")
+    turns: int = Field(ge=0, description="turns in flight")
+    turns_served: int = Field(ge=0, description="turns the worker ended since it started")
+    mcp: list[McpServerOut] = Field(description="its MCP servers, in configuration order")
+
+
 class Status(BaseModel):
     """The daemon's state, for the operator."""
 
     boot: BootState
     breaker: dict[str, Any] | None
-    slots: list[dict[str, Any]]
+    slots: list[SlotOut]
     worker_restarts: int = Field(ge=0)
     sessions: dict[str, int] = Field(description="by state: open, running, pending, ...")
     attach_streams: int = Field(ge=0)
@@ -202,6 +246,8 @@ ANSWERS: tuple[type[BaseModel], ...] = (
     Injected,
     Woken,
     Interrupted,
+    Closed,
+    Released,
     AclEntries,
     Status,
     Health,

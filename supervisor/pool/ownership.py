@@ -44,12 +44,13 @@ class WorkerHandle:
     ready: bool = False
     last_heartbeat: float = 0.0
     sessions: set[str] = field(default_factory=set)
-    turns: int = 0
+    turns: int = 0  # in flight, as its last heartbeat said
+    turns_served: int = 0  # ended since it started, as its last heartbeat said
     retiring: bool = False  # replaced by a rolling restart; exits on request
     stop_requested: bool = False
     aborted_at: float | None = None
     child_row: int | None = None
-    mcp: dict[str, int] = field(default_factory=dict)  # its MCP servers by state
+    mcp: dict[str, str] = field(default_factory=dict)  # its MCP servers' states by name
     replacing: bool = False  # sent a malformed message: killed, its frames ignored
     exited: bool = False  # its sentinel fired: gone, whether reaped yet or not
 
@@ -60,6 +61,11 @@ class WorkerHandle:
     @property
     def alive(self) -> bool:
         return not self.exited and self.process.exitcode is None
+
+    def reported(self) -> dict[str, Any]:
+        """What its heartbeats said beyond its slot's status: turns served, MCP servers."""
+        servers = [{"name": name, "state": state} for name, state in self.mcp.items()]
+        return {"turns_served": self.turns_served, "mcp": servers}
 
     def view(self) -> engine.WorkerView:
         """What the ownership engine reads of it."""

@@ -65,3 +65,13 @@ class LeaseLost(StoreError):
         self.session_id = session_id
         self.token = token
         self.current = current
+
+
+class SessionClosed(StoreError):
+    """The session is closed: it takes no new message and runs no turn any more."""
+
+    def __init__(self, session_id: str) -> None:
+        super().__init__(
+            f"session {session_id!r} is closed: it takes no more messages; create a new session"
+        )
+        self.session_id = session_id

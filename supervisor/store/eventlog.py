@@ -23,10 +23,12 @@ from typing import Any
 
 import peewee
 
+from supervisor.core.vocabulary import EventType, SessionStatus
 from supervisor.store.db import run_write
 from supervisor.store.errors import (
     IdempotencyConflict,
     LeaseLost,
+    SessionClosed,
     SessionNotFound,
     StorageUnavailable,
     StoreError,
@@ -95,9 +97,16 @@ def write_events(db: peewee.Database, requests: Sequence[AppendRequest]) -> list
     rows: dict[str, SessionRow] = {}
     if session_ids:
         cursor = db.execute_sql(sql.lock_rows(len(session_ids)), session_ids)
-        for sid, last, token, pending, active, attempt_turn, attempts, resend in cursor:
+        for sid, last, token, pending, active, attempt_turn, attempts, resend, status in cursor:
             rows[sid] = SessionRow(
-                int(last), int(token), bool(pending), active, attempt_turn, int(attempts), resend
+                int(last),
+                int(token),
+                bool(pending),
+                active,
+                attempt_turn,
+                int(attempts),
+                resend,
+                status,
             )
     events: list[tuple[Any, ...]] = []
     keys: list[tuple[str, str, int, str | None]] = []
@@ -110,6 +119,9 @@ def write_events(db: peewee.Database, requests: Sequence[AppendRequest]) -> list
             continue
         if req.token is not None and req.token != row.lease_token:
             outcomes[i] = LeaseLost(req.session_id, req.token, row.lease_token)
+            continue
+        if req.type == EventType.USER_MESSAGE and row.status == SessionStatus.CLOSED:
+            outcomes[i] = SessionClosed(req.session_id)  # decided under the lock: no race
             continue
         advance(row, req)
         if req.type == "user_message":

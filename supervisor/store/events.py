@@ -151,6 +151,7 @@ class SessionRow:
     attempt_turn_id: str | None
     attempt_count: int
     resend_requested_at: float | None = None
+    status: str = "open"  # read only: appends never change it
 
 
 def advance(row: SessionRow, event: AppendRequest) -> None:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import peewee
 
+from supervisor.core.vocabulary import SessionStatus
 from supervisor.store.db import db_now, now_sql, run_write
 from supervisor.store.errors import LeaseLost, SessionNotFound
 from supervisor.store.models import Session
@@ -33,14 +34,15 @@ class Leases:
         """Take the lease if it is free or stale (or always, with `force`).
 
         Every acquisition gets a larger token than any before it. Returns None when
-        another owner holds a live lease.
+        another owner holds a live lease, or the session is closed (it runs no turn any
+        more, whatever an assignment read before it was closed).
         """
         now = now_sql(self._db)
 
         def work() -> Lease | None:
             update = Session.update(
                 owner=owner, lease_token=Session.lease_token + 1, lease_expires_at=now + ttl
-            ).where(Session.id == session_id)
+            ).where((Session.id == session_id) & (Session.status != SessionStatus.CLOSED))
             if not force:
                 update = update.where(
                     Session.owner.is_null()

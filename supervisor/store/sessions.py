@@ -21,8 +21,9 @@ from supervisor.core.vocabulary import (
     TurnOutcome,
     Writer,
 )
+from supervisor.store import lifecycle
 from supervisor.store.db import run_write
-from supervisor.store.errors import SessionNotFound
+from supervisor.store.errors import SessionClosed, SessionNotFound
 from supervisor.store.eventlog import make_request, write_events
 from supervisor.store.models import Session, SessionACL
 
@@ -145,7 +146,7 @@ class Sessions:
         of interrupted turns. Both columns are indexed, so this costs what it returns,
         not the number of sessions stored.
         """
-        open_ = Session.status == "open"
+        open_ = Session.status == SessionStatus.OPEN
         pending = Session.select().where(Session.pending, open_)
         rows = list(pending.order_by(Session.updated_at, Session.id).limit(limit))
         if len(rows) < limit:
@@ -222,15 +223,8 @@ class Sessions:
                         writer=Writer.SUPERVISOR,
                     )
                 )
-            for outcome in write_events(self._db, events):
-                if isinstance(outcome, Exception):
-                    raise outcome
-            changes: dict[Any, Any] = {
-                Session.owner: None,
-                Session.lease_expires_at: None,
-                Session.lease_token: Session.lease_token + 1,
-            }
-            changes[Session.resend_requested_at] = time.time()
+            lifecycle.append_all(self._db, events)
+            changes = lifecycle.revoked() | {Session.resend_requested_at: time.time()}
             if quarantine:
                 changes |= {
                     Session.status: SessionStatus.QUARANTINED,
@@ -280,81 +274,44 @@ class Sessions:
         )
 
     def interrupt(self, session_id: str, by: str) -> int | None:
-        """End the turn in flight as `interrupted_by_operator`; None if none was running.
+        """End the turn in flight as `interrupted_by_operator`, for good (see lifecycle.py).
 
-        One transaction ends the turn and revokes the lease (a new token, no owner), so the
-        worker that was running it can commit nothing more, and recovery, which continues
-        only turns still active, can never resurrect it. Returns the `turn_ended` seq.
+        Returns the `turn_ended` seq, or None if no turn was running.
+        """
+        return run_write(self._db, lambda: lifecycle.interrupt(self._db, session_id, by))
+
+    def close(self, session_id: str, by: str) -> bool:
+        """Close the session: its turn in flight ends as an interrupt would end it, and it
+        runs no turn and takes no message any more; its history is kept (see lifecycle.py).
+
+        False if it was closed already: closing is idempotent.
+        """
+        return bool(run_write(self._db, lambda: lifecycle.close(self._db, session_id, by)))
+
+    def request_turn(self, session_id: str) -> None:
+        """Mark the session as needing a turn with no new message (a wake).
+
+        SessionClosed for a closed session: it runs no turn any more.
         """
 
-        def work() -> int | None:
+        def work() -> None:
             row = Session.get_or_none(Session.id == session_id)
             if row is None:
                 raise SessionNotFound(session_id)
-            if row.active_turn_id is None:
-                return None
-            event = make_request(
-                session_id,
-                EventType.TURN_ENDED,
-                {"outcome": TurnOutcome.INTERRUPTED_BY_OPERATOR, "by": by},
-                turn_id=row.active_turn_id,
-                writer=Writer.INTAKE,
-            )
-            (outcome,) = write_events(self._db, [event])
-            if isinstance(outcome, Exception):
-                raise outcome
-            Session.update(
-                owner=None, lease_expires_at=None, lease_token=Session.lease_token + 1
-            ).where(Session.id == session_id).execute()
-            return outcome
+            if row.status == SessionStatus.CLOSED:
+                raise SessionClosed(session_id)
+            Session.update(pending=True).where(Session.id == session_id).execute()
 
-        return run_write(self._db, work)
-
-    def request_turn(self, session_id: str) -> None:
-        """Mark the session as needing a turn with no new message (a wake)."""
-        updated = run_write(
-            self._db,
-            lambda: Session.update(pending=True).where(Session.id == session_id).execute(),
-        )
-        if not updated:
-            raise SessionNotFound(session_id)
+        run_write(self._db, work)
 
     def release(self, session_id: str, by: str = "operator") -> bool:
-        """Lift a quarantine; False if the session was not quarantined."""
+        """Lift a quarantine: the poisoned turn ends `failed` with a notice and is never
+        retried; the attempts start over (see lifecycle.py). The one place of this rule,
+        for the API and the command line alike.
 
-        def work() -> bool:
-            updated = (
-                Session.update(
-                    status=SessionStatus.OPEN,
-                    quarantined_at=None,
-                    quarantine_reason=None,
-                    attempt_turn_id=None,
-                    attempt_count=0,
-                )
-                .where((Session.id == session_id) & (Session.status == SessionStatus.QUARANTINED))
-                .execute()
-            )
-            if not updated:
-                if not Session.select().where(Session.id == session_id).exists():
-                    raise SessionNotFound(session_id)
-                return False
-            write_events(
-                self._db,
-                [
-                    make_request(
-                        session_id,
-                        EventType.NOTICE,
-                        {
-                            "text": f"The quarantine was lifted by {by}. "
-                            "Send your message again to go on."
-                        },
-                        writer=Writer.SUPERVISOR,
-                    )
-                ],
-            )
-            return True
-
-        return run_write(self._db, work)
+        False if the session was not quarantined.
+        """
+        return bool(run_write(self._db, lambda: lifecycle.release(self._db, session_id, by)))
 
     def counts(self) -> dict[str, int]:
         """Sessions by state: open, quarantined, closed; running (a turn in flight) and

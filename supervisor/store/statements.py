@@ -16,7 +16,9 @@ ROW_COLUMNS = (
     "attempt_turn_id",
     "attempt_count",
     "resend_requested_at",
+    "status",
 )
+READ_ONLY = ("lease_token", "status")  # read under the lock; an append never sets them
 EVENT_COLUMNS = (
     "session_id",
     "seq",
@@ -45,7 +47,7 @@ class Sql:
             f"INSERT INTO {q[0]}intake_key{q[1]} (session_id, {q[0]}key{q[1]}, seq, digest) "
             f"VALUES ({p}, {p}, {p}, {p})"
         )
-        settable = [c for c in ROW_COLUMNS if c != "lease_token"]
+        settable = [c for c in ROW_COLUMNS if c not in READ_ONLY]
         self.update = (
             f"UPDATE {self.session} SET {', '.join(f'{c} = {p}' for c in settable)}, "
             f"updated_at = {p} WHERE id = {p}"

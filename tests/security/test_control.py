@@ -2,8 +2,9 @@
 outside (its control socket, HTTP, its log and files).
 
 `MisbehavingAgent` is the agent plug-in of the tests that need a genuine worker to send
-something wrong; imported by a daemon whose environment names a marker file in SABOTAGE,
-this module also makes the pool's housekeeping task die once that file exists.
+something wrong; imported by a daemon's main process (its launcher) whose environment
+names a marker file in SABOTAGE, this module also makes the pool's housekeeping task die
+once that file exists.
 """
 
 from __future__ import annotations
@@ -26,8 +27,18 @@ import psutil
 import pytest
 import zmq
 
-from supervisor.contract.control import Refusals
+from supervisor.contract.control import (
+    MAX_NAME,
+    MAX_SEQ,
+    MAX_SERVERS,
+    Heartbeat,
+    ProtocolError,
+    Refusals,
+    decode,
+)
+from supervisor.contract.control import WORKER_MESSAGES as WORKERS
 from supervisor.store import Store
+from tests.conftest import PYTHON
 from tests.daemon import Daemon, daemons, wait_until
 from workers.agent import Turn
 from workers.agents.tool_loop import ToolLoopAgent
@@ -143,7 +154,8 @@ def hello(worker: str, secret: str) -> dict[str, Any]:
 
 def heartbeat(worker: str | None, **fields: Any) -> dict[str, Any]:
     """A heartbeat as `worker` (None: for MisbehavingAgent, which names its own worker)."""
-    beat = {"type": "heartbeat", "sessions": 0, "turns": 0, "mcp": {}, "append_latency": LATENCY}
+    beat = {"type": "heartbeat", "sessions": 0, "turns": 0, "turns_served": 0, "mcp": {}}
+    beat["append_latency"] = LATENCY
     return beat | fields | ({"worker": worker} if worker is not None else {})
 
 
@@ -259,6 +271,12 @@ def test_a_supervisor_task_that_dies_stops_the_daemon_with_a_non_zero_exit(
         shutdown={"drain_budget": 2.0},
     )
     daemon.env[SABOTAGE] = str(marker)
+    # The daemon imports this module first (the agent itself is loaded in its workers).
+    daemon.launcher = [
+        PYTHON,
+        "-c",
+        "import tests.security.test_control; from supervisor.cli.main import main; main()",
+    ]
     daemon.start()
     readiness: list[int] = []
     with daemon.client() as client:
@@ -295,7 +313,8 @@ def test_no_peer_can_create_a_metric_series(
         event = {"seq": 1, "type": "invented"}  # also as the whole event, the way it once went
         invented = {"type": "committed", "session": session, "event_type": "invented"}
         invented |= {"seq": 1, "event": event}
-        for n, frame in enumerate((invented, heartbeat(None, mcp={"evil": 1}))):
+        escape = heartbeat(None, mcp={"\x1b[2Jevil": "ready"})  # a name the status would show
+        for n, frame in enumerate((invented, heartbeat(None, mcp={"evil": 1}), escape)):
             turn(client, f"/send-once {tmp_path / str(n)} {json.dumps(frame)}", session)
             assert "invented" not in client.get("/metrics").text
         stranger = Peer(context, daemon, b"stranger")
@@ -305,9 +324,41 @@ def test_no_peer_can_create_a_metric_series(
         metrics = client.get("/metrics").text
         status = client.get("/v1/status").json()
     assert "invented" not in metrics and "evil" not in metrics
+    assert "evil" not in json.dumps(status)
     assert 'turnkeeper_events_committed_total{type="turn_ended"}' in metrics
-    assert status["worker_restarts"] == 2, status
-    assert daemon.log().count("sent a malformed message") == 2
+    assert status["worker_restarts"] == 3, status
+    assert daemon.log().count("sent a malformed message") == 3
+
+
+def test_a_heartbeat_names_each_mcp_server_and_its_state_within_bounds() -> None:
+    def beat(**fields: Any) -> bytes:
+        return json.dumps(heartbeat("w1.1", **fields)).encode()
+
+    good = decode([beat(mcp={"files": "ready", "a shell": "backoff"}, turns_served=7)], WORKERS)
+    assert isinstance(good, Heartbeat)
+    assert (good.mcp, good.turns_served) == ({"files": "ready", "a shell": "backoff"}, 7)
+    most = decode([beat(turns_served=MAX_SEQ)], WORKERS)
+    assert isinstance(most, Heartbeat) and most.turns_served == MAX_SEQ
+    unnamed = heartbeat("w1.1")
+    del unnamed["turns_served"]
+    refused: dict[str, bytes] = {
+        "a control character": beat(mcp={"files\x1b[2J": "ready"}),
+        "a C1 control character": beat(mcp={"files\x9b": "ready"}),
+        "an empty name": beat(mcp={"": "ready"}),
+        "a name too long": beat(mcp={"f" * (MAX_NAME + 1): "ready"}),
+        "too many servers": beat(mcp={f"s{n}": "ready" for n in range(MAX_SERVERS + 1)}),
+        "a count, not a state": beat(mcp={"files": 1}),
+        "an unreported state": beat(mcp={"files": "new"}),
+        "an invented state": beat(mcp={"files": "evil"}),
+        "turns served below 0": beat(turns_served=-1),
+        "turns served past any seq": beat(turns_served=MAX_SEQ + 1),
+        "turns served as text": beat(turns_served="1"),
+        "no turns served": json.dumps(unnamed).encode(),
+    }
+    for why, frame in refused.items():
+        with pytest.raises(ProtocolError):
+            decode([frame], WORKERS)
+            pytest.fail(f"accepted a heartbeat with {why}")
 
 
 def test_refusals_are_logged_once_per_peer_in_bounded_memory() -> None:

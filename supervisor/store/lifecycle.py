@@ -1,0 +1,150 @@
+"""What a principal does to a session's life: interrupt its turn, close it, release it.
+
+Each function runs inside the caller's write transaction (`Sessions` opens it), so the
+events it writes and the row it changes commit together or not at all. The rules:
+
+- interrupt: the turn in flight ends `interrupted_by_operator` and the lease is revoked
+  (a new token, no owner): the worker running it can commit nothing more, and recovery,
+  which continues only active turns, never resurrects it.
+- close: the same for a turn in flight, then the session is `closed`: no pending input,
+  no lease, and the event log refuses new user messages (`SessionClosed`). Recovery and
+  assignment read only open sessions. Its history is kept. Closing a closed session
+  changes nothing.
+- release: a quarantined session is open again. Its poisoned turn (the one that kept
+  killing workers) is ended `failed` if it is still active, and a notice tells the user
+  it will not be retried; the attempts are reset, so the next user message starts a new
+  turn under the usual accounting.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import peewee
+
+from supervisor.core.vocabulary import EventType, SessionStatus, TurnOutcome, Writer
+from supervisor.store.errors import SessionNotFound
+from supervisor.store.eventlog import make_request, write_events
+from supervisor.store.events import AppendRequest
+from supervisor.store.models import Event, Session
+
+RELEASED = "released"  # the reason of a released session's turn_ended and notice
+
+
+def append_all(db: peewee.Database, requests: list[AppendRequest]) -> list[int]:
+    """Append `requests` in the open transaction; the first refusal aborts it."""
+    seqs: list[int] = []
+    for outcome in write_events(db, requests):
+        if isinstance(outcome, Exception):
+            raise outcome
+        seqs.append(outcome)
+    return seqs
+
+
+def revoked() -> dict[Any, Any]:
+    """The row changes that take the lease from whoever holds it: no worker writes on."""
+    return {
+        Session.owner: None,
+        Session.lease_expires_at: None,
+        Session.lease_token: Session.lease_token + 1,
+    }
+
+
+def _row(session_id: str) -> Session:
+    row = Session.get_or_none(Session.id == session_id)
+    if row is None:
+        raise SessionNotFound(session_id)
+    return row
+
+
+def _turn_ended(row: Session, writer: str, payload: dict[str, Any]) -> list[AppendRequest]:
+    """The active turn's `turn_ended`, if a turn is active."""
+    if row.active_turn_id is None:
+        return []
+    return [
+        make_request(
+            row.id, EventType.TURN_ENDED, payload, turn_id=row.active_turn_id, writer=writer
+        )
+    ]
+
+
+def interrupt(db: peewee.Database, session_id: str, by: str) -> int | None:
+    """End the turn in flight as `interrupted_by_operator`; its seq, or None if none ran."""
+    row = _row(session_id)
+    ended = _turn_ended(
+        row, Writer.INTAKE, {"outcome": TurnOutcome.INTERRUPTED_BY_OPERATOR, "by": by}
+    )
+    if not ended:
+        return None
+    (seq,) = append_all(db, ended)
+    Session.update(revoked()).where(Session.id == session_id).execute()
+    return seq
+
+
+def close(db: peewee.Database, session_id: str, by: str) -> bool:
+    """Close the session; False if it was closed already (nothing is written then)."""
+    row = _row(session_id)
+    if row.status == SessionStatus.CLOSED:
+        return False
+    events = _turn_ended(
+        row, Writer.SUPERVISOR, {"outcome": TurnOutcome.INTERRUPTED_BY_OPERATOR, "by": by}
+    )
+    text = f"This session was closed by {by}: it takes no more messages. Create a new one."
+    events.append(
+        make_request(
+            session_id,
+            EventType.NOTICE,
+            {"text": text, "reason": SessionStatus.CLOSED, "by": by},
+            writer=Writer.SUPERVISOR,
+        )
+    )
+    append_all(db, events)
+    changes = revoked() | {Session.status: SessionStatus.CLOSED, Session.pending: False}
+    Session.update(changes).where(Session.id == session_id).execute()
+    return True
+
+
+def release(db: peewee.Database, session_id: str, by: str) -> bool:
+    """Lift a quarantine; False if the session was not quarantined."""
+    row = _row(session_id)
+    if row.status != SessionStatus.QUARANTINED:
+        return False
+    poisoned = row.active_turn_id or _last_turn(session_id)
+    events = _turn_ended(
+        row, Writer.SUPERVISOR, {"outcome": TurnOutcome.FAILED, "reason": RELEASED}
+    )
+    text = (
+        f"The quarantine was lifted by {by}. The turn that kept failing was ended and will "
+        "not be retried; send your message again to start a new turn."
+    )
+    events.append(
+        make_request(
+            session_id,
+            EventType.NOTICE,
+            {"text": text, "reason": RELEASED, "by": by},
+            turn_id=poisoned,
+            writer=Writer.SUPERVISOR,
+        )
+    )
+    append_all(db, events)
+    changes = revoked() | {
+        Session.status: SessionStatus.OPEN,
+        Session.quarantined_at: None,
+        Session.quarantine_reason: None,
+        Session.attempt_turn_id: None,
+        Session.attempt_count: 0,
+    }
+    Session.update(changes).where(Session.id == session_id).execute()
+    return True
+
+
+def _last_turn(session_id: str) -> str | None:
+    """The turn the latest `turn_ended` ended: a quarantine's turn, ended by recovery."""
+    turn: str | None = (
+        Event.select(Event.turn_id)
+        .where((Event.session_id == session_id) & (Event.type == EventType.TURN_ENDED))
+        .order_by(Event.seq.desc())
+        .limit(1)
+        .scalar()
+    )
+    return turn
