@@ -7,7 +7,6 @@ import os
 import re
 import selectors
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -164,7 +163,7 @@ def test_send_wait_reports_an_interrupted_turn(daemon: Daemon) -> None:
         if waiting.poll() is None:
             waiting.kill()
             waiting.wait()
-    assert waiting.returncode == 0, err
+    assert waiting.returncode == 1, err  # the turn did not answer: --wait fails
     assert out.decode().splitlines() == ["[turn interrupted_by_operator]"]
 
 
@@ -183,7 +182,16 @@ def test_status_shows_the_daemon_and_its_slots(daemon: Daemon) -> None:
     lines = result.stdout.splitlines()
     assert re.fullmatch(r"boot [0-9a-f]+  ready", lines[0]), lines[0]
     assert lines[1].startswith("breaker clear: 0 unclean boots in the last 300 s"), lines[1]
-    assert lines[2].split() == ["SLOT", "STATE", "WORKER", "PID", "SPARE", "SESSIONS", "TURNS"]
+    assert lines[2].split() == [
+        "SLOT",
+        "STATE",
+        "WORKER",
+        "PID",
+        "SPARE",
+        "SESSIONS",
+        "IN-FLIGHT",
+        "SERVED",
+    ]
     slots = [line for line in lines if re.match(r"\d+\s+\w+\s+w\d+\.\d+\s+\d+\s", line)]
     assert len(slots) == 3, result.stdout  # 2 workers + 1 spare
     assert "worker restarts 0" in lines
@@ -271,50 +279,6 @@ def test_a_refused_token_names_where_it_came_from(daemon: Daemon) -> None:
 
 
 # --- without a daemon -------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-    return port
-
-
-def stale_socket(path: Path) -> Path:
-    """A socket file nobody listens on, as a daemon killed with SIGKILL leaves."""
-    with socket.socket(socket.AF_UNIX) as sock:
-        sock.bind(str(path))
-    return path
-
-
-COMMANDS = [
-    ["new"],
-    ["send", "0" * 32, "hello"],
-    ["send", "0" * 32, "hello", "--wait"],
-    ["attach", "0" * 32],
-    ["interrupt", "0" * 32],
-    ["status"],
-    ["grant", "0" * 32, "bob", "read"],
-]
-
-
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("where", ["tcp", "no socket", "stale socket"])
-def test_every_command_says_the_daemon_is_not_running(tmp_path: Path, where: str) -> None:
-    if where == "tcp":
-        listen, reason = f"127.0.0.1:{free_port()}", "connection refused"
-    elif where == "no socket":
-        listen, reason = f"unix:{tmp_path / 'api.sock'}", "no socket"
-    else:
-        listen, reason = f"unix:{stale_socket(tmp_path / 'api.sock')}", "connection refused"
-    config = Daemon(tmp_path, http={"listen": listen}).config_path
-    for args in COMMANDS:
-        result = turnkeeper(config, *args, TURNKEEPER_TOKEN="any")
-        assert result.returncode == 1, (args, result.stdout)
-        assert one_line(result.stderr) == (
-            f"turnkeeper: the daemon is not running at {listen} ({reason}); "
-            "start it with `turnkeeper run`"
-        ), args
 
 
 def test_a_missing_admin_token_names_the_file(tmp_path: Path) -> None:

@@ -2,7 +2,9 @@
 
 Synchronous httpx over TCP or the unix socket of `http.listen`. Every failure becomes a
 `ClientError` whose message is one line naming what to fix: a daemon that is not
-running, a token it refuses, or the API's own `error.message` with the HTTP status.
+running (`DaemonNotRunning`, exit code 3), one that is stopping or whose connection broke
+(`DaemonUnavailable`), a token it refuses, or the API's own `error.message` with the HTTP
+status.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import errno
 import json
 import os
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,7 @@ from typing import Any
 import httpx
 
 from supervisor.contract.config import Config, parse_listen, resolve_paths
+from supervisor.core.backoff import Backoff
 
 TOKEN_VARIABLE = "TURNKEEPER_TOKEN"
 TIMEOUT = 30.0  # seconds for a request; an attach stream has no read timeout
@@ -27,6 +30,8 @@ UNIX_HOST = "http://turnkeeper"  # the host name does not matter on a unix socke
 # An attach stream the daemon ends (a client too slow, a shutdown) is resumed; after this
 # many resumptions in a row that bring nothing, the client gives up.
 IDLE_RESUMES = 3
+# Between attempts to reach a daemon that went away: 0.2 s, doubling, at most 2 s.
+RECONNECT_BACKOFF = Backoff(initial=0.2, factor=2.0, cap=2.0)
 
 
 class ClientError(Exception):
@@ -39,6 +44,32 @@ class ClientError(Exception):
 
 class ClientTimeout(ClientError):
     """The deadline of a stream passed."""
+
+
+class DaemonUnavailable(ClientError):
+    """The daemon cannot serve now (it is stopping, the connection broke); `reason` says
+    why in a few words ("connection refused", "it is stopping")."""
+
+    def __init__(
+        self, message: str, reason: str, status: int | None = None, code: str | None = None
+    ) -> None:
+        super().__init__(message, status, code)
+        self.reason = reason
+
+
+class DaemonNotRunning(DaemonUnavailable):
+    """Nothing listens at the daemon's address, or a stream lost it: the CLI exits 3."""
+
+
+@dataclass(frozen=True)
+class Reconnect:
+    """How a stream outlives a restart of the daemon: it says when it lost the daemon and
+    when it is back, and waits `backoff` between attempts (`sleep` is a seam for tests)."""
+
+    lost: Callable[[str], None]  # the reason, once per loss
+    back: Callable[[int], None]  # the seq the stream resumes after
+    backoff: Backoff = RECONNECT_BACKOFF
+    sleep: Callable[[float], None] = time.sleep
 
 
 @dataclass(frozen=True)
@@ -205,30 +236,58 @@ class Client:
         return events
 
     def stream(
-        self, session_id: str, after: int = 0, *, deadline: float | None = None
+        self,
+        session_id: str,
+        after: int = 0,
+        *,
+        deadline: float | None = None,
+        reconnect: Reconnect | None = None,
     ) -> Iterator[dict[str, Any]]:
         """Events with seq > `after` as they are committed: the stored ones, then live.
 
-        Runs until the caller stops iterating. A stream the daemon ends is resumed with
-        Last-Event-ID, so no event is missed or repeated. `deadline` (time.monotonic())
-        raises ClientTimeout; it is checked on every line, and an idle stream carries a
-        keep-alive comment every 15 s, so it can be passed by up to that much.
+        Runs until the caller stops iterating. A stream the daemon ends is resumed at once
+        with Last-Event-ID (the seq of the last event yielded), so no event is missed or
+        repeated. If the daemon is gone once a stream was open (it stopped, or the
+        connection broke), `reconnect` says so and tries again with its backoff until the
+        daemon is back; without it, DaemonNotRunning is raised. A first connection that
+        fails always raises. `deadline` (time.monotonic()) raises ClientTimeout; it is
+        checked on every line, and an idle stream carries a keep-alive comment every 15 s,
+        so it can be passed by up to that much.
         """
-        last, idle = after, 0
+        last, idle, failures, opened = after, 0, 0, False
         while True:
             delivered = False
-            for event in self._stream_once(session_id, last, deadline):
-                last, delivered = int(event["seq"]), True
-                yield event
+            try:
+                with self._attach(session_id, last, deadline) as events:
+                    if failures and reconnect is not None:
+                        reconnect.back(last)
+                    opened, failures = True, 0
+                    for event in events:
+                        last, delivered = int(event["seq"]), True
+                        yield event
+            except DaemonUnavailable as exc:
+                if not opened:
+                    raise
+                if reconnect is None:
+                    raise DaemonNotRunning(
+                        f"lost the daemon at {self.address} ({exc.reason})", exc.reason
+                    ) from None
+                if not failures:
+                    reconnect.lost(exc.reason)
+                failures, idle = failures + 1, 0
+                reconnect.sleep(reconnect.backoff.delay(failures))
+                continue
             idle = 0 if delivered else idle + 1
             if idle >= IDLE_RESUMES:
                 raise ClientError(
                     f"the daemon at {self.address} keeps ending the attach stream of {session_id}"
                 )
 
-    def _stream_once(
+    @contextlib.contextmanager
+    def _attach(
         self, session_id: str, after: int, deadline: float | None
-    ) -> Iterator[dict[str, Any]]:
+    ) -> Iterator[Iterator[dict[str, Any]]]:
+        """One attach request: its events, once the daemon has accepted it."""
         read = None if deadline is None else max(deadline - time.monotonic(), 0.01)
         with (
             _transport_errors(self.address, deadline),
@@ -242,8 +301,8 @@ class Client:
             if response.status_code >= 400:
                 response.read()
                 raise self._api_error(response)
-            for message in parse_sse(_until(response.iter_lines(), deadline)):
-                yield json.loads(message.data)
+            lines = _until(response.iter_lines(), deadline)
+            yield (json.loads(message.data) for message in parse_sse(lines))
 
     # --- plumbing -------------------------------------------------------------------
 
@@ -272,7 +331,10 @@ class Client:
         elif status == 503:
             retry = response.headers.get("Retry-After")
             when = f"retry after {retry} s (Retry-After)" if retry else "retry shortly"
-            message = f"the daemon at {self.address} is stopping; {when}"
+            if code == "stopping":
+                message = f"the daemon at {self.address} is stopping; {when}"
+            reason = "it is stopping" if code == "stopping" else code
+            return DaemonUnavailable(f"{message} (HTTP {status})", reason, status, code)
         return ClientError(f"{message} (HTTP {status})", status, code)
 
 
@@ -284,10 +346,14 @@ def _transport_errors(address: str, deadline: float | None = None) -> Iterator[N
     except httpx.ConnectError as exc:
         reason = _nobody_listens(exc)
         if reason is not None:
-            raise ClientError(
-                f"the daemon is not running at {address} ({reason}); start it with `turnkeeper run`"
+            raise DaemonNotRunning(
+                f"the daemon is not running at {address} ({reason}); "
+                "start it with `turnkeeper run`",
+                reason,
             ) from None
-        raise ClientError(f"cannot connect to the daemon at {address}: {exc}") from None
+        raise DaemonUnavailable(
+            f"cannot connect to the daemon at {address}: {exc}", "cannot connect"
+        ) from None
     except httpx.ReadTimeout:
         if deadline is not None:
             raise ClientTimeout("the deadline passed") from None
@@ -299,7 +365,9 @@ def _transport_errors(address: str, deadline: float | None = None) -> Iterator[N
             f"the daemon at {address} did not answer within {TIMEOUT:.0f} s"
         ) from None
     except httpx.TransportError as exc:
-        raise ClientError(f"the connection to the daemon at {address} failed: {exc}") from None
+        raise DaemonUnavailable(
+            f"the connection to the daemon at {address} failed: {exc}", "connection lost"
+        ) from None
 
 
 def _nobody_listens(exc: BaseException) -> str | None:

@@ -1,21 +1,37 @@
 """Commands that talk to the running daemon over its HTTP API: new, send, attach,
 interrupt, status and grant.
 
-`supervisor.cli.main` registers them with `register(main)`. What they use from it is imported
-inside the functions, so neither module needs the other to be imported first; so is the
-client, so that httpx does not slow down every other command.
+`supervisor.cli.main` registers them with `register(main)`. The client is imported inside
+the functions, so that httpx does not slow down every other command.
+
+Exit codes (the README's table): 0 success; 1 a failure (an API error, a turn that failed
+or was interrupted under `send --wait`); 2 a usage error; 3 the daemon is not running
+(nothing listens at `http.listen`, or a stream without reconnection lost it).
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 import click
 
-from supervisor.core.vocabulary import Permission, SessionKind
+from supervisor.cli.common import (
+    EX_FAILURE,
+    colour,
+    emit_json,
+    fail,
+    json_option,
+    load,
+    not_running,
+    table,
+    when,
+)
+from supervisor.core.vocabulary import Permission, SessionKind, SlotState, TurnOutcome
 
 if TYPE_CHECKING:
     from supervisor.cli.client import Client
@@ -24,6 +40,9 @@ P = ParamSpec("P")
 R = TypeVar("R")
 KINDS = [kind.value for kind in SessionKind]
 PERMISSIONS = [*(permission.value for permission in Permission), "none"]
+# The outcomes of a turn that `send --wait` calls a success (exit 0); any other exits 1.
+ANSWERED = (TurnOutcome.COMPLETED, TurnOutcome.TRUNCATED)
+STDIN = "-"  # TEXT that means: read the message from standard input
 
 
 def register(group: click.Group) -> None:
@@ -33,17 +52,18 @@ def register(group: click.Group) -> None:
 
 
 def reports_errors(command: Callable[P, R]) -> Callable[P, R]:
-    """A ClientError (no daemon, an API error) becomes one line on stderr and exit 1."""
+    """A ClientError becomes one line on stderr: exit 3 when the daemon is not running
+    (as `systemctl is-active` says), 1 for any other failure."""
 
     @functools.wraps(command)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-        from supervisor.cli.client import ClientError
+        from supervisor.cli.client import ClientError, DaemonNotRunning
 
         try:
             return command(*args, **kwargs)
+        except DaemonNotRunning as exc:
+            not_running(str(exc))
         except ClientError as exc:
-            from supervisor.cli.common import fail
-
             fail(str(exc))
 
     return wrapper
@@ -52,7 +72,6 @@ def reports_errors(command: Callable[P, R]) -> Callable[P, R]:
 def connect(ctx: click.Context) -> Client:
     """A client of the configured daemon."""
     from supervisor.cli.client import Client
-    from supervisor.cli.common import load
 
     return Client.from_config(load(ctx))
 
@@ -63,12 +82,17 @@ session_argument = click.argument("session_id", metavar="SESSION")
 @click.command("new")
 @click.option("--title", default="", help="A title to recognise the session by.")
 @click.option("--kind", default="attached", show_default=True, type=click.Choice(KINDS))
+@json_option
 @click.pass_context
 @reports_errors
-def new(ctx: click.Context, title: str, kind: str) -> None:
-    """Create a session through the daemon; prints its id."""
+def new(ctx: click.Context, title: str, kind: str, as_json: bool) -> None:
+    """Create a session through the daemon; prints its id (--json: the whole session)."""
     with connect(ctx) as client:
-        click.echo(client.create_session(title, kind)["id"])
+        session = client.create_session(title, kind)
+    if as_json:
+        emit_json(session)
+    else:
+        click.echo(session["id"])
 
 
 @click.command("send")
@@ -83,50 +107,108 @@ def new(ctx: click.Context, title: str, kind: str) -> None:
     type=click.FloatRange(min=0, min_open=True),
     help="Seconds to wait for the reply, with --wait.",
 )
+@json_option
 @click.pass_context
 @reports_errors
 def send(
-    ctx: click.Context, session_id: str, text: str, wait: bool, key: str | None, timeout: float
+    ctx: click.Context,
+    session_id: str,
+    text: str,
+    wait: bool,
+    key: str | None,
+    timeout: float,
+    as_json: bool,
 ) -> None:
-    """Send a user message; it is committed before this returns."""
-    from supervisor.cli.common import fail
-
+    """Send a user message TEXT (- reads it from standard input); it is committed before
+    this returns. With --wait, exits 1 if the turn that follows fails or is interrupted."""
+    message = read_stdin() if text == STDIN else text
     with connect(ctx) as client:
-        seq = client.inject(session_id, text, key)
-        click.echo(f"committed as seq {seq}", err=True)
-        if wait and not print_reply(client, session_id, seq, time.monotonic() + timeout):
-            fail(f"no reply within {timeout:g} s")
+        seq = client.inject(session_id, message, key)
+        if not as_json:
+            click.echo(f"committed as seq {seq}", err=True)
+        if not wait:
+            if as_json:
+                emit_json({"seq": seq})
+            return
+        deadline = time.monotonic() + timeout
+        reply = wait_for_reply(client, session_id, seq, deadline, echo=not as_json)
+    if reply is None:
+        fail(f"no reply within {timeout:g} s")
+    if as_json:
+        emit_json({"seq": seq, **reply.document()})
+    if reply.outcome not in ANSWERED:
+        ctx.exit(EX_FAILURE)
 
 
-def print_reply(client: Client, session_id: str, after: int, deadline: float) -> bool:
-    """Print the turn that starts after seq `after` until it ends; False on timeout.
+def read_stdin() -> str:
+    """The message on standard input, without its final newlines; empty is a usage error."""
+    text = sys.stdin.read().rstrip("\r\n")
+    if not text.strip():
+        raise click.BadParameter("standard input is empty: nothing to send", param_hint="TEXT")
+    return text
+
+
+@dataclass
+class Reply:
+    """The turn that answered a message: its outcome and what the model said."""
+
+    turn_id: str | None = None
+    outcome: str | None = None
+    error: str | None = None
+    texts: list[str] = field(default_factory=list)
+
+    def document(self) -> dict[str, Any]:
+        """`send --wait --json`'s keys besides the seq."""
+        return {
+            "turn_id": self.turn_id,
+            "outcome": self.outcome,
+            "error": self.error,
+            "reply": "\n".join(self.texts),
+        }
+
+
+def wait_for_reply(
+    client: Client, session_id: str, after: int, deadline: float, *, echo: bool
+) -> Reply | None:
+    """Follow the turn that starts after seq `after` until it ends (printing it as it goes
+    if `echo`); None on timeout.
 
     Events of a turn already in flight (which did not read the message) are skipped.
     """
     from supervisor.cli.client import ClientTimeout
 
-    turn: str | None = None
+    reply = Reply()
     try:
         for event in client.stream(session_id, after, deadline=deadline):
             kind, payload, turn_id = event["type"], event["payload"], event["turn_id"]
-            if turn is None and kind == "turn_started":
-                turn = turn_id
-            if turn_id is not None and turn_id != turn:
+            if reply.turn_id is None and kind == "turn_started":
+                reply.turn_id = turn_id
+            if turn_id is not None and turn_id != reply.turn_id:
                 continue
-            if kind == "model_response" and payload.get("text"):
-                click.echo(payload["text"])
-            elif kind == "tool_call":
-                click.echo(f"[tool {payload.get('name', '?')}]")
-            elif kind == "notice":
-                click.echo(f"[notice] {payload.get('text', '')}")
-            elif kind == "turn_ended":
-                outcome = payload.get("outcome")
-                if outcome != "completed":
-                    click.echo(f"[turn {outcome}] {payload.get('error', '')}".rstrip())
-                return True
+            line = reply_line(reply, kind, payload)
+            if echo and line is not None:
+                click.echo(line)
+            if kind == "turn_ended":
+                return reply
     except ClientTimeout:
-        return False
-    return False
+        return None
+    return None
+
+
+def reply_line(reply: Reply, kind: str, payload: dict[str, Any]) -> str | None:
+    """Record an event of the turn in `reply`; the line `send --wait` prints for it."""
+    if kind == "model_response" and payload.get("text"):
+        reply.texts.append(payload["text"])
+        return str(payload["text"])
+    if kind == "tool_call":
+        return f"[tool {payload.get('name', '?')}]"
+    if kind == "notice":
+        return f"[notice] {payload.get('text', '')}"
+    if kind == "turn_ended":
+        reply.outcome, reply.error = payload.get("outcome"), payload.get("error")
+        if reply.outcome != TurnOutcome.COMPLETED:
+            return f"[turn {reply.outcome}] {reply.error or ''}".rstrip()
+    return None
 
 
 @click.command("attach")
@@ -138,22 +220,53 @@ def print_reply(client: Client, session_id: str, after: int, deadline: float) ->
     type=click.IntRange(min=0),
     help="Only events with a larger seq (0: the whole history first).",
 )
+@click.option(
+    "--no-reconnect",
+    is_flag=True,
+    help="Exit (code 3) when the daemon goes away, instead of waiting for it to come back.",
+)
+@json_option
 @click.pass_context
 @reports_errors
-def attach(ctx: click.Context, session_id: str, after: int) -> None:
-    """Print a session's events as they are committed, until Ctrl-C."""
+def attach(
+    ctx: click.Context, session_id: str, after: int, no_reconnect: bool, as_json: bool
+) -> None:
+    """Print a session's events as they are committed, until Ctrl-C.
+
+    When the daemon restarts, attach says so on stderr, waits for it and resumes after the
+    last event it printed: nothing is printed twice or missed. --json prints each event as
+    one JSON object a line.
+    """
+    import json
+
+    from supervisor.cli.client import Reconnect
+
     try:
         with connect(ctx) as client:
-            for event in client.stream(session_id, after):
-                click.echo(event_line(event))
+            where = client.address
+            reconnect = (
+                None
+                if no_reconnect
+                else Reconnect(
+                    lost=lambda why: click.echo(
+                        f"turnkeeper: lost the daemon at {where} ({why}); reconnecting", err=True
+                    ),
+                    back=lambda seq: click.echo(
+                        f"turnkeeper: reconnected to the daemon at {where}; "
+                        f"resuming after seq {seq}",
+                        err=True,
+                    ),
+                )
+            )
+            for event in client.stream(session_id, after, reconnect=reconnect):
+                click.echo(json.dumps(event, sort_keys=True) if as_json else event_line(event))
     except KeyboardInterrupt:
         pass
 
 
 def event_line(event: dict[str, Any]) -> str:
     """One line of an event: seq, time, type, summary."""
-    from supervisor.cli.common import when
-    from supervisor.cli.store_commands import summarize
+    from supervisor.cli.session_commands import summarize
 
     return (
         f"{event['seq']:>6}  {when(event['created_at'])}  {event['type']:<15}  "
@@ -163,67 +276,114 @@ def event_line(event: dict[str, Any]) -> str:
 
 @click.command("interrupt")
 @session_argument
+@json_option
 @click.pass_context
 @reports_errors
-def interrupt(ctx: click.Context, session_id: str) -> None:
+def interrupt(ctx: click.Context, session_id: str, as_json: bool) -> None:
     """End the turn in flight (it is not continued); says whether one was running."""
     with connect(ctx) as client:
         seq = client.interrupt(session_id)
-    if seq is None:
+    if as_json:
+        emit_json({"interrupted": seq is not None, "seq": seq})
+    elif seq is None:
         click.echo("nothing was running: no turn to interrupt")
     else:
         click.echo(f"interrupted the turn in flight (turn_ended at seq {seq})")
 
 
 @click.command("status")
+@json_option
 @click.pass_context
 @reports_errors
-def status(ctx: click.Context) -> None:
-    """Show the daemon: boot, worker slots, restarts, sessions and attach streams."""
-    from supervisor.cli.common import table
-
+def status(ctx: click.Context, as_json: bool) -> None:
+    """Show the daemon: boot, breaker, worker slots and their MCP servers, restarts,
+    sessions and attach streams (--json: the /v1/status document)."""
     with connect(ctx) as client:
         data = client.status()
+    if as_json:
+        emit_json(data)
+    else:
+        click.echo("\n".join(status_lines(data)))
+
+
+def status_lines(data: dict[str, Any]) -> list[str]:
+    """`turnkeeper status` for a person: short lines and tables that fit 80 columns."""
     boot = data["boot"]
     state = "stopping" if boot["stopping"] else "ready" if boot["ready"] else "starting"
-    click.echo(f"boot {boot['id']}  {state}")
+    lines = [f"boot {boot['id']}  {state}"]
     breaker = data.get("breaker") or {}
     if breaker:
-        word = "TRIPPED" if breaker["tripped"] else "clear"
-        click.echo(f"breaker {word}: {breaker['reason']}")
+        tripped = bool(breaker["tripped"])
+        line = f"breaker {'TRIPPED' if tripped else 'clear'}: {breaker['reason']}"
+        lines.append(colour(line, "red") if tripped else line)
+    lines += slot_table(data["slots"])
+    lines += mcp_table(data["slots"])
+    sessions = data["sessions"]
+    lines += [
+        f"worker restarts {data['worker_restarts']}",
+        f"sessions {sessions.get('open', 0)} open "
+        f"({sessions.get('running', 0)} running, {sessions.get('pending', 0)} pending), "
+        f"{sessions.get('quarantined', 0)} quarantined, {sessions.get('closed', 0)} closed",
+        f"attach streams {data['attach_streams']}",
+    ]
+    return lines
+
+
+SLOT_COLOURS = {SlotState.FATAL: "red", SlotState.BACKOFF: "yellow"}
+MCP_COLOURS = {"down": "red", "backoff": "yellow"}
+SLOT_HEADERS = ["SLOT", "STATE", "WORKER", "PID", "SPARE", "SESSIONS", "IN-FLIGHT", "SERVED"]
+
+
+def slot_table(slots: list[dict[str, Any]]) -> list[str]:
+    """One row a slot: its worker, the sessions it holds, turns in flight and served."""
     rows = [
         [
             str(s["slot"]),
             s["state"],
-            s["worker"] or "-",
-            str(s["pid"] or "-"),
-            "yes" if s["spare"] else "no",
-            str(s["sessions"]),
-            str(s["turns"]),
+            s.get("worker") or "-",
+            str(s.get("pid") or "-"),
+            "yes" if s.get("spare") else "no",
+            str(s.get("sessions", 0)),
+            str(s.get("turns", 0)),
+            str(s.get("turns_served", "-")),
         ]
-        for s in data["slots"]
+        for s in slots
     ]
-    click.echo(table(["SLOT", "STATE", "WORKER", "PID", "SPARE", "SESSIONS", "TURNS"], rows))
-    click.echo(f"worker restarts {data['worker_restarts']}")
-    sessions = data["sessions"]
-    click.echo(
-        f"sessions {sessions.get('open', 0)} open "
-        f"({sessions.get('running', 0)} running, {sessions.get('pending', 0)} pending), "
-        f"{sessions.get('quarantined', 0)} quarantined, {sessions.get('closed', 0)} closed"
-    )
-    click.echo(f"attach streams {data['attach_streams']}")
+    return coloured(SLOT_HEADERS, rows, [SLOT_COLOURS.get(s["state"]) for s in slots])
+
+
+def mcp_table(slots: list[dict[str, Any]]) -> list[str]:
+    """One row an MCP server of a worker, with its state; nothing if there are none."""
+    servers = [
+        (slot.get("worker") or "-", server) for slot in slots for server in slot.get("mcp") or []
+    ]
+    if not servers:
+        return []
+    rows = [[worker, s["name"], s["state"]] for worker, s in servers]
+    fg = [MCP_COLOURS.get(s["state"]) for _, s in servers]
+    return coloured(["WORKER", "MCP SERVER", "STATE"], rows, fg)
+
+
+def coloured(headers: list[str], rows: list[list[str]], fg: list[str | None]) -> list[str]:
+    """A table whose rows are coloured whole (a cell's colour would break the widths)."""
+    header, *body = table(headers, rows).split("\n")
+    return [header, *(colour(line, c) if c else line for line, c in zip(body, fg, strict=True))]
 
 
 @click.command("grant")
 @session_argument
 @click.argument("principal")
 @click.argument("permission", metavar="PERM", type=click.Choice(PERMISSIONS))
+@json_option
 @click.pass_context
 @reports_errors
-def grant(ctx: click.Context, session_id: str, principal: str, permission: str) -> None:
+def grant(
+    ctx: click.Context, session_id: str, principal: str, permission: str, as_json: bool
+) -> None:
     """Give PRINCIPAL read, write or admin access to a session (none revokes); prints the ACL."""
-    from supervisor.cli.common import table
-
     with connect(ctx) as client:
         acl = client.grant(session_id, principal, None if permission == "none" else permission)
-    click.echo(table(["PRINCIPAL", "PERMISSION"], [[p, acl[p]] for p in sorted(acl)]))
+    if as_json:
+        emit_json({"acl": acl})
+    else:
+        click.echo(table(["PRINCIPAL", "PERMISSION"], [[p, acl[p]] for p in sorted(acl)]))
