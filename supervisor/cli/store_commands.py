@@ -1,167 +1,191 @@
 """Commands that read or write the database directly, so they work while the daemon is
-down: sessions, boots, the breaker, autonomous runs."""
+down: boots, the breaker, autonomous runs; and the `sessions` group of
+`session_commands.py`, registered with them."""
 
 from __future__ import annotations
 
-import json
-import os
+import re
 import socket
-from typing import Any
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import click
 
-from supervisor.contract.config import Config
-from supervisor.store import SessionNotFound, Store
+from supervisor.cli.common import json_option
+from supervisor.cli.session_commands import sessions_group
+from supervisor.core.vocabulary import BootOutcome
+
+if TYPE_CHECKING:
+    from supervisor.contract.config import Config
+    from supervisor.core.breaker import BreakerState
+    from supervisor.store import Store
+    from supervisor.store.boots import Boot
+
+RUNNING, CRASHED, UNKNOWN = "running", "crashed", "unknown"  # states with no outcome recorded
+STATE_COLOURS = {
+    RUNNING: "green",
+    CRASHED: "red",
+    BootOutcome.STARTUP_FAILED: "red",
+    BootOutcome.UNCLEAN: "red",
+    UNKNOWN: "yellow",
+}
+CLOCK_SLACK = 2.0  # seconds: a boot's process starts before its row; the clocks may differ
 
 
 def register(group: click.Group) -> None:
-    """Add the commands of this module to `group`."""
+    """Add the commands of this module, and the `sessions` group, to `group`."""
     for command in (sessions_group, boots, autonomous_group, breaker_group):
         group.add_command(command)
 
 
-@click.group("sessions")
-def sessions_group() -> None:
-    """Inspect sessions in the database."""
-
-
-@sessions_group.command("list")
-@click.option("--limit", default=50, show_default=True, help="Show at most this many.")
-@click.pass_context
-def sessions_list(ctx: click.Context, limit: int) -> None:
-    """List sessions, newest first."""
-    from supervisor.cli.common import open_store, table, when
-
-    with open_store(ctx, migrate=False) as store:
-        sessions = store.sessions.list(limit=limit)
-    if not sessions:
-        click.echo("no sessions")
-        return
-    rows = [
-        [
-            s.id,
-            s.kind,
-            s.status,
-            str(s.last_seq),
-            s.active_turn_id or "-",
-            s.owner or "-",
-            when(s.updated_at),
-            s.title,
-        ]
-        for s in sessions
-    ]
-    click.echo(
-        table(["ID", "KIND", "STATUS", "EVENTS", "ACTIVE TURN", "OWNER", "UPDATED", "TITLE"], rows)
-    )
-
-
-@sessions_group.command("release")
-@click.argument("session_id")
-@click.pass_context
-def sessions_release(ctx: click.Context, session_id: str) -> None:
-    """Lift a session's quarantine; the user can then send a message again."""
-    from supervisor.cli.common import fail, open_store
-
-    with open_store(ctx, migrate=False) as store:
-        try:
-            released = store.sessions.release(session_id)
-        except SessionNotFound as exc:
-            fail(str(exc))
-    click.echo("released" if released else "the session was not quarantined")
-
-
-@sessions_group.command("show")
-@click.argument("session_id")
-@click.option("--after", default=0, show_default=True, help="Only events with a larger seq.")
-@click.option("--limit", default=1000, show_default=True, help="Show at most this many events.")
-@click.pass_context
-def sessions_show(ctx: click.Context, session_id: str, after: int, limit: int) -> None:
-    """Show one session and its events, readably."""
-    from supervisor.cli.common import fail, open_store, when
-
-    with open_store(ctx, migrate=False) as store:
-        try:
-            info = store.sessions.get(session_id)
-        except SessionNotFound as exc:
-            fail(str(exc))
-        events = store.events.read(session_id, after=after, limit=limit)
-        acl = store.acl.entries(session_id)
-    click.echo(
-        f"session {info.id}  kind {info.kind}  status {info.status}  "
-        f"events {info.last_seq}  title {info.title!r}"
-    )
-    click.echo(
-        f"created {when(info.created_at)}  updated {when(info.updated_at)}  "
-        f"active turn {info.active_turn_id or '-'}  "
-        f"owner {info.owner or '-'} (token {info.lease_token})"
-    )
-    click.echo("acl " + ", ".join(f"{p}={perm}" for p, perm in sorted(acl.items())))
-    if info.quarantined_at is not None:
-        click.echo(f"quarantined {when(info.quarantined_at)}: {info.quarantine_reason}")
-    if info.resend_requested_at is not None:
-        click.echo(
-            f"asked the user to resend {when(info.resend_requested_at)} "
-            "(recovery could not continue a turn)"
-        )
-    for event in events:
-        turn = f" turn={event.turn_id}" if event.turn_id else ""
-        click.echo(
-            f"{event.seq:>6}  {when(event.created_at)}  {event.type:<15}{turn}  "
-            f"{summarize(event.payload)}"
-        )
-
-
-def summarize(payload: dict[str, object], width: int = 100) -> str:
-    """One line of an event payload: its text if it has one, else compact JSON."""
-    text = payload.get("text")
-    line = str(text) if isinstance(text, str) else json.dumps(payload, ensure_ascii=False)
-    line = " ".join(line.split())
-    return line if len(line) <= width else line[: width - 1] + "…"
-
-
 @click.command("boots")
 @click.option("--limit", default=20, show_default=True, help="Show at most this many.")
+@json_option
 @click.pass_context
-def boots(ctx: click.Context, limit: int) -> None:
-    """List recent daemon starts and how each ended (none: still running, or killed)."""
-    from supervisor.cli.common import open_store, table, when
+def boots(ctx: click.Context, limit: int, as_json: bool) -> None:
+    """List recent daemon starts, newest first: their state and how each found the breaker.
 
+    STATE is running, crashed (no end recorded and its process is gone: SIGKILL, OOM),
+    startup_failed, clean or unclean; unknown for a boot of another host that has no end.
+    """
+    from supervisor.cli.common import emit_json, open_store
+
+    host = socket.gethostname()
     with open_store(ctx, migrate=False) as store:
         rows = store.boots.recent(limit)
-    if not rows:
+        now = store.now()
+        running = process_check(now)
+    judged = [(b, boot_state(b, host, running)) for b in rows]
+    if as_json:
+        emit_json({"host": host, "boots": [_boot_json(b, state) for b, state in judged]})
+    elif not rows:
         click.echo("no boots recorded")
-        return
-    click.echo(
-        table(
-            ["BOOT", "HOST", "PID", "VERSION", "STARTED", "ENDED", "OUTCOME", "BREAKER"],
-            [
-                [
-                    b.boot_id,
-                    b.host,
-                    str(b.pid),
-                    b.version,
-                    when(b.started_at),
-                    when(b.ended_at),
-                    b.outcome or "-",
-                    _breaker_cell(b.breaker),
-                ]
-                for b in rows
-            ],
-        )
-    )
+    else:
+        click.echo(_boots_table(judged, now))
+
+
+def boot_state(boot: Boot, host: str, running: Callable[[Boot], bool]) -> str:
+    """How a boot stands: its recorded outcome, else whether its process still runs."""
+    if boot.outcome is not None:
+        return boot.outcome
+    if boot.host != host:
+        return UNKNOWN  # its process is on another machine: this one cannot look
+    return RUNNING if running(boot) else CRASHED
+
+
+def process_check(db_now: float) -> Callable[[Boot], bool]:
+    """Whether a boot of this host still runs: its pid is a live process (not a zombie)
+    that was started before the boot's row was written, so a reused pid does not count.
+
+    The row's time is the database's clock; `db_now` (read just now) maps it to ours.
+    """
+    import psutil
+
+    skew = db_now - time.time()
+
+    def running(boot: Boot) -> bool:
+        try:
+            proc = psutil.Process(boot.pid)
+            started = proc.create_time()
+            return proc.status() != psutil.STATUS_ZOMBIE and (
+                started <= boot.started_at - skew + CLOCK_SLACK
+            )
+        except psutil.NoSuchProcess:
+            return False
+        except psutil.AccessDenied:
+            return True  # another user's live process: it exists
+
+    return running
+
+
+def _boots_table(judged: list[tuple[Boot, str]], now: float) -> str:
+    """BOOT (short id), PID, STARTED, RAN, STATE, BREAKER; HOST too for several hosts;
+    the breaker resets recorded in these rows below."""
+    from supervisor.cli.common import table, when
+
+    rows = [b for b, _ in judged]
+    hosts = len({b.host for b in rows}) > 1
+    lines = [
+        [
+            b.boot_id[:12],
+            *([b.host] if hosts else []),
+            str(b.pid),
+            when(b.started_at),
+            _ran(b, state, now),
+            state,
+            _breaker_cell(b.breaker),
+        ]
+        for b, state in judged
+    ]
+    headers = ["BOOT", *(["HOST"] if hosts else []), "PID", "STARTED", "RAN", "STATE", "BREAKER"]
+    text = table(headers, lines)
+    text = paint(text, "STATE", lambda s: STATE_COLOURS.get(s))
+    text = paint(text, "BREAKER", lambda s: "red" if s == "TRIPPED" else None)
+    resets = [
+        f"breaker reset at {when(b.breaker['reset_at'])} (kept in boot {b.boot_id[:12]})"
+        for b in rows
+        if b.breaker and "reset_at" in b.breaker
+    ]
+    return "\n".join([text, *resets])
+
+
+def _ran(boot: Boot, state: str, now: float) -> str:
+    """How long the boot ran (so far, while running); `-` when its end is unknown."""
+    if boot.ended_at is not None:
+        return duration(boot.ended_at - boot.started_at)
+    return duration(now - boot.started_at) if state == RUNNING else "-"
+
+
+def duration(seconds: float) -> str:
+    """A short duration: 45s, 12m03s, 3h12m, 2d04h."""
+    total = int(max(seconds, 0))
+    days, rest = divmod(total, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    if days:
+        return f"{days}d{hours:02d}h"
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
 
 
 def _breaker_cell(state: dict[str, Any] | None) -> str:
-    """How the boot found the breaker, and a reset recorded in its row."""
-    from supervisor.cli.common import when
-
+    """How the boot found the breaker: TRIPPED, clear, or - (it never judged it)."""
     if not state or "tripped" not in state:
-        cell = "-"
-    else:
-        cell = "TRIPPED" if state["tripped"] else "clear"
-    if "reset_at" in (state or {}):
-        cell += f" (reset {when(state['reset_at'])})"  # type: ignore[index]
-    return cell
+        return "-"
+    return "TRIPPED" if state["tripped"] else "clear"
+
+
+def _boot_json(boot: Boot, state: str) -> dict[str, Any]:
+    return {
+        "boot_id": boot.boot_id,
+        "host": boot.host,
+        "pid": boot.pid,
+        "version": boot.version,
+        "started_at": boot.started_at,
+        "ended_at": boot.ended_at,
+        "outcome": boot.outcome,
+        "state": state,
+        "breaker": boot.breaker,
+        "attempted": boot.attempted,
+    }
+
+
+def paint(text: str, column: str, fg_of: Callable[[str], str | None]) -> str:
+    """Colour the cells of one column of a `table()` (laid out plain, so it stays aligned)."""
+    from supervisor.cli.common import colour
+
+    header, *lines = text.split("\n")
+    at = re.search(rf"\b{column}\b", header).start()  # type: ignore[union-attr]
+    painted = [header]
+    for line in lines:
+        cell = line[at:].split("  ", 1)[0]
+        fg = fg_of(cell)
+        if fg is not None:
+            line = line[:at] + colour(cell, fg) + line[at + len(cell) :]
+        painted.append(line)
+    return "\n".join(painted)
 
 
 @click.group("autonomous")
@@ -178,9 +202,9 @@ def autonomous_resume(ctx: click.Context, session_id: str | None) -> None:
     Works while the breaker is tripped (it holds back only what nobody asked for). A run
     with a turn in flight is continued by recovery instead; a stopped run stays stopped.
     """
-
     from supervisor.cli.common import fail, open_store
     from supervisor.core import autonomy
+    from supervisor.store import SessionNotFound
 
     with open_store(ctx, migrate=False) as store:
         if session_id is None:
@@ -222,18 +246,39 @@ def breaker_group() -> None:
 
 
 @breaker_group.command("status")
+@json_option
 @click.pass_context
-def breaker_status(ctx: click.Context) -> None:
-    """Judge the breaker of this host from the boot log, as the next boot would."""
-    from supervisor.cli.common import load, open_store
+def breaker_status(ctx: click.Context, as_json: bool) -> None:
+    """Judge the breaker of this host from the boot log, as the next boot would.
+
+    Exits 1 while it is tripped, 0 when it is clear.
+    """
+    from supervisor.cli.common import EX_FAILURE, colour, emit_json, load, open_store
 
     config = load(ctx)
     with open_store(ctx, migrate=False) as store:
         state = breaker_state(store, config)
-    click.echo(f"{'TRIPPED' if state.tripped else 'clear'}: {state.reason}")
+    if as_json:
+        emit_json(
+            {
+                "host": socket.gethostname(),
+                "tripped": state.tripped,
+                "unclean_boots": state.unclean_in_window,
+                "threshold": config.recovery.breaker_threshold,
+                "window": config.recovery.breaker_window,
+                "clears_at": state.clears_at,
+                "fails_open": state.fails_open,
+                "reason": state.reason,
+            }
+        )
+    else:
+        word = colour("TRIPPED", "red") if state.tripped else "clear"
+        click.echo(f"{word}: {state.reason}")
+    if state.tripped:
+        ctx.exit(EX_FAILURE)
 
 
-def breaker_state(store: Store, config: Config) -> Any:
+def breaker_state(store: Store, config: Config) -> BreakerState:
     """This host's breaker judged from the boot log, as the running (or next) boot would."""
     from supervisor.core import breaker
 
@@ -244,23 +289,14 @@ def breaker_state(store: Store, config: Config) -> Any:
         rows = None
     # A boot still running here is the current one, as it judges itself; without one,
     # this is how a boot starting now would judge it.
+    running = process_check(now)
     return breaker.judge_rows(
         rows,
         now,
         config.recovery.breaker_threshold,
         config.recovery.breaker_window,
-        is_current=lambda row: row.ended_at is None and _alive(row.pid),
+        is_current=lambda row: row.ended_at is None and running(row),
     )
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 @breaker_group.command("reset")
@@ -271,12 +307,12 @@ def breaker_reset(ctx: click.Context) -> None:
     A running daemon picks the reset up within seconds and runs the boot scan it held
     back; a new crash loop trips the breaker again.
     """
-    from supervisor.cli.common import open_store, when
+    from supervisor.cli.common import fail, open_store, when
 
     host = socket.gethostname()
     with open_store(ctx, migrate=False) as store:
         try:
             at = store.boots.reset_breaker(host)
         except LookupError as exc:
-            raise click.ClickException(str(exc)) from None
+            fail(str(exc))
     click.echo(f"breaker reset for host {host} at {when(at)}")
