@@ -1,13 +1,15 @@
-"""Before the daemon starts anything: the plug-ins load, the files it will trust are
-judged, the locks are taken and the tokens read. Every failure here is one line: a
-configuration error (exit 78) or a start that cannot happen (exit 1).
+"""Before the daemon starts anything: the configuration passes `supervisor.checks` (the
+plug-ins load, the MCP commands resolve, ...), the files it will trust are judged, the
+locks are taken and the tokens read. Every failure here is one line: a configuration
+error (exit 78) or a start that cannot happen (exit 1).
 """
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
-from supervisor import locks, trust
+from supervisor import checks, locks, trust
 from supervisor.contract.config import Config, Paths, make_private_dir
 from supervisor.http.auth import (
     ADMIN,
@@ -25,19 +27,18 @@ class StartupError(Exception):
 
 
 class PluginError(Exception):
-    """`agent.class`, the `[model]` settings or the tokens file cannot work (config error)."""
+    """A configuration the daemon cannot run with (exit 78); the message names the key."""
 
 
 def check_plugins(config: Config) -> None:
-    """Fail before anything starts if the agent plug-in or the model cannot be loaded."""
-    from workers.agent import AgentLoadError, load_agent_class
-    from workers.models import ModelError, make_model
-
-    try:
-        load_agent_class(config.agent.class_)
-        make_model(config.model)
-    except (AgentLoadError, ModelError) as exc:
-        raise PluginError(str(exc)) from exc
+    """Fail before anything starts on the first of `supervisor.checks`' verdicts that is
+    not ok: the agent classes (loaded in a child process), the model, each MCP server's
+    command and working directory, the tokens file. `turnkeeper doctor` shows them all.
+    """
+    with contextlib.closing(checks.verdicts(config)) as verdicts:  # closing: ends its child
+        for verdict in verdicts:
+            if not verdict.ok:
+                raise PluginError(verdict.detail)
 
 
 def take_files(config: Config, paths: Paths) -> Tokens:

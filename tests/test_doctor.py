@@ -104,7 +104,12 @@ def doctor(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
         cwd=REPO,
         capture_output=True,
         text=True,
-        env=python_env(TURNKEEPER_DAEMON__STATE_DIR=str(tmp_path / "state"), TURNKEEPER_CONFIG=""),
+        env=python_env(
+            TURNKEEPER_DAEMON__STATE_DIR=str(tmp_path / "state"),
+            TURNKEEPER_CONFIG="",
+            # Not the default port, which another test's daemon may hold (doctor FAILs that).
+            TURNKEEPER_HTTP__LISTEN=f"unix:{tmp_path / 'api.sock'}",
+        ),
         timeout=60,
     )
 

@@ -1,7 +1,8 @@
 """`turnkeeper doctor`: checks of what operators get wrong, each with a verdict and a fix.
 
 Every check is a function returning `Finding`s; reading files and the database happens in
-the caller-supplied inputs, and the parsing and judging below is plain code.
+the caller-supplied inputs, and the parsing and judging below is plain code. The checks
+`turnkeeper run` makes of the configuration are `supervisor.checks`, shared with it.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from pathlib import Path
 
 from supervisor import locks, trust
 from supervisor.cli.budget import Budget, check_stop_timeout
-from supervisor.http.auth import TokensFileError, read_tokens_file
 
 PASS, WARN, FAIL = "PASS", "WARN", "FAIL"
 MIN_FREE_BYTES = 512 * 1024 * 1024
@@ -216,8 +216,8 @@ def check_files(
     tokens_file: Path | None = None,
     user: int | None = None,
 ) -> list[Finding]:
-    """What the daemon refuses to start on, the tokens file's lines, the state directory
-    and database kept private, free disk space."""
+    """What the daemon refuses to start on (the tokens file's lines are `supervisor.checks`'),
+    the state directory and database kept private, free disk space."""
     user = service_user(state_dir) if user is None else user
     findings = []
     if not state_dir.exists():
@@ -244,8 +244,6 @@ def check_files(
                 + ", writable by nobody else, no symbolic link where a file belongs",
             )
         )
-    if tokens_file is not None:
-        findings += _check_tokens_file(tokens_file, user)
     findings += _privacy(state_dir, db_path)
     if state_dir.exists():
         free = shutil.disk_usage(state_dir).free
@@ -259,17 +257,6 @@ def check_files(
             )
         )
     return findings
-
-
-def _check_tokens_file(path: Path, user: int) -> list[Finding]:
-    """The tokens file read as the daemon reads it (its trust is judged above)."""
-    try:
-        principals = read_tokens_file(path, user)
-    except trust.Untrusted:
-        return []
-    except TokensFileError as exc:
-        return [Finding(FAIL, "tokens file", str(exc), "fix or remove the line")]
-    return [Finding(PASS, "tokens file", f"{path}: {len(principals)} principals")]
 
 
 def _privacy(state_dir: Path, db_path: Path | None) -> list[Finding]:

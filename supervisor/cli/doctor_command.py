@@ -1,18 +1,24 @@
-"""`turnkeeper doctor`, the command: gathers the inputs and prints the findings of
-`supervisor.cli.doctor`'s checks."""
+"""`turnkeeper doctor`, the command: gathers the inputs, runs `supervisor.cli.doctor`'s
+checks and the ones `turnkeeper run` makes (`supervisor.checks`), prints the findings.
+
+Imports are taken inside the command: this module is loaded by every `turnkeeper` call.
+"""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, NoReturn
 
 import click
 
-from supervisor import locks
-from supervisor.cli.budget import teardown_budget
-from supervisor.contract.config import Config, ConfigError, load_config, resolve_paths
-from supervisor.store import Store, StoreError, sqlite_path
+from supervisor.cli.common import EX_CONFIG, colour, emit_json, json_option
+
+if TYPE_CHECKING:
+    from supervisor.cli.doctor import Finding
+    from supervisor.contract.config import Config
+
+COLOURS = {"PASS": "green", "WARN": "yellow", "FAIL": "red"}
 
 
 def register(group: click.Group) -> None:
@@ -31,118 +37,95 @@ def register(group: click.Group) -> None:
     type=click.Path(exists=True, dir_okay=False),
     help="A supervisord program file to check (stopwaitsecs, stopsignal).",
 )
+@json_option
 @click.pass_context
-def doctor_command(ctx: click.Context, unit: str | None, supervisord: str | None) -> None:
+def doctor_command(
+    ctx: click.Context, unit: str | None, supervisord: str | None, as_json: bool
+) -> None:
     """Check what operators get wrong; each check says PASS, WARN or FAIL and how to fix it.
 
-    Exits 0 when nothing fails.
+    Every check `turnkeeper run` makes before it starts is made here the same way (the agent
+    classes are loaded in a child process; MCP servers are never started), each named by
+    its configuration key. Exits 0 when nothing fails, 1 when something does, 78 when the
+    configuration itself cannot be loaded.
     """
     from supervisor.cli import doctor
+    from supervisor.contract.config import ConfigError, load_config
 
     try:
         cfg = load_config(ctx.obj.get("config_path"))
     except ConfigError as exc:
-        click.echo(f"FAIL  config: {exc}")
-        sys.exit(1)
-    findings = [doctor.Finding(doctor.PASS, "config", "valid")]
+        fix = "correct the file or variable named; `turnkeeper config show` checks it"
+        _report([doctor.Finding(doctor.FAIL, "config", str(exc), fix)], as_json, EX_CONFIG)
+    findings = [doctor.Finding(doctor.PASS, "config", "loads")]
+    findings += _service_files(cfg, unit, supervisord)
+    findings += _run_checks(cfg)
+    findings += _files_and_database(cfg)
+    _report(findings, as_json, doctor.exit_code(findings))
+
+
+def _report(findings: list[Finding], as_json: bool, code: int) -> NoReturn:
+    """Print the findings (text or `--json`) and exit `code`."""
+    from dataclasses import asdict
+
+    if as_json:
+        emit_json({"ok": code == 0, "findings": [asdict(f) for f in findings]})
+        sys.exit(code)
+    for finding in findings:
+        status = colour(f"{finding.status:4}", COLOURS[finding.status])
+        click.echo(f"{status}  {finding.check}: {finding.detail}")
+        if finding.fix and finding.status != "PASS":
+            click.echo(f"      fix: {finding.fix}")
+    sys.exit(code)
+
+
+def _service_files(cfg: Config, unit: str | None, supervisord: str | None) -> list[Finding]:
+    """The service manager's files, against the teardown budget."""
+    from supervisor.cli import doctor
+    from supervisor.cli.budget import teardown_budget
+
     budget = teardown_budget(cfg)
+    findings = []
     if unit:
         findings += doctor.check_unit(Path(unit).read_text(), unit, budget)
     if supervisord:
         findings += doctor.check_supervisord(Path(supervisord).read_text(), supervisord, budget)
-    paths = resolve_paths(cfg)
-    db_file = sqlite_path(paths.db_url)
-    tokens_file = Path(cfg.auth.tokens_file) if cfg.auth.tokens_file else None
-    findings += doctor.check_files(paths.state_dir, db_file, paths.runtime_dir, tokens_file)
-    findings += _doctor_database(cfg, paths.db_url, cfg.store.synchronous, paths.state_dir)
-    for finding in findings:
-        click.echo(f"{finding.status:4}  {finding.check}: {finding.detail}")
-        if finding.fix and finding.status != doctor.PASS:
-            click.echo(f"      fix: {finding.fix}")
-    sys.exit(doctor.exit_code(findings))
-
-
-def _doctor_database(cfg: Config, url: str, synchronous: str, state_dir: Path) -> list[Any]:
-    from supervisor.cli import doctor
-
-    try:
-        store = Store(url, synchronous, migrate=False)
-    except (StoreError, OSError) as exc:
-        return [
-            doctor.Finding(
-                doctor.FAIL,
-                "database",
-                str(exc),
-                "start the daemon once, or run `turnkeeper db migrate`",
-            )
-        ]
-    with store:
-        findings = [
-            doctor.Finding(
-                doctor.PASS, "database", f"{store.backend} reachable, schema {store.schema_version}"
-            )
-        ]
-        if store.backend == "sqlite":
-            mode = store.db.execute_sql("PRAGMA journal_mode").fetchone()[0]
-            level = store.db.execute_sql("PRAGMA synchronous").fetchone()[0]
-            findings += doctor.check_sqlite(str(mode), int(level))
-        counts = store.sessions.counts()
-        quarantined = counts.get("quarantined", 0)
-        findings.append(
-            doctor.Finding(
-                doctor.WARN,
-                "quarantine",
-                f"{quarantined} sessions quarantined",
-                "see `turnkeeper sessions list`; lift with `turnkeeper sessions release ID`",
-            )
-            if quarantined
-            else doctor.Finding(doctor.PASS, "quarantine", "no session quarantined")
-        )
-        stale = [
-            s
-            for s in store.sessions.with_work()
-            if s.active_turn_id and s.owner and (s.lease_expires_at or 0) < store.now()
-        ]
-        running = locks.holder(state_dir / locks.LEADER_LOCK) is not None
-        from supervisor.cli.store_commands import breaker_state
-
-        state = breaker_state(store, cfg)
-        if state.tripped:
-            findings.append(
-                doctor.Finding(
-                    doctor.WARN,
-                    "breaker",
-                    f"tripped: {state.reason}",
-                    "find why the daemon keeps dying (`turnkeeper boots`, the log); once fixed, "
-                    "`turnkeeper breaker reset`",
-                )
-            )
-        elif state.fails_open:
-            findings.append(
-                doctor.Finding(doctor.WARN, "breaker", state.reason, "check the database")
-            )
-        else:
-            findings.append(doctor.Finding(doctor.PASS, "breaker", f"clear: {state.reason}"))
-        if stale and running:
-            findings.append(
-                doctor.Finding(
-                    doctor.WARN,
-                    "leases",
-                    f"{len(stale)} turns in flight with a stale lease while the daemon runs",
-                    "check the log for workers that stopped responding",
-                )
-            )
-        else:
-            findings.append(
-                doctor.Finding(
-                    doctor.PASS,
-                    "leases",
-                    f"{len(stale)} stale leases"
-                    + (
-                        ""
-                        if running
-                        else " (the daemon is not running: they are continued at its next start)"
-                    ),
-                )
-            )
     return findings
+
+
+def _run_checks(cfg: Config) -> list[Finding]:
+    """What `run` checks before it starts, each verdict a finding named by its key, and
+    whether the listen address can be bound."""
+    from supervisor import checks, locks
+    from supervisor.cli import doctor
+    from supervisor.contract.config import resolve_paths
+
+    state_dir = resolve_paths(cfg).state_dir
+    verdicts = list(checks.verdicts(cfg, user=doctor.service_user(state_dir)))
+    running = locks.holder(state_dir / locks.LEADER_LOCK)
+    verdicts.append(checks.listen_verdict(cfg.http.listen, running))
+    return [
+        doctor.Finding(
+            doctor.PASS if verdict.ok else doctor.FAIL,
+            verdict.key,
+            verdict.detail.removeprefix(verdict.key).removeprefix(":").strip(),
+            "" if verdict.ok else verdict.fix,
+        )
+        for verdict in verdicts
+        if not verdict.untrusted  # reported by the `files` check, with the others
+    ]
+
+
+def _files_and_database(cfg: Config) -> list[Finding]:
+    """The files the daemon trusts, and the database it would open."""
+    from supervisor.cli import doctor
+    from supervisor.cli.doctor_database import check_database
+    from supervisor.contract.config import resolve_paths
+    from supervisor.store import sqlite_path
+
+    paths = resolve_paths(cfg)
+    tokens = Path(cfg.auth.tokens_file) if cfg.auth.tokens_file else None
+    findings = doctor.check_files(
+        paths.state_dir, sqlite_path(paths.db_url), paths.runtime_dir, tokens
+    )
+    return findings + check_database(cfg, paths.db_url, paths.state_dir)

@@ -414,7 +414,9 @@ def test_a_password_in_a_url_is_masked_everywhere_and_never_replaces_the_api_key
     shown = subprocess.run(
         [PYTHON, "-m", "supervisor", "--config", str(daemon.config_path), "config", "show"],
         cwd=REPO,
-        env=python_env(TURNKEEPER_STORE__URL=f"postgresql://tk:{PASSWORD}@127.0.0.1:1/tk"),
+        env=python_env(
+            TURNKEEPER_STORE__URL=f"postgresql://tk:{PASSWORD}@127.0.0.1:1/tk", TK_KEY=API_KEY
+        ),
         capture_output=True,
         text=True,
         timeout=60,
