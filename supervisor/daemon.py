@@ -17,9 +17,18 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from setproctitle import setproctitle
+
 from supervisor import __version__
-from supervisor.contract.config import Config, parse_listen, resolve_paths
+from supervisor.contract.config import (
+    Config,
+    ignored_variables,
+    mask_url,
+    parse_listen,
+    resolve_paths,
+)
 from supervisor.contract.logs import log
+from supervisor.contract.origins import source_name
 from supervisor.contract.reaper import become_subreaper, sweep
 from supervisor.http.app import Api
 from supervisor.http.attach import Hub
@@ -66,13 +75,16 @@ class Daemon:
         what it did, in reverse, and the boot row says `startup_failed`; a stop unwinds
         the same stack, each step capped and timed (DESIGN.md section 7).
         """
+        setproctitle("turnkeeper: supervisor")
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self._on_stop_signal, signum)
         loop.add_signal_handler(signal.SIGHUP, self._reloads.put_nowait, None)
+        # The pre-checks first: a configuration they refuse is one line and exit 78.
         check_plugins(self.config)
         become_subreaper()
         tokens = take_files(self.config, self.paths)
+        self._announce()
         async with contextlib.AsyncExitStack() as stack:
             store = await asyncio.to_thread(Store, self.paths.db_url, self.config.store.synchronous)
             stack.push_async_callback(self._close_store, store)
@@ -105,6 +117,21 @@ class Daemon:
             time.monotonic() - self.stop_started,
         )
         return 1 if failed else 0
+
+    def _announce(self) -> None:
+        """The first lines of a start: what runs, from which configuration, on what files."""
+        say = log("daemon")
+        say.info("turnkeeper {} starting (pid {})", __version__, os.getpid())
+        say.info("configuration: {}", source_name(self.config.source))
+        say.info(
+            "state directory: {}; runtime directory: {}",
+            self.paths.state_dir,
+            self.paths.runtime_dir,
+        )
+        say.info("database: {}", mask_url(self.paths.db_url))
+        say.info("listen: {}", self.config.http.listen)
+        for warning in ignored_variables():
+            say.warning("{}", warning)
 
     async def _start(
         self, stack: contextlib.AsyncExitStack, store: Store, boot_id: str, tokens: Tokens

@@ -63,6 +63,8 @@ class Daemon:
         self.log_path = root / "daemon.log"
         self.runs = 0
         self.env: dict[str, str] = {}  # extra environment for the daemon process
+        # What runs `turnkeeper` (a test may import a fault injector first, in the daemon).
+        self.launcher: list[str] = [PYTHON, "-m", "supervisor"]
         # Every worker the API or the process tree showed, as pid and start time, so the
         # cleanup kills no process of another test that reused a pid.
         self.seen: dict[int, float] = {}
@@ -73,7 +75,7 @@ class Daemon:
         log.write(f"--- run {self.runs} ---\n".encode())
         log.flush()
         self.proc = subprocess.Popen(
-            [PYTHON, "-m", "supervisor", "--config", str(self.config_path), "run"],
+            [*self.launcher, "--config", str(self.config_path), "run"],
             cwd=REPO,
             env=python_env(**self.env),
             stdout=log,
@@ -166,7 +168,7 @@ class Daemon:
             children = psutil.Process(self.pid).children()
         except psutil.NoSuchProcess:
             return []
-        return [c for c in children if "spawn_main" in " ".join(_cmdline(c))]
+        return [c for c in children if _is_worker(c)]
 
     def owner_pid(self, store: Store, session_id: str) -> int | None:
         """The pid of the worker that owns the session, if it is in the pool now."""
@@ -198,10 +200,17 @@ class Daemon:
         for pid, started in self.seen.items():
             with contextlib.suppress(psutil.Error):
                 proc = psutil.Process(pid)
-                if proc.create_time() == started and "spawn_main" in " ".join(_cmdline(proc)):
+                if proc.create_time() == started and _is_worker(proc):
                     proc.kill()
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=10)
+
+
+def _is_worker(proc: psutil.Process) -> bool:
+    """A worker process: named `turnkeeper: worker ...` once it runs (setproctitle), and
+    multiprocess's `spawn_main` command line for the moment before."""
+    cmdline = " ".join(_cmdline(proc))
+    return cmdline.startswith("turnkeeper: worker ") or "spawn_main" in cmdline
 
 
 def _cmdline(proc: psutil.Process) -> list[str]:

@@ -72,7 +72,9 @@ def test_system_file_is_read_when_present(tmp_path: Path, monkeypatch: pytest.Mo
 
 
 def test_example_file_loads_to_exactly_the_defaults() -> None:
-    assert load_config(str(EXAMPLE), environ={}) == Config()
+    cfg = load_config(str(EXAMPLE), environ={})
+    assert cfg.model_dump() == Config().model_dump()
+    assert cfg.source == EXAMPLE
 
 
 def test_example_file_lists_every_key_in_order() -> None:
@@ -380,8 +382,10 @@ def test_render_round_trips(tmp_path: Path) -> None:
             "log": {"format": "json", "level": "DEBUG"},
         }
     )
-    assert load_config(write(tmp_path, render_config(cfg)), environ={}) == cfg
-    assert load_config(write(tmp_path, render_config(Config())), environ={}) == Config()
+    loaded = load_config(write(tmp_path, render_config(cfg)), environ={})
+    assert loaded.model_dump() == cfg.model_dump()
+    defaults = load_config(write(tmp_path, render_config(Config())), environ={})
+    assert defaults.model_dump() == Config().model_dump()
 
 
 def test_render_keeps_section_order() -> None:
@@ -548,7 +552,7 @@ def test_cli_show_masks_secrets(tmp_path: Path) -> None:
     path = write(
         tmp_path,
         '[store]\nurl = "postgresql://tk:s3cr3t-pw@db:5432/tk"\n'
-        '[[mcp.servers]]\nname = "gh"\ncommand = ["gh-mcp"]\n'
+        f'[[mcp.servers]]\nname = "gh"\ncommand = ["{sys.executable}"]\n'
         'env = { GITHUB_TOKEN = "ghp_hidden" }\n',
     )
     result = run_cli("--config", path, "config", "show", home=tmp_path)

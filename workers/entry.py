@@ -11,7 +11,10 @@ from supervisor.contract.spawn import WorkerSpec
 
 
 def run_worker(spec: WorkerSpec) -> None:
-    """The spawn target: run the worker in this (new) process."""
+    """The spawn target: run the worker in this (new) process, named for `ps` and `top`."""
+    from setproctitle import setproctitle
+
+    setproctitle(f"turnkeeper: worker {spec.identity}")
     from workers.main import main
 
     main(spec)

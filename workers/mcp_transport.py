@@ -28,10 +28,10 @@ import psutil
 from loguru import logger
 from mcp.shared.message import SessionMessage
 
+from supervisor.contract.mcp_env import INHERITED_ENV as INHERITED_ENV
+from supervisor.contract.mcp_env import child_environment as child_environment
 from supervisor.contract.reaper import new_group_with_pdeathsig
 
-INHERITED_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TZ", "USER", "LOGNAME")
-"""The only variables of the worker's environment an MCP server inherits."""
 LINE_LIMIT = 32 * 1024 * 1024
 """Bytes; a longer stdout line is a broken server, and the connection is closed."""
 DRAIN_BUDGET = 0.2
@@ -39,16 +39,6 @@ DRAIN_BUDGET = 0.2
 REAP_BUDGET = 1.0
 """Seconds `terminate` waits after SIGKILL before it gives up on a process."""
 POLL = 0.02
-
-
-def child_environment(
-    extra: Mapping[str, str], source: Mapping[str, str] | None = None
-) -> dict[str, str]:
-    """The environment of an MCP server: `INHERITED_ENV` from `source`, then `extra`."""
-    source = os.environ if source is None else source
-    env = {name: source[name] for name in INHERITED_ENV if name in source}
-    env.update(extra)
-    return env
 
 
 def _group_alive(pgid: int) -> bool:

@@ -56,6 +56,7 @@ class SessionRunner:
         toolbox: Toolbox,
         notify: Notify,
         observe: Callable[[float], None] = lambda seconds: None,
+        served: Callable[[], None] = lambda: None,
     ) -> None:
         self.session_id = session_id
         self.token = token
@@ -70,6 +71,7 @@ class SessionRunner:
         self._toolbox = toolbox
         self._notify = notify
         self._observe = observe  # append latency, for the metrics
+        self._served = served  # a turn ended, for the worker's count of turns served
         self._woken = asyncio.Event()
         self.released = asyncio.Event()
         self.in_turn = False
@@ -160,7 +162,9 @@ class SessionRunner:
                 if step is Step.SUPERSEDE:
                     # A queued user message drives the next turn itself, with no note.
                     assert info.active_turn_id is not None
-                    self.log.info("a queued message supersedes turn {}", info.active_turn_id)
+                    self.log.bind(turn=info.active_turn_id).info(
+                        "a queued message supersedes turn {}", info.active_turn_id
+                    )
                     await turns.supersede_turn(
                         info.active_turn_id, await self._read(), self._commit
                     )
@@ -168,8 +172,8 @@ class SessionRunner:
                 elif step is Step.CONTINUE:
                     assert info.active_turn_id is not None
                     cause = self.cause or AssignReason(self.reason).cause
-                    self.log.info("continuing turn {} ({})", info.active_turn_id, cause)
                     turn_id = info.active_turn_id
+                    self.log.bind(turn=turn_id).info("continuing turn {} ({})", turn_id, cause)
                     self._load_agent()  # before the note: see the module's docstring
                     outcome = await turns.resume_turn(
                         turn_id, await self._read(), cause, self._commit, self._run
@@ -181,9 +185,10 @@ class SessionRunner:
                 raise
             finally:
                 self.in_turn = False
+            self._served()
             # Whatever comes next is a fresh turn or another continuation of ours.
             self.reason, self.cause = "new", None
-            self.log.debug("turn {} ended {}", turn_id, outcome)
+            self.log.bind(turn=turn_id).debug("turn {} ended {}", turn_id, outcome)
             if info.kind == "autonomous":
                 await self._checkpoint()
 

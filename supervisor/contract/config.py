@@ -2,7 +2,9 @@
 
 One pydantic model per section holds its keys and defaults; `etc/turnkeeper.toml` shows
 every key with its default, and `turnkeeper config show` prints the effective values with
-secrets masked. A mistake is a `ConfigError` whose one-line message names the key, what is
+secrets masked (`supervisor.contract.origins`). Variables are read by
+`supervisor.contract.envvars`, which also warns of those that look like configuration but
+are ignored. A mistake is a `ConfigError` whose one-line message names the key, what is
 wrong and where the value came from; the command line turns it into exit code 78.
 """
 
@@ -13,7 +15,7 @@ import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args, get_origin
+from typing import Annotated, Any, Literal
 
 import tomli_w
 from pydantic import (
@@ -21,12 +23,17 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    PrivateAttr,
+    StringConstraints,
     ValidationError,
     ValidationInfo,
     field_validator,
 )
 from pydantic.fields import FieldInfo
 from pydantic_core import ErrorDetails, PydanticCustomError
+
+from supervisor.contract.envvars import Sections, env_warnings, from_environ
+from supervisor.contract.limits import MAX_NAME, MAX_SERVERS, PRINTABLE
 
 # Re-exported: most callers take the paths with the configuration.
 from supervisor.contract.paths import Paths as Paths
@@ -39,7 +46,6 @@ from supervisor.contract.secrets import mask_url as mask_url
 from supervisor.contract.secrets import mask_urls as mask_urls
 
 DEFAULT_PATH = Path("/etc/turnkeeper/turnkeeper.toml")
-ENV_PREFIX = "TURNKEEPER_"
 
 
 AGENT_SPEC = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
@@ -165,7 +171,8 @@ class ModelConfig(_Section):
 
 
 class McpServer(_Section):
-    name: Annotated[str, Field(min_length=1)]
+    # Shown to operators and sent in every heartbeat: the control plane's limits.
+    name: Annotated[str, StringConstraints(min_length=1, max_length=MAX_NAME, pattern=PRINTABLE)]
     command: Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
     env: dict[str, str] = Field(default_factory=dict)
     cwd: str = ""
@@ -174,7 +181,7 @@ class McpServer(_Section):
 
 
 class McpConfig(_Section):
-    servers: list[McpServer] = Field(default_factory=list)
+    servers: list[McpServer] = Field(default_factory=list, max_length=MAX_SERVERS)
 
     @field_validator("servers")
     @classmethod
@@ -239,10 +246,28 @@ class Config(_Section):
     recovery: RecoveryConfig = Field(default_factory=RecoveryConfig)
     log: LogConfig = Field(default_factory=LogConfig)
 
+    # The file it was read from (None: built-in defaults), set by `load_config`.
+    _source: Path | None = PrivateAttr(default=None)
+
+    @property
+    def source(self) -> Path | None:
+        """The configuration file this was read from; None for the built-in defaults."""
+        return self._source
+
 
 def resolve_paths(cfg: Config, environ: Mapping[str, str] | None = None) -> Paths:
     """The absolute state and runtime directories, database URL and admin token file."""
     return _resolve_paths(cfg.daemon.state_dir, cfg.daemon.runtime_dir, cfg.store.url, environ)
+
+
+def config_keys() -> Sections:
+    """Every section's fields by the key that names them in the file."""
+    return {name: _keys(model) for name, model in _section_models().items()}
+
+
+def ignored_variables(environ: Mapping[str, str] | None = None) -> list[str]:
+    """Warnings for `TURNKEEPER_*` variables that look like configuration but are not read."""
+    return env_warnings(os.environ if environ is None else environ, config_keys())
 
 
 def _section_models() -> dict[str, type[BaseModel]]:
@@ -265,23 +290,29 @@ def load_config(path: str | None = None, environ: Mapping[str, str] | None = Non
     exists, else none. Raises ConfigError with a one-line message.
     """
     env = os.environ if environ is None else environ
-    file = _config_file(path, env)
-    from_file = _read_file(file) if file is not None else {}
+    file = config_file(path, env)
+    from_file = read_file(file) if file is not None else {}
     merged = {name: dict(v) if isinstance(v, dict) else v for name, v in from_file.items()}
-    from_env, variables = _from_environ(env)
+    try:
+        from_env, variables = from_environ(env, config_keys())
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     for section, values in from_env.items():
         target = merged.setdefault(section, {})
         if isinstance(target, dict):  # else the file's own error is reported below
             target.update(values)
     try:
-        return Config.model_validate(merged)
+        config = Config.model_validate(merged)
     except ValidationError as exc:
         error = exc.errors(include_url=False)[0]
         origin = _origin(error["loc"], file, from_file, variables)
         raise ConfigError(f"{_describe(error)} [{origin}]") from None
+    config._source = file
+    return config
 
 
-def _config_file(path: str | None, env: Mapping[str, str]) -> Path | None:
+def config_file(path: str | None, env: Mapping[str, str]) -> Path | None:
+    """The file to read: `path`, else $TURNKEEPER_CONFIG, else the system file if present."""
     if path is not None:
         return Path(path)
     if env.get("TURNKEEPER_CONFIG"):
@@ -289,7 +320,8 @@ def _config_file(path: str | None, env: Mapping[str, str]) -> Path | None:
     return DEFAULT_PATH if DEFAULT_PATH.exists() else None
 
 
-def _read_file(file: Path) -> dict[str, Any]:
+def read_file(file: Path) -> dict[str, Any]:
+    """The parsed TOML of `file`; raises ConfigError with a one-line message."""
     try:
         with file.open("rb") as stream:
             return tomllib.load(stream)
@@ -304,50 +336,6 @@ def _read_file(file: Path) -> dict[str, Any]:
         raise ConfigError(f"{file}: not UTF-8 text") from None
     except OSError as exc:
         raise ConfigError(f"{file}: cannot read: {exc.strerror}") from None
-
-
-def _from_environ(
-    env: Mapping[str, str],
-) -> tuple[dict[str, dict[str, Any]], dict[tuple[str, str], str]]:
-    """Values from `TURNKEEPER_<SECTION>__<KEY>` variables, and which variable set each."""
-    sections = _section_models()
-    values: dict[str, dict[str, Any]] = {}
-    variables: dict[tuple[str, str], str] = {}
-    for var in sorted(env):
-        if not var.startswith(ENV_PREFIX) or "__" not in var:
-            continue
-        section, _, key = var.removeprefix(ENV_PREFIX).lower().partition("__")
-        if not section or not key or "__" in key:
-            raise ConfigError(f"{var}: expected {ENV_PREFIX}<SECTION>__<KEY>")
-        if section not in sections:
-            raise ConfigError(f"{var}: unknown section {section}")
-        field = _keys(sections[section]).get(key)
-        if field is None:
-            raise ConfigError(f"{var}: unknown key {section}.{key}")
-        if section == "mcp":
-            raise ConfigError(
-                f"{var}: mcp.servers cannot be set from the environment; list them in the file"
-            )
-        values.setdefault(section, {})[key] = _env_value(env[var], field)
-        variables[section, key] = var
-    return values, variables
-
-
-def _env_value(text: str, field: FieldInfo) -> Any:
-    """`text` read as a TOML value if it is one, else as a plain string."""
-    try:
-        parsed = tomllib.loads(f"value = {text}")
-    except tomllib.TOMLDecodeError:
-        return text
-    if set(parsed) != {"value"}:
-        return text
-    value = parsed["value"]
-    # A string key keeps its text as written: `model = 7` means the model named "7".
-    wants_text = field.annotation is str or (
-        get_origin(field.annotation) is Literal
-        and all(isinstance(arg, str) for arg in get_args(field.annotation))
-    )
-    return text if wants_text and not isinstance(value, str) else value
 
 
 def _origin(

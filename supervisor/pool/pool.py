@@ -78,6 +78,7 @@ class Pool:
         self.slots = [Slot(i) for i in range(config.pool.workers + config.pool.spare)]
         self.current: dict[int, WorkerHandle] = {}
         self.workers: dict[str, WorkerHandle] = {}  # by name
+        self.burying: set[int] = set()  # pids of exited workers whose status `_bury` reads
         self.plane = ControlPlane(address, self.workers, self._handle, self._replace, self.clock)
         self.ownership = Ownership(
             config, store, recovery, self.workers, self.plane.send, self.clock
@@ -103,7 +104,7 @@ class Pool:
         self.ownership.touch(session_id)
 
     def interrupt(self, session_id: str) -> None:
-        """The operator ended the session's turn (already in the database): stop it now."""
+        """The session's turn was ended in the database (interrupt, close): stop it now."""
         self.ownership.interrupt(session_id)
 
     # --- lifecycle ------------------------------------------------------------------
@@ -167,7 +168,7 @@ class Pool:
 
     def mcp_states(self) -> dict[str, int]:
         """MCP servers of the live workers by state, as their last heartbeats said."""
-        return dict(sum((Counter(w.mcp) for w in self.workers.values()), Counter()))
+        return dict(Counter(state for w in self.workers.values() for state in w.mcp.values()))
 
     @property
     def assigned(self) -> dict[str, WorkerHandle]:
@@ -183,7 +184,11 @@ class Pool:
 
     def status(self) -> dict[str, Any]:
         """The slots and workers, for /v1/status and `turnkeeper status`."""
-        slots = [slot_status(s, self.current.get(s.index)) for s in self.slots]
+        slots = [
+            slot_status(s, w) | (w.reported() if w else {"turns_served": 0, "mcp": []})
+            for s in self.slots
+            for w in (self.current.get(s.index),)
+        ]
         return {"slots": slots, "restarts": self.restarts}
 
     # --- processes ------------------------------------------------------------------
@@ -247,11 +252,11 @@ class Pool:
 
     def _on_exit(self, worker: WorkerHandle) -> None:
         # The sentinel fired: the worker is gone, for ownership at once. Its exit status
-        # comes a moment later (it closes its pipe before it can be reaped): read in a
-        # thread, so that the event loop never waits for it.
+        # comes a moment later; `_bury` reads it in a thread, and no one else may reap it.
         asyncio.get_running_loop().remove_reader(worker.process.sentinel)
         worker.exited = True
         self.workers.pop(worker.identity, None)
+        self.burying.add(worker.pid)
         self.plane.bury(worker)
         self.ownership.orphaned(worker)
         if worker.child_row is not None:
@@ -260,6 +265,7 @@ class Pool:
 
     async def _bury(self, worker: WorkerHandle) -> None:
         await asyncio.to_thread(worker.process.join, 1.0)
+        self.burying.discard(worker.pid)
         requested = worker.stop_requested or worker.retiring
         if self.current.get(worker.slot.index) is worker:
             del self.current[worker.slot.index]
@@ -271,7 +277,7 @@ class Pool:
                 "worker {} (pid {}) exited with {}; slot {}",
                 worker.identity,
                 worker.pid,
-                describe_exit(worker.process.exitcode),
+                describe_exit(worker.process.exitcode, requested),
                 transition.reason,
             )
             if transition.new is SlotState.FATAL:
@@ -290,7 +296,7 @@ class Pool:
                     if slot.due(now):
                         self._spawn(slot)
             self._check_hangs(now)
-            reap_orphans(w.pid for w in self.workers.values())
+            reap_orphans([*(w.pid for w in self.workers.values()), *self.burying])
             if now >= next_poll or self._wanted.is_set():
                 self._wanted.clear()
                 next_poll = now + POLL
@@ -351,7 +357,7 @@ class Pool:
                 worker.slot.ready(self.clock())
                 self.log.info("worker {} is ready", worker.identity)
             case control.Heartbeat():
-                worker.turns = message.turns
+                worker.turns, worker.turns_served = message.turns, message.turns_served
                 worker.mcp = dict(message.mcp)
                 latency = message.append_latency
                 self.metrics.append_latency.add(latency.counts, latency.sum)

@@ -30,10 +30,16 @@ def stop_resource_tracker() -> None:
         tracker._stop()  # type: ignore[union-attr]
 
 
-def describe_exit(code: int | None) -> str:
-    """An exit status in words, for the log."""
+def describe_exit(code: int | None, requested: bool = False) -> str:
+    """An exit status in words, to follow "exited with" in the log: "code 0", "signal
+    SIGKILL". No status (None) means another waiter reaped the worker first: during a stop
+    or a rolling restart (`requested`), the reaper that stops every descendant."""
     if code is None:
-        return "an unknown status"
+        return (
+            "the stop (its status went to the stop's reaper)"
+            if requested
+            else "a status reaped elsewhere"
+        )
     if code < 0:
         try:
             return f"signal {signal.Signals(-code).name}"

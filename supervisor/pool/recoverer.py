@@ -215,7 +215,10 @@ class Recoverer:
             elif not j.decision.charged:
                 await self.carry_out(info, j)
         left = len(continuing) - len(plan)
-        self.log.info(
+        # The boot scan always says what it found; a timer that finds nothing is quiet.
+        idle = trigger is not Trigger.BOOT_SCAN and not judged and not held
+        self.log.log(
+            "DEBUG" if idle else "INFO",
             "{}: {} interrupted sessions, {} to continue{}{}",
             trigger.value,
             len(judged),

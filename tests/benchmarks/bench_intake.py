@@ -147,7 +147,7 @@ def _role(proc: psutil.Process) -> str:
         cmdline = " ".join(proc.cmdline())
     except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
         return "gone"
-    if "spawn_main" in cmdline:
+    if cmdline.startswith("turnkeeper: worker ") or "spawn_main" in cmdline:
         return "worker"
     if "resource_tracker" in cmdline:
         return "resource_tracker"
