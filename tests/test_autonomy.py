@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import subprocess
@@ -206,3 +207,6 @@ def test_autonomous_resume_writes_the_prompt_once_and_leaves_stopped_runs(tmp_pa
     assert "has a turn in flight or waiting" in resume(other)  # not twice
     out = resume()
     assert f"{sid}: stopped (max_turns)" in out and "0 runs resumed" in out
+    runs = {run["id"]: run for run in json.loads(resume("--json"))["runs"]}
+    assert runs[sid]["result"] == "stopped", runs
+    assert json.loads(resume(other, "--json"))["runs"][0]["result"] == "busy"

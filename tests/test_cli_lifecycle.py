@@ -3,6 +3,7 @@ respected, a stopped daemon is not an error, and a reload waits until it is done
 
 from __future__ import annotations
 
+import json
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -93,6 +94,11 @@ def test_reload_waits_for_the_rolling_restart_and_says_what_it_did(daemons: Daem
         replaced = next(line for line in result.stdout.splitlines() if f" {name} -> " in line)
         assert replaced.split(" -> ")[1].split()[0] in now
     assert result.stdout.rstrip().endswith(f"rolling restart done (pid {daemon.pid})")
+    again = cli(daemon.config_path, "reload", "--json")
+    assert again.returncode == 0, again
+    document = json.loads(again.stdout)
+    assert document["done"] and document["pid"] == daemon.pid
+    assert {slot["old"] for slot in document["slots"]} == now
     stopped = cli(daemon.config_path, "stop")
     assert stopped.returncode == 0 and "stopped" in stopped.stdout, stopped
 
@@ -140,3 +146,13 @@ def test_stop_drain_on_a_terminal_shows_the_turns_in_flight(
         _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0, seen
     assert b"stopped (pid" in seen, seen
+
+
+def test_db_migrate_json(tmp_path: Path) -> None:
+    daemon = Daemon(tmp_path / "d")
+    first = cli(daemon.config_path, "db", "migrate", "--json")
+    assert first.returncode == 0, first
+    created = json.loads(first.stdout)
+    assert created["backend"] == "sqlite" and created["schema"] >= 1
+    again = json.loads(cli(daemon.config_path, "db", "migrate", "--json").stdout)
+    assert again["schema_before"] == again["schema"] == created["schema"]

@@ -3,7 +3,6 @@ completes in the shell (click's completion)."""
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 from pathlib import Path
@@ -47,36 +46,28 @@ def test_a_command_that_talks_to_the_daemon_imports_neither_daemon_nor_database(
     assert packages.isdisjoint(DAEMON_ONLY + DATABASE), packages & set(DAEMON_ONLY + DATABASE)
 
 
-@pytest.mark.parametrize("shell", ["bash", "zsh", "fish"])
-def test_shell_completion_scripts_come_from_click(shell: str) -> None:
-    env = {**python_env(), "_TURNKEEPER_COMPLETE": f"{shell}_source"}
-    done = subprocess.run(
+def complete(**variables: str) -> subprocess.CompletedProcess[str]:
+    """The CLI as the shell's completion runs it (`_TURNKEEPER_COMPLETE` and friends)."""
+    return subprocess.run(
         [PYTHON, "-c", "from supervisor.cli.main import main; main(prog_name='turnkeeper')"],
         cwd=REPO,
-        env=env,
+        env={**python_env(), **variables},
         capture_output=True,
         text=True,
         timeout=60,
     )
+
+
+@pytest.mark.parametrize("shell", ["bash", "zsh", "fish"])
+def test_shell_completion_scripts_come_from_click(shell: str) -> None:
+    done = complete(_TURNKEEPER_COMPLETE=f"{shell}_source")
     assert done.returncode == 0, done.stderr
     assert "_TURNKEEPER_COMPLETE" in done.stdout
 
 
 def test_completion_offers_the_commands() -> None:
-    env = {
-        **python_env(),
-        "_TURNKEEPER_COMPLETE": "bash_complete",
-        "COMP_WORDS": "turnkeeper sess",
-        "COMP_CWORD": "1",
-    }
-    done = subprocess.run(
-        [PYTHON, "-c", "from supervisor.cli.main import main; main(prog_name='turnkeeper')"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
+    done = complete(
+        _TURNKEEPER_COMPLETE="bash_complete", COMP_WORDS="turnkeeper sess", COMP_CWORD="1"
     )
     assert done.returncode == 0, done.stderr
     assert "plain,sessions" in done.stdout.splitlines(), done.stdout
-    assert os.sep not in done.stdout

@@ -17,7 +17,9 @@ from supervisor.cli.common import (
     CONFIG_HELP,
     accept_config_everywhere,
     config_error,
+    emit_json,
     fail,
+    json_option,
     load,
     not_running,
     open_store,
@@ -154,8 +156,9 @@ class _DrainProgress:
     help="Seconds to wait for the rolling restart to finish.",
 )
 @click.option("--no-wait", is_flag=True, help="Only send the signal; do not wait.")
+@json_option
 @click.pass_context
-def reload(ctx: click.Context, timeout: float, no_wait: bool) -> None:
+def reload(ctx: click.Context, timeout: float, no_wait: bool, as_json: bool) -> None:
     """Rolling restart of the workers (SIGHUP to the daemon): no turn is lost.
 
     Waits until every worker has been replaced and the old ones have exited, then prints
@@ -168,7 +171,10 @@ def reload(ctx: click.Context, timeout: float, no_wait: bool) -> None:
     before = None if no_wait else _slots(cfg)
     os.kill(pid, signal.SIGHUP)
     if before is None:
-        click.echo(f"rolling restart requested (pid {pid})")
+        if as_json:
+            emit_json({"pid": pid, "done": False, "slots": []})
+        else:
+            click.echo(f"rolling restart requested (pid {pid})")
         return
     deadline = time.monotonic() + timeout
     while True:
@@ -179,11 +185,18 @@ def reload(ctx: click.Context, timeout: float, no_wait: bool) -> None:
         if time.monotonic() > deadline:
             fail(f"the rolling restart has not finished after {timeout:g} s")
     assert after is not None
-    for old in before:
-        new = next(slot for slot in after if slot["slot"] == old["slot"])
-        if old["worker"] is None:
-            continue
-        click.echo(f"slot {old['slot']}: {old['worker']} -> {new['worker']} (pid {new['pid']})")
+    now = {slot["slot"]: slot for slot in after}
+    replaced = [
+        {"slot": old["slot"], "old": old["worker"], "new": now[old["slot"]]["worker"],
+         "pid": now[old["slot"]]["pid"]}
+        for old in before
+        if old["worker"] is not None
+    ]  # fmt: skip
+    if as_json:
+        emit_json({"pid": pid, "done": True, "slots": replaced})
+        return
+    for slot in replaced:
+        click.echo(f"slot {slot['slot']}: {slot['old']} -> {slot['new']} (pid {slot['pid']})")
     click.echo(f"rolling restart done (pid {pid})")
 
 
@@ -227,11 +240,16 @@ def db_group() -> None:
 
 
 @db_group.command("migrate")
+@json_option
 @click.pass_context
-def db_migrate(ctx: click.Context) -> None:
+def db_migrate(ctx: click.Context, as_json: bool) -> None:
     """Create or upgrade the schema (the daemon also does this when it starts)."""
     store = open_store(ctx, migrate=True)
     with store:
+        if as_json:
+            before, after = store.schema_before, store.schema_version
+            emit_json({"backend": store.backend, "schema_before": before, "schema": after})
+            return
         if store.schema_before == store.schema_version:
             click.echo(f"schema is at version {store.schema_version}; nothing to do")
         else:

@@ -195,15 +195,15 @@ def autonomous_group() -> None:
 
 @autonomous_group.command("resume")
 @click.argument("session_id", metavar="[ID]", required=False)
+@json_option
 @click.pass_context
-def autonomous_resume(ctx: click.Context, session_id: str | None) -> None:
+def autonomous_resume(ctx: click.Context, session_id: str | None, as_json: bool) -> None:
     """Resume autonomous runs that have not stopped: ID, or every one between turns.
 
     Works while the breaker is tripped (it holds back only what nobody asked for). A run
     with a turn in flight is continued by recovery instead; a stopped run stays stopped.
     """
-    from supervisor.cli.common import fail, open_store
-    from supervisor.core import autonomy
+    from supervisor.cli.common import emit_json, fail, open_store
     from supervisor.store import SessionNotFound
 
     with open_store(ctx, migrate=False) as store:
@@ -214,30 +214,38 @@ def autonomous_resume(ctx: click.Context, session_id: str | None) -> None:
                 candidates = [store.sessions.get(session_id)]
             except SessionNotFound:
                 fail(f"no session {session_id}")
-        resumed = 0
-        for info in candidates:
-            events = store.events.read(info.id, 0, 1_000_000)
-            found = autonomy.run_of(events)
-            last = autonomy.last_checkpoint(events) or {}
-            if found is None:
-                click.echo(f"{info.id}: not an autonomous run")
-            elif last.get("stop_reason") is not None:
-                click.echo(f"{info.id}: stopped ({last['stop_reason']}); nothing to resume")
-            elif info.status != "open":
-                click.echo(f"{info.id}: {info.status}; release it first")
-            elif info.active_turn_id or info.pending:
-                click.echo(f"{info.id}: has a turn in flight or waiting; recovery goes on with it")
-            else:
-                store.events.append(
-                    info.id,
-                    "user_message",
-                    {"text": found[0].prompt, "autonomous": True, "resumed": True},
-                    writer="cli",
-                )
-                resumed += 1
-                click.echo(f"{info.id}: resumed after {last.get('turns', 0)} turns")
+        results = [_resume(store, info) for info in candidates]
+    if as_json:
+        emit_json({"runs": [{"id": i, "result": r, "detail": d} for i, r, d in results]})
+        return
+    for found, _, detail in results:
+        click.echo(f"{found}: {detail}")
     if session_id is None:
-        click.echo(f"{resumed} runs resumed")
+        click.echo(f"{sum(1 for _, result, _ in results if result == 'resumed')} runs resumed")
+
+
+def _resume(store: Store, info: Any) -> tuple[str, str, str]:
+    """Resume one run if it may be: (its id, what happened in a word, in words)."""
+    from supervisor.core import autonomy
+
+    events = store.events.read(info.id, 0, 1_000_000)
+    found = autonomy.run_of(events)
+    last = autonomy.last_checkpoint(events) or {}
+    if found is None:
+        return info.id, "not_autonomous", "not an autonomous run"
+    if last.get("stop_reason") is not None:
+        return info.id, "stopped", f"stopped ({last['stop_reason']}); nothing to resume"
+    if info.status != "open":
+        return info.id, info.status, f"{info.status}; release it first"
+    if info.active_turn_id or info.pending:
+        return info.id, "busy", "has a turn in flight or waiting; recovery goes on with it"
+    store.events.append(
+        info.id,
+        "user_message",
+        {"text": found[0].prompt, "autonomous": True, "resumed": True},
+        writer="cli",
+    )
+    return info.id, "resumed", f"resumed after {last.get('turns', 0)} turns"
 
 
 @click.group("breaker")
