@@ -336,7 +336,10 @@ def test_follow_prints_a_turns_events_as_they_are_committed(
         inject(store, sid, "before")
         wait_until(lambda: turn_ended(store, sid), 30, "the first turn")
         before = store.sessions.get(sid).last_seq
-        with following(daemon, sid) as text, following(daemon, sid, "--json", "--tail", "0") as js:
+        with (
+            following(daemon, sid) as text,
+            following(daemon, sid, "--json", "--after", str(before)) as js,
+        ):
             text.until(lambda line: line.startswith("acl"), "header")
             text.until(lambda line: line.split()[0] == str(before), "the last old event")
             inject(store, sid, f"/gate {gate} go")
@@ -352,7 +355,7 @@ def test_follow_prints_a_turns_events_as_they_are_committed(
             text.until(new("turn_ended"), "turn_ended")
             ended = json.loads(js.until(lambda line: '"turn_ended"' in line, "JSON turn_ended"))
             assert ended["payload"]["outcome"] == "completed"
-            assert all(json.loads(line)["seq"] > before for line in js.seen)  # --tail 0
+            assert all(json.loads(line)["seq"] > before for line in js.seen)  # --after
             assert text.interrupt() == 0
             assert js.interrupt() == 0
 
