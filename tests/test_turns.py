@@ -612,6 +612,19 @@ def test_an_answer_cut_by_max_tokens_is_continued_with_a_note_saying_so() -> Non
     assert len(runs.seen) == 1 and runs.seen[0][1][-1].note is True
 
 
+def test_a_continuation_does_not_answer_a_message_its_turn_never_read() -> None:
+    """A message committed after the turn started (and after the runner chose to continue
+    rather than to let it drive the next turn) belongs to the next turn: the continuation
+    must not see it, or the next turn answers it a second time (found by the chaos test)."""
+    first = user("x")
+    events = [first, ev("turn_started", {"read_to": first.seq}), asks("c1"), tool_result("c1")]
+    events.append(user("queued while the worker died"))
+    _, log, runs = resume(events)
+    assert log.types == ["continuation"]
+    [(_, messages)] = runs.seen
+    assert [m.content for m in messages if m.role == "user" and not m.note] == ["x"]
+
+
 def test_resume_before_any_model_response_continues() -> None:
     _, log, runs = resume([user("x"), ev("turn_started")])
     assert log.types == ["continuation"]

@@ -94,6 +94,23 @@ def to_messages(events: Iterable[EventRecord]) -> list[Message]:
     return messages + held + [m for later in waiting.values() for m in later]
 
 
+def read_by(turn_id: str, events: Sequence[EventRecord]) -> list[EventRecord]:
+    """`events` without the user messages turn `turn_id` did not read (after its
+    `read_to`): what a continuation of the turn may show the model. Those messages drive
+    the next turn; shown to the continuation too, they would be answered twice."""
+    read_to = next(
+        (
+            e.payload.get("read_to")
+            for e in events
+            if e.type == EventType.TURN_STARTED and e.turn_id == turn_id
+        ),
+        None,
+    )
+    if not isinstance(read_to, int):
+        return list(events)
+    return [e for e in events if not (e.type == EventType.USER_MESSAGE and e.seq > read_to)]
+
+
 def _unread_by(events: Sequence[EventRecord]) -> dict[int, str]:
     """User messages a turn did not read although they came before its end: seq -> turn."""
     spans: list[tuple[int, float, str]] = []  # (read_to, end seq, turn id)

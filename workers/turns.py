@@ -219,7 +219,8 @@ async def resume_turn(
         EventType.CONTINUATION, {"cause": cause, "text": note, "last_event_at": last_at}, turn_id
     )
     # The repaired results go right after the calls they answer, as the log now has them.
-    messages = history.to_messages([*events, *repaired])
+    # Messages that came after the turn read its input are the next turn's to answer.
+    messages = history.to_messages(history.read_by(turn_id, [*events, *repaired]))
     messages.append(Message("user", note, note=True))
     return await run(turn_id, messages)
 
