@@ -189,9 +189,10 @@ def test_doctor_fails_what_run_refuses(tmp_path: Path, bad: Bad) -> None:
     assert bad.reason in failed[0]["detail"] and failed[0]["fix"], failed[0]
     assert set(failed[0]) == {"status", "check", "detail", "fix"}
 
-    text = turnkeeper(tmp_path, "doctor")
-    assert text.returncode == 1
-    assert f"FAIL  {bad.key}: " in text.stdout and "      fix: " in text.stdout, text.stdout
+    if bad is BAD[0]:  # the text is printed from the same findings: once is enough
+        text = turnkeeper(tmp_path, "doctor")
+        assert text.returncode == 1
+        assert f"FAIL  {bad.key}: " in text.stdout and "      fix: " in text.stdout, text.stdout
 
     run = turnkeeper(tmp_path, "run")
     assert run.returncode == EX_CONFIG, run.stderr
