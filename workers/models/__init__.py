@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from supervisor.contract.config import ModelConfig
 from workers.models.base import (
@@ -15,7 +16,9 @@ from workers.models.base import (
     ToolSpec,
 )
 from workers.models.echo import EchoModel
-from workers.models.openai import OpenAIModel
+
+if TYPE_CHECKING:
+    from workers.models.openai import OpenAIModel
 
 __all__ = [
     "EchoModel",
@@ -28,6 +31,16 @@ __all__ = [
     "ToolSpec",
     "make_model",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """`OpenAIModel` on first use: httpx costs a worker ~0.1 s to import, for nothing when
+    the echo model runs."""
+    if name == "OpenAIModel":
+        from workers.models.openai import OpenAIModel
+
+        return OpenAIModel
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def make_model(cfg: ModelConfig, environ: Mapping[str, str] | None = None) -> Model:
@@ -47,6 +60,8 @@ def make_model(cfg: ModelConfig, environ: Mapping[str, str] | None = None) -> Mo
                 f"model.api_key_env names the environment variable {cfg.api_key_env}, "
                 "which is not set; set it to the model server's API key"
             )
+    from workers.models.openai import OpenAIModel
+
     return OpenAIModel(
         base_url=cfg.base_url,
         model=cfg.model,
