@@ -11,6 +11,11 @@ from typing import Any
 
 import click
 
+# A command of the CLI loads no pydantic plugin: looking for them reads the metadata of
+# every installed package, ~20 ms of each call. The daemon (`run`) keeps the choice.
+if "run" not in sys.argv[1:]:
+    os.environ.setdefault("PYDANTIC_DISABLE_PLUGINS", "__all__")
+
 from supervisor import __version__, locks
 from supervisor.cli import config_commands, daemon_commands, doctor_command, store_commands
 from supervisor.cli.common import (

@@ -9,9 +9,10 @@ process, from fork to exit, as an operator's shell runs it.
 
 `--production` runs the calls in a virtualenv with only the project's runtime
 dependencies (no test or dev extras: an operator's install), created in the temporary
-directory; without it the current interpreter is used.
+directory; `--python PATH` uses that interpreter instead (such a virtualenv made before);
+without either the current interpreter is used.
 
-    python -m tests.benchmarks cli [--calls 20] [--base REV] [--production]
+    python -m tests.benchmarks cli [--calls 20] [--base REV] [--production | --python PATH]
 
 Prints one JSON object: the median, min and max per command line, and the ratio of the
 medians (base / this). It measures; it asserts nothing.
@@ -74,10 +75,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--base", default=None, help="a git revision to compare with")
     parser.add_argument("--production", action="store_true")
+    parser.add_argument("--python", default=None, help="run the calls with this interpreter")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="tk-bench-cli-") as tmp:
         root = Path(tmp)
-        python = _production_python(root) if args.production else PYTHON
+        python = args.python or (_production_python(root) if args.production else PYTHON)
         trees = {"this": REPO}
         if args.base:
             base = root / "base"
@@ -86,12 +88,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 check=True,
             )
             trees["base"] = base
-        daemon = Daemon(root / "daemon", pool={"workers": 1, "spare": 0})
+        # The shipped pool timings (the tests' daemon beats 5 times a second).
+        pool = {"workers": 1, "spare": 0, "heartbeat_interval": 1.0, "hang_timeout": 5.0}
+        daemon = Daemon(root / "daemon", pool=pool)
         times: dict[str, list[float]] = {name: [] for name in trees}
         try:
             daemon.start()
-            for tree in trees.values():  # warm the file cache and the bytecode once
-                _call(python, tree, daemon.config_path)
+            for tree in trees.values():
+                # Bytecode as an installed package has it (pip compiles at install; an
+                # environment with PYTHONDONTWRITEBYTECODE would compile on every call).
+                for package in ("supervisor", "workers"):
+                    subprocess.run([python, "-m", "compileall", "-q", str(tree / package)])
+                _call(python, tree, daemon.config_path)  # and the file cache warm
             for _ in range(args.calls):
                 for name, tree in trees.items():
                     times[name].append(_call(python, tree, daemon.config_path))
