@@ -29,9 +29,8 @@ from supervisor.cli.common import (
     load,
     not_running,
     table,
-    when,
 )
-from supervisor.core.vocabulary import Permission, SessionKind, SlotState, TurnOutcome
+from supervisor.core.vocabulary import McpState, Permission, SessionKind, SlotState, TurnOutcome
 
 if TYPE_CHECKING:
     from supervisor.cli.client import Client
@@ -266,12 +265,10 @@ def attach(
 
 def event_line(event: dict[str, Any]) -> str:
     """One line of an event: seq, time, type, summary."""
-    from supervisor.cli.session_commands import summarize
+    from supervisor.cli.session_commands import event_head, summarize
 
-    return (
-        f"{event['seq']:>6}  {when(event['created_at'])}  {event['type']:<15}  "
-        f"{summarize(event['payload'])}"
-    )
+    head = event_head(event["seq"], event["created_at"], event["type"])
+    return f"{head}  {summarize(event['payload'])}"
 
 
 @click.command("interrupt")
@@ -330,7 +327,7 @@ def status_lines(data: dict[str, Any]) -> list[str]:
 
 
 SLOT_COLOURS = {SlotState.FATAL: "red", SlotState.BACKOFF: "yellow"}
-MCP_COLOURS = {"down": "red", "backoff": "yellow"}
+MCP_COLOURS = {McpState.DOWN: "red", McpState.BACKOFF: "yellow"}
 SLOT_HEADERS = ["SLOT", "STATE", "WORKER", "PID", "SPARE", "SESSIONS", "IN-FLIGHT", "SERVED"]
 
 

@@ -235,11 +235,16 @@ def event_line(
 ) -> str:
     """One event: seq, time, type, and its text fitted into `width` columns; with `width`
     None the whole text (its lines indented) and the turn id."""
-    head = f"{seq:>6}  {when(created_at)}  {type_:<15}"
+    head = event_head(seq, created_at, type_)
     if width is None:
         turn = f"turn={turn_id}  " if turn_id else ""
         return f"{head}  {turn}{_text(payload)}".replace("\n", "\n        ")
     return f"{head}  {summarize(payload, max(width - len(head) - 2, 20))}"
+
+
+def event_head(seq: int, created_at: float, type_: str) -> str:
+    """The columns every event line starts with: seq, time, type."""
+    return f"{seq:>6}  {when(created_at)}  {type_:<15}"
 
 
 def summarize(payload: dict[str, object], width: int = 100) -> str:

@@ -373,16 +373,27 @@ def _describe(error: ErrorDetails) -> str:
     return f"{key}: {error['msg']} (got {shown})"
 
 
-def render_config(cfg: Config) -> str:
-    """The configuration as TOML, loadable again, with every secret shown as `***`.
+def masked_data(cfg: Config, resolved: Paths | None = None) -> dict[str, Any]:
+    """The configuration as plain data with every secret shown as `***`; with `resolved`,
+    the directories and database URL the daemon resolved in place of empty ones.
 
     Secrets are the values of secret-sounding keys, MCP servers' environments, and the
     password and secret query parameters of any URL (`store.url`, `model.base_url`, ...).
     """
     data = cfg.model_dump(mode="json", by_alias=True)
-    if data["mcp"]["servers"]:
-        for server in data["mcp"]["servers"]:
-            server["env"] = dict.fromkeys(server["env"], MASK)
-    else:
+    if resolved is not None:
+        data["daemon"]["state_dir"] = str(resolved.state_dir)
+        data["daemon"]["runtime_dir"] = str(resolved.runtime_dir)
+        data["store"]["url"] = resolved.db_url
+    for server in data["mcp"]["servers"]:
+        server["env"] = dict.fromkeys(server["env"], MASK)
+    masked: dict[str, Any] = mask_keys(data)
+    return masked
+
+
+def render_config(cfg: Config) -> str:
+    """The configuration as TOML, loadable again, with every secret shown as `***`."""
+    data = masked_data(cfg)
+    if not data["mcp"]["servers"]:
         del data["mcp"]
-    return tomli_w.dumps(mask_keys(data))
+    return tomli_w.dumps(data)

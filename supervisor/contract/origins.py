@@ -18,15 +18,14 @@ from typing import Any
 import tomli_w
 
 from supervisor.contract.config import (
-    MASK,
     Config,
     ConfigError,
     config_keys,
+    masked_data,
     read_file,
     resolve_paths,
 )
 from supervisor.contract.envvars import from_environ
-from supervisor.contract.secrets import mask_keys
 
 _HEADER = re.compile(r"\s*\[\[?\s*(?P<table>[^\]]+?)\s*\]\]?\s*(#.*)?$")
 _KEY = re.compile(r"""\s*(?P<key>"[^"]*"|'[^']*'|[A-Za-z0-9_-]+)\s*=""")
@@ -41,15 +40,7 @@ _RESOLVED_FROM = {
 
 def effective(cfg: Config, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     """The configuration as plain data, paths and URL resolved, secrets masked."""
-    data = cfg.model_dump(mode="json", by_alias=True)
-    paths = resolve_paths(cfg, environ)
-    data["daemon"]["state_dir"] = str(paths.state_dir)
-    data["daemon"]["runtime_dir"] = str(paths.runtime_dir)
-    data["store"]["url"] = paths.db_url
-    for server in data["mcp"]["servers"]:
-        server["env"] = dict.fromkeys(server["env"], MASK)
-    masked: dict[str, Any] = mask_keys(data)
-    return masked
+    return masked_data(cfg, resolve_paths(cfg, environ))
 
 
 def key_lines(text: str) -> dict[tuple[str, str], int]:

@@ -62,11 +62,6 @@ class WorkerHandle:
     def alive(self) -> bool:
         return not self.exited and self.process.exitcode is None
 
-    def reported(self) -> dict[str, Any]:
-        """What its heartbeats said beyond its slot's status: turns served, MCP servers."""
-        servers = [{"name": name, "state": state} for name, state in self.mcp.items()]
-        return {"turns_served": self.turns_served, "mcp": servers}
-
     def view(self) -> engine.WorkerView:
         """What the ownership engine reads of it."""
         return engine.WorkerView(

@@ -184,11 +184,7 @@ class Pool:
 
     def status(self) -> dict[str, Any]:
         """The slots and workers, for /v1/status and `turnkeeper status`."""
-        slots = [
-            slot_status(s, w) | (w.reported() if w else {"turns_served": 0, "mcp": []})
-            for s in self.slots
-            for w in (self.current.get(s.index),)
-        ]
+        slots = [slot_status(s, self.current.get(s.index)) for s in self.slots]
         return {"slots": slots, "restarts": self.restarts}
 
     # --- processes ------------------------------------------------------------------

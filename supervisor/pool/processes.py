@@ -64,5 +64,7 @@ def slot_status(slot: Slot, worker: WorkerHandle | None) -> dict[str, Any]:
         "ready": bool(worker and worker.ready),
         "spare": bool(worker and worker.spare),
         "sessions": len(worker.sessions) if worker else 0,
-        "turns": worker.turns if worker else 0,
+        "turns": worker.turns if worker else 0,  # in flight
+        "turns_served": worker.turns_served if worker else 0,
+        "mcp": [{"name": n, "state": s} for n, s in worker.mcp.items()] if worker else [],
     }
