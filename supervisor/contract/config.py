@@ -11,29 +11,20 @@ wrong and where the value came from; the command line turns it into exit code 78
 from __future__ import annotations
 
 import os
-import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any
 
 import tomli_w
 from pydantic import (
     BaseModel,
-    BeforeValidator,
-    ConfigDict,
-    Field,
-    PrivateAttr,
-    StringConstraints,
     ValidationError,
-    ValidationInfo,
-    field_validator,
 )
 from pydantic.fields import FieldInfo
-from pydantic_core import ErrorDetails, PydanticCustomError
+from pydantic_core import ErrorDetails
 
 from supervisor.contract.envvars import Sections, env_warnings, from_environ
-from supervisor.contract.limits import MAX_NAME, MAX_SERVERS, PRINTABLE
 
 # Re-exported: most callers take the paths with the configuration.
 from supervisor.contract.paths import Paths as Paths
@@ -45,214 +36,29 @@ from supervisor.contract.secrets import is_secret, mask_keys
 from supervisor.contract.secrets import mask_url as mask_url
 from supervisor.contract.secrets import mask_urls as mask_urls
 
+# Re-exported: the sections are imported from here.
+from supervisor.contract.sections import AGENT_SPEC as AGENT_SPEC
+from supervisor.contract.sections import AgentConfig as AgentConfig
+from supervisor.contract.sections import AttachConfig as AttachConfig
+from supervisor.contract.sections import AuthConfig as AuthConfig
+from supervisor.contract.sections import Config as Config
+from supervisor.contract.sections import DaemonConfig as DaemonConfig
+from supervisor.contract.sections import HttpConfig as HttpConfig
+from supervisor.contract.sections import LeaseConfig as LeaseConfig
+from supervisor.contract.sections import LogConfig as LogConfig
+from supervisor.contract.sections import McpConfig as McpConfig
+from supervisor.contract.sections import McpServer as McpServer
+from supervisor.contract.sections import ModelConfig as ModelConfig
+from supervisor.contract.sections import PoolConfig as PoolConfig
+from supervisor.contract.sections import RecoveryConfig as RecoveryConfig
+from supervisor.contract.sections import ShutdownConfig as ShutdownConfig
+from supervisor.contract.sections import StoreConfig as StoreConfig
+
 DEFAULT_PATH = Path("/etc/turnkeeper/turnkeeper.toml")
-
-
-AGENT_SPEC = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
 
 
 class ConfigError(Exception):
     """A configuration mistake; the message is one line naming the key and its source."""
-
-
-_lower = BeforeValidator(lambda value: value.lower() if isinstance(value, str) else value)
-_upper = BeforeValidator(lambda value: value.upper() if isinstance(value, str) else value)
-Seconds = Annotated[float, Field(ge=0)]
-PositiveSeconds = Annotated[float, Field(gt=0)]
-
-
-class _Section(BaseModel):
-    # `model` is both a section and a key; pydantic reserves the `model_` prefix otherwise.
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
-
-
-class DaemonConfig(_Section):
-    state_dir: str = ""
-    runtime_dir: str = ""
-
-
-class StoreConfig(_Section):
-    url: str = ""
-    synchronous: Annotated[Literal["full", "normal"], _lower] = "full"
-
-
-class HttpConfig(_Section):
-    listen: str = "127.0.0.1:8765"
-    max_body: Annotated[int, Field(gt=0)] = 1048576
-    read_timeout: PositiveSeconds = 30.0
-    max_connections: Annotated[int, Field(ge=1)] = 1024
-    max_streams_per_principal: Annotated[int, Field(ge=1)] = 32
-
-    @field_validator("listen")
-    @classmethod
-    def _check_listen(cls, value: str) -> str:
-        try:
-            parse_listen(value)
-        except ValueError as exc:
-            raise PydanticCustomError("listen", "{reason}", {"reason": str(exc)}) from None
-        return value
-
-
-class AuthConfig(_Section):
-    tokens_file: str = ""
-    metrics_public: bool = True
-
-
-class PoolConfig(_Section):
-    workers: Annotated[int, Field(ge=1)] = 2
-    spare: Annotated[int, Field(ge=0)] = 1
-    heartbeat_interval: PositiveSeconds = 1.0
-    hang_timeout: PositiveSeconds = Field(default=5.0, validate_default=True)
-
-    @field_validator("hang_timeout")
-    @classmethod
-    def _after_heartbeat(cls, value: float, info: ValidationInfo) -> float:
-        interval = info.data.get("heartbeat_interval")
-        if interval is not None and value <= interval:
-            raise PydanticCustomError(
-                "hang_timeout",
-                "must be greater than pool.heartbeat_interval ({interval})",
-                {"interval": interval},
-            )
-        return value
-
-
-class LeaseConfig(_Section):
-    stale_after: PositiveSeconds = 30.0
-
-
-class AgentConfig(_Section):
-    model_config = ConfigDict(validate_by_name=True, validate_by_alias=True)
-
-    # `class` is the key in the file; a Python attribute cannot be called that. Separate
-    # validation and serialization aliases keep `AgentConfig(class_=...)` well typed.
-    class_: str = Field(
-        default="workers.agents.tool_loop:ToolLoopAgent",
-        validation_alias="class",
-        serialization_alias="class",
-    )
-
-    # The agent classes a session may name; empty means just `class`. A request can only
-    # choose among these: an agent is code, and only the operator decides what runs.
-    allowed: list[str] = Field(default_factory=list)
-
-    @field_validator("class_")
-    @classmethod
-    def _check_class(cls, value: str) -> str:
-        if not AGENT_SPEC.fullmatch(value):
-            raise PydanticCustomError("agent_class", "expected 'package.module:Class'")
-        return value
-
-    @field_validator("allowed")
-    @classmethod
-    def _check_allowed(cls, values: list[str]) -> list[str]:
-        for index, value in enumerate(values):
-            if not AGENT_SPEC.fullmatch(value):
-                raise PydanticCustomError(
-                    "agent_class",
-                    "expected 'package.module:Class' (got {got!r})",
-                    {"got": value, "at": (index,)},
-                )
-        return values
-
-    def allowed_classes(self) -> list[str]:
-        """The agent classes a session may name: `class` and those listed in `allowed`."""
-        return [self.class_, *(name for name in self.allowed if name != self.class_)]
-
-
-class ModelConfig(_Section):
-    provider: Annotated[Literal["echo", "openai"], _lower] = "echo"
-    delay: Seconds = 0.0
-    base_url: str = "http://127.0.0.1:11434/v1"
-    model: str = ""
-    api_key_env: str = ""
-    timeout: PositiveSeconds = 60.0
-    max_tokens: Annotated[int, Field(ge=1)] = 1024
-
-
-class McpServer(_Section):
-    # Shown to operators and sent in every heartbeat: the control plane's limits.
-    name: Annotated[str, StringConstraints(min_length=1, max_length=MAX_NAME, pattern=PRINTABLE)]
-    command: Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
-    env: dict[str, str] = Field(default_factory=dict)
-    cwd: str = ""
-    start_timeout: PositiveSeconds = 10.0
-    call_timeout: PositiveSeconds = 60.0
-
-
-class McpConfig(_Section):
-    servers: list[McpServer] = Field(default_factory=list, max_length=MAX_SERVERS)
-
-    @field_validator("servers")
-    @classmethod
-    def _unique_names(cls, servers: list[McpServer]) -> list[McpServer]:
-        first: dict[str, int] = {}
-        for index, server in enumerate(servers):
-            if server.name in first:
-                raise PydanticCustomError(
-                    "duplicate_name",
-                    "duplicate server name '{name}', already used by mcp.servers[{first}]",
-                    {"name": server.name, "first": first[server.name], "at": (index, "name")},
-                )
-            first[server.name] = index
-        return servers
-
-
-class ShutdownConfig(_Section):
-    kill_grace: PositiveSeconds = 3.0
-    drain_budget: Seconds = 0.0
-
-
-class AttachConfig(_Section):
-    shutdown_timeout: PositiveSeconds = 5.0
-
-
-class RecoveryConfig(_Section):
-    auto_continue: bool = True
-    freshness: PositiveSeconds = 3600.0
-    max_per_boot: Annotated[int, Field(ge=0)] = 10
-    retry_interval: PositiveSeconds = 300.0
-    breaker_threshold: Annotated[int, Field(ge=1)] = 3
-    breaker_window: PositiveSeconds = 300.0
-    attempt_delays: Annotated[tuple[Seconds, ...], Field(min_length=1)] = (
-        0.0,
-        5.0,
-        30.0,
-    )
-
-
-class LogConfig(_Section):
-    format: Annotated[Literal["text", "json"], _lower] = "text"
-    level: Annotated[
-        Literal["TRACE", "DEBUG", "INFO", "SUCCESS", "WARNING", "ERROR", "CRITICAL"],
-        _upper,
-    ] = "INFO"
-
-
-class Config(_Section):
-    """The whole configuration; sections in the order of the documentation."""
-
-    daemon: DaemonConfig = Field(default_factory=DaemonConfig)
-    store: StoreConfig = Field(default_factory=StoreConfig)
-    http: HttpConfig = Field(default_factory=HttpConfig)
-    auth: AuthConfig = Field(default_factory=AuthConfig)
-    pool: PoolConfig = Field(default_factory=PoolConfig)
-    lease: LeaseConfig = Field(default_factory=LeaseConfig)
-    agent: AgentConfig = Field(default_factory=AgentConfig)
-    model: ModelConfig = Field(default_factory=ModelConfig)
-    mcp: McpConfig = Field(default_factory=McpConfig)
-    shutdown: ShutdownConfig = Field(default_factory=ShutdownConfig)
-    attach: AttachConfig = Field(default_factory=AttachConfig)
-    recovery: RecoveryConfig = Field(default_factory=RecoveryConfig)
-    log: LogConfig = Field(default_factory=LogConfig)
-
-    # The file it was read from (None: built-in defaults), set by `load_config`.
-    _source: Path | None = PrivateAttr(default=None)
-
-    @property
-    def source(self) -> Path | None:
-        """The configuration file this was read from; None for the built-in defaults."""
-        return self._source
 
 
 def resolve_paths(cfg: Config, environ: Mapping[str, str] | None = None) -> Paths:
