@@ -13,7 +13,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import peewee
@@ -22,6 +22,10 @@ from playhouse import db_url
 from supervisor.store.errors import BadStoreURL, StoreBusy
 
 T = TypeVar("T")
+
+# Raises a driver's exception as peewee's class of the same name (OperationalError, ...),
+# as peewee's own queries do: for code that runs SQL on a DB-API cursor.
+DRIVER_ERRORS = peewee.__exception_wrapper__  # type: ignore[attr-defined]
 
 # SQLite waits this long inside one attempt for the write lock; `run_write` retries on top.
 BUSY_TIMEOUT_S = 5.0
@@ -161,13 +165,63 @@ def run_write(
     retried twice (two idempotent inserts of one key raced; the retry finds the winner's
     row), then raised.
     """
+
+    def attempt() -> T:
+        with db.atomic():
+            return work()
+
+    return _retrying(db, attempt, deadline, sleep, clock)
+
+
+def run_append(
+    db: peewee.Database,
+    begin: str,
+    work: Callable[[Any], T],
+    *,
+    deadline: float = WRITE_DEADLINE_S,
+    sleep: Callable[[float], None] = time.sleep,
+    clock: Callable[[], float] = time.monotonic,
+) -> T:
+    """`run_write` for the event log: `work` gets this thread's DB-API cursor.
+
+    The transaction is driven with plain `begin`/COMMIT statements on the cursor: no
+    query is built and no transaction object is made on the hot path. Driver errors
+    arrive as peewee's, so the retries are those of `run_write`. Inside a transaction
+    this thread already has open, `work` runs in a savepoint of it.
+    """
+
+    def attempt() -> T:
+        if db.in_transaction():
+            with db.atomic(), DRIVER_ERRORS:
+                return work(db.cursor())
+        cursor = db.cursor()
+        with DRIVER_ERRORS:
+            cursor.execute(begin)
+            try:
+                result = work(cursor)
+                cursor.execute("COMMIT")
+            except BaseException:
+                with contextlib.suppress(Exception):  # a dead connection: the error above says why
+                    cursor.execute("ROLLBACK")
+                raise
+        return result
+
+    return _retrying(db, attempt, deadline, sleep, clock)
+
+
+def _retrying(
+    db: peewee.Database,
+    attempt: Callable[[], T],
+    deadline: float,
+    sleep: Callable[[float], None],
+    clock: Callable[[], float],
+) -> T:
     give_up = clock() + deadline
     delay = 0.005
     integrity_retries = 2
     while True:
         try:
-            with db.atomic():
-                return work()
+            return attempt()
         except peewee.IntegrityError:
             if integrity_retries == 0:
                 raise

@@ -16,34 +16,24 @@ import contextlib
 import json
 import queue
 import threading
-import time
-from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
 
 import peewee
 
-from supervisor.core.vocabulary import EventType, SessionStatus
-from supervisor.store.db import run_write
-from supervisor.store.errors import (
-    IdempotencyConflict,
-    LeaseLost,
-    SessionClosed,
-    SessionNotFound,
-    StorageUnavailable,
-    StoreError,
-)
+from supervisor.store.appends import Known, Outcome, write_batch, write_events
+from supervisor.store.db import run_append
+from supervisor.store.errors import StorageUnavailable, StoreError
 from supervisor.store.events import (
     EVENT_TYPES,
     WRITERS,
     AppendRequest,
     EventRecord,
-    ReplayedSeq,
     SessionRow,
     advance,
     make_request,
 )
-from supervisor.store.models import Event, IntakeKey
+from supervisor.store.models import Event
 from supervisor.store.statements import sql_for
 
 __all__ = [
@@ -60,160 +50,31 @@ __all__ = [
 
 # Commit at most this many appends in one transaction; the rest wait for the next one.
 MAX_BATCH = 512
-
-
-def write_events(db: peewee.Database, requests: Sequence[AppendRequest]) -> list[int | StoreError]:
-    """Append `requests` inside the caller's open write transaction on `db`.
-
-    The session rows are read under the write lock, so fencing (the writer's token must be
-    the session's current token) and the seqs are decided on values nobody else can change
-    before the commit. Returns, for each request, its seq or the error that rejected it
-    (the others still commit). Pure with respect to Python state, so a retried transaction
-    can call it again.
-    """
-    outcomes: list[int | StoreError | None] = [None] * len(requests)
-    duplicate_of: dict[int, int] = {}
-    first_with_key: dict[tuple[str, str], int] = {}
-    todo: list[int] = []
-    for i, req in enumerate(requests):
-        if req.idempotency_key is not None:
-            key = (req.session_id, req.idempotency_key)
-            if key in first_with_key:
-                duplicate_of[i] = first_with_key[key]
-                continue
-            seen = (
-                IntakeKey.select(IntakeKey.seq, IntakeKey.digest)
-                .where((IntakeKey.session_id == req.session_id) & (IntakeKey.key == key[1]))
-                .first()
-            )
-            if seen is not None:
-                outcomes[i] = _replay(req, int(seen.seq), seen.digest)
-                continue
-            first_with_key[key] = i
-        todo.append(i)
-
-    sql = sql_for(db)
-    session_ids = sorted({requests[i].session_id for i in todo})
-    rows: dict[str, SessionRow] = {}
-    if session_ids:
-        cursor = db.execute_sql(sql.lock_rows(len(session_ids)), session_ids)
-        for sid, last, token, pending, active, attempt_turn, attempts, resend, status in cursor:
-            rows[sid] = SessionRow(
-                int(last),
-                int(token),
-                bool(pending),
-                active,
-                attempt_turn,
-                int(attempts),
-                resend,
-                status,
-            )
-    events: list[tuple[Any, ...]] = []
-    keys: list[tuple[str, str, int, str | None]] = []
-    last_user: dict[str, int] = {}  # user messages appended in this batch
-    for i in todo:
-        req = requests[i]
-        row = rows.get(req.session_id)
-        if row is None:
-            outcomes[i] = SessionNotFound(req.session_id)
-            continue
-        if req.token is not None and req.token != row.lease_token:
-            outcomes[i] = LeaseLost(req.session_id, req.token, row.lease_token)
-            continue
-        if req.type == EventType.USER_MESSAGE and row.status == SessionStatus.CLOSED:
-            outcomes[i] = SessionClosed(req.session_id)  # decided under the lock: no race
-            continue
-        advance(row, req)
-        if req.type == "user_message":
-            last_user[req.session_id] = row.last_seq
-        elif req.read_to is not None:
-            # The turn read up to `read_to`; a message after that is still waiting for one.
-            latest = last_user.get(req.session_id) or _last_user_seq(req.session_id)
-            row.pending = latest > req.read_to
-        outcomes[i] = row.last_seq
-        events.append(
-            (
-                req.session_id,
-                row.last_seq,
-                req.type,
-                req.turn_id,
-                req.payload_json,
-                req.created_at,
-                req.writer,
-                req.token,
-            )
-        )
-        if req.idempotency_key is not None:
-            keys.append((req.session_id, req.idempotency_key, row.last_seq, req.idempotency_digest))
-    if events:
-        now = time.time()
-        touched = sorted({event[0] for event in events})
-        db.cursor().executemany(
-            sql.update,
-            [
-                (
-                    r.last_seq,
-                    r.pending,
-                    r.active_turn_id,
-                    r.attempt_turn_id,
-                    r.attempt_count,
-                    r.resend_requested_at,
-                    now,
-                    sid,
-                )
-                for sid in touched
-                for r in (rows[sid],)
-            ],
-        )
-        db.cursor().executemany(sql.insert, events)
-    if keys:
-        db.cursor().executemany(sql.insert_key, keys)
-    for i, first_index in duplicate_of.items():
-        first = outcomes[first_index]
-        if isinstance(first, int):
-            outcomes[i] = _replay(requests[i], first, requests[first_index].idempotency_digest)
-        else:
-            outcomes[i] = first
-    done = [o for o in outcomes if o is not None]
-    assert len(done) == len(requests), "every append has an outcome"
-    return done
-
-
-def _replay(req: AppendRequest, seq: int, digest: str | None) -> int | StoreError:
-    """The outcome of an append whose key was used before: a replay, or a conflict.
-
-    A key stored without a digest (before digests were kept, or by a caller that sends
-    none) matches any request.
-    """
-    if digest is not None and req.idempotency_digest not in (None, digest):
-        return IdempotencyConflict(req.session_id, seq)
-    return ReplayedSeq(seq)
-
-
-def _last_user_seq(session_id: str) -> int:
-    """The seq of the session's newest user message (0 if none); read under the lock."""
-    seq = (
-        Event.select(Event.seq)
-        .where((Event.session_id == session_id) & (Event.type == "user_message"))
-        .order_by(Event.seq.desc())
-        .limit(1)
-        .scalar()
-    )
-    return int(seq or 0)
+# Known session rows kept at most (all are forgotten past this; they are only a shortcut).
+KNOWN_MAX = 10_000
 
 
 _STOP = object()
 
 
 class EventLog:
-    """Appends through one committer thread (group commit) and reads on the caller's thread."""
+    """Appends through one committer thread (group commit) and reads on the caller's thread.
+
+    A blocking `append` that finds nothing queued or being committed commits on its own
+    thread instead, sparing two thread hand-offs; anything that arrives meanwhile queues
+    for the committer, which waits for that commit and then takes all of it at once.
+    """
 
     def __init__(self, db: peewee.Database) -> None:
         self._db = db
+        self._sql = sql_for(db)
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
-        self._start_lock = threading.Lock()
+        self._start_lock = threading.Lock()  # guards _closed, _thread and _in_flight
         self._closed = False
+        self._in_flight = 0  # appends queued or being committed
+        self._writing = threading.Lock()  # held for each transaction, and `_known` with it
+        self._known: Known = {}
         self.commits = 0
         self.committed = 0
 
@@ -237,7 +98,25 @@ class EventLog:
         appends nothing and returns the first seq). Raises LeaseLost when `token` is not
         the session's current token, SessionNotFound, or StoreError.
         """
-        return self.submit(session_id, type, payload, **options).result()
+        req = make_request(session_id, type, payload, **options)
+        # Never inside a transaction this thread has open: the append would be part of it,
+        # not durable when this returns (and on SQLite, the write lock may be that one's).
+        if self._admit(alone=not self._db.in_transaction()):
+            try:
+                with self._writing:
+                    (outcome,) = self._write([req])
+            finally:
+                with self._start_lock:
+                    self._in_flight -= 1
+        else:
+            req.waiter = waiter = threading.Lock()
+            waiter.acquire()
+            self._queue.put(req)
+            waiter.acquire()  # released by the committer once `outcome` is set
+            outcome = req.outcome
+        if isinstance(outcome, StoreError):
+            raise outcome
+        return outcome
 
     async def append_async(
         self, session_id: str, type: str, payload: dict[str, Any] | None = None, **options: Any
@@ -254,35 +133,34 @@ class EventLog:
         return seq
 
     def _enqueue(self, req: AppendRequest) -> None:
+        self._admit(alone=False)
+        self._queue.put(req)
+
+    def _admit(self, alone: bool) -> bool:
+        """Count in an append; whether it may commit on the caller's thread (`alone` and
+        nothing queued or being committed, which keeps every caller's order). If not, the
+        committer is started if need be, and the caller queues the append."""
         with self._start_lock:
             if self._closed:
                 raise StoreError("the event log is closed")
-            if self._thread is None:
+            alone = alone and self._in_flight == 0
+            self._in_flight += 1
+            if not alone and self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name="turnkeeper-committer", daemon=True
                 )
                 self._thread.start()
-        self._queue.put(req)
+        return alone
 
     def read(self, session_id: str, after: int = 0, limit: int = 100) -> list[EventRecord]:
-        """Events with seq > `after`, oldest first, at most `limit`."""
-        query = (
-            Event.select()
-            .where((Event.session_id == session_id) & (Event.seq > after))
-            .order_by(Event.seq)
-            .limit(limit)
-        )
-        return [_record(row) for row in query]
+        """Events with seq > `after`, oldest first, at most `limit`: one prebuilt statement."""
+        cursor = self._db.execute_sql(self._sql.read_after, (session_id, after, limit))
+        return [_row_record(session_id, row) for row in cursor.fetchall()]
 
     def tail(self, session_id: str, count: int) -> list[EventRecord]:
         """The last `count` events, oldest first; an index range scan, not a log scan."""
-        query = (
-            Event.select()
-            .where(Event.session_id == session_id)
-            .order_by(Event.seq.desc())
-            .limit(count)
-        )
-        return [_record(row) for row in reversed(list(query))]
+        cursor = self._db.execute_sql(self._sql.read_last, (session_id, count))
+        return [_row_record(session_id, row) for row in reversed(cursor.fetchall())]
 
     def close(self) -> None:
         """Commit what is queued, then stop the committer thread."""
@@ -310,37 +188,56 @@ class EventLog:
                         stop = True
                         break
                     batch.append(item)
-                self._commit(batch)
+                with self._writing:
+                    outcomes = self._write(batch)
+                _resolve_batch(batch, outcomes)
+                with self._start_lock:
+                    self._in_flight -= len(batch)
         finally:
             self._db.close()
 
-    def _commit(self, batch: list[AppendRequest]) -> None:
-        outcomes: list[int | StoreError]
+    def _write(self, batch: list[AppendRequest]) -> list[Outcome]:
+        """Commit `batch` in one transaction; the caller holds `_writing`."""
+        known = self._known
+        outcomes: list[Outcome]
         try:
-            outcomes = run_write(self._db, lambda: write_events(self._db, batch))
-            self.commits += 1
+            outcomes, learned = run_append(
+                self._db,
+                self._sql.begin,
+                lambda cursor: write_batch(cursor, self._sql, batch, known),
+            )
         except Exception as exc:
             # Anything but our own errors is the database failing to take the write: a
             # full disk, a read-only file system, a server that went away.
             error = (
                 exc if isinstance(exc, StoreError) else StorageUnavailable(f"append failed: {exc}")
             )
-            outcomes = [error] * len(batch)
-        # One wake-up per event loop for the whole batch, not one per append.
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Any, int | StoreError]]] = {}
-        for req, outcome in zip(batch, outcomes, strict=True):
-            if not isinstance(outcome, StoreError):
-                self.committed += 1
-            if req.loop is None:
-                _resolve(req.future, outcome)
-            else:
-                by_loop.setdefault(req.loop, []).append((req.future, outcome))
-        for loop, items in by_loop.items():
-            with contextlib.suppress(RuntimeError):  # that loop is closed: nobody waits
-                loop.call_soon_threadsafe(_resolve_all, items)
+            return [error] * len(batch)
+        self.commits += 1
+        if len(known) + len(learned) > KNOWN_MAX:
+            known.clear()
+        known.update(learned)
+        self.committed += sum(not isinstance(o, StoreError) for o in outcomes)
+        return outcomes
 
 
-def _resolve(future: Any, outcome: int | StoreError) -> None:
+def _resolve_batch(batch: list[AppendRequest], outcomes: list[Outcome]) -> None:
+    # One wake-up per event loop for the whole batch, not one per append.
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Any, Outcome]]] = {}
+    for req, outcome in zip(batch, outcomes, strict=True):
+        if req.waiter is not None:
+            req.outcome = outcome
+            req.waiter.release()
+        elif req.loop is None:
+            _resolve(req.future, outcome)
+        else:
+            by_loop.setdefault(req.loop, []).append((req.future, outcome))
+    for loop, items in by_loop.items():
+        with contextlib.suppress(RuntimeError):  # that loop is closed: nobody waits
+            loop.call_soon_threadsafe(_resolve_all, items)
+
+
+def _resolve(future: Any, outcome: Outcome) -> None:
     if future.done():  # an asyncio caller that was cancelled
         return
     if isinstance(outcome, StoreError):
@@ -349,9 +246,17 @@ def _resolve(future: Any, outcome: int | StoreError) -> None:
         future.set_result(outcome)
 
 
-def _resolve_all(items: list[tuple[Any, int | StoreError]]) -> None:
+def _resolve_all(items: list[tuple[Any, Outcome]]) -> None:
     for future, outcome in items:
         _resolve(future, outcome)
+
+
+def _row_record(session_id: str, row: tuple[Any, ...]) -> EventRecord:
+    seq, kind, turn_id, payload, created_at, writer, token = row
+    return EventRecord(
+        session_id, int(seq), kind, turn_id, json.loads(payload), float(created_at), writer,
+        None if token is None else int(token),
+    )  # fmt: skip
 
 
 def _record(row: Event) -> EventRecord:

@@ -8,6 +8,7 @@ import asyncio
 import hashlib
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +16,29 @@ from supervisor.core.vocabulary import TURN_EVENTS, EventType, Writer
 
 EVENT_TYPES = frozenset(EventType)
 WRITERS = frozenset(Writer)
+# The events that change their session row beyond `last_seq` (see `advance`).
+ROW_EVENTS = frozenset({EventType.USER_MESSAGE, EventType.TURN_STARTED, EventType.TURN_ENDED})
+
+
+def _encoder() -> Callable[[dict[str, Any]], str]:
+    """`json.dumps(obj, ensure_ascii=False, allow_nan=False)` for a dict, built once.
+
+    `json.dumps` with options builds a new encoder on every call (~2 us of an append's
+    few). The C encoder here keeps no state between calls (no circular-reference marks:
+    a cycle ends in RecursionError instead), so threads may share it.
+    """
+    python = json.JSONEncoder(ensure_ascii=False, allow_nan=False)
+    make = getattr(json.encoder, "c_make_encoder", None)
+    if make is None:  # no C accelerator
+        return python.encode
+    # markers, default, string encoder, indent, separators, sort_keys, skipkeys, allow_nan
+    encoder = make(
+        None, python.default, json.encoder.encode_basestring, None, ": ", ", ", False, False, False
+    )
+    return lambda obj: "".join(encoder(obj, 0))
+
+
+_encode = _encoder()
 
 
 @dataclass(frozen=True)
@@ -62,7 +86,7 @@ def request_digest(canonical: str) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-@dataclass
+@dataclass(slots=True)
 class AppendRequest:
     """An event to append; built by `make_request`, which validates it."""
 
@@ -79,9 +103,12 @@ class AppendRequest:
     # `turn_started` only: the last seq the turn read before it started. The session stays
     # pending if a user message came after it (the turn did not see that message).
     read_to: int | None = None
-    # Resolved by the committer: a thread's Future, or an asyncio future of `loop`.
+    # Resolved by the committer: a thread's Future, or an asyncio future of `loop`, or a
+    # held `waiter` lock it releases once `outcome` is set.
     future: Any = None
     loop: asyncio.AbstractEventLoop | None = None
+    waiter: Any = None
+    outcome: Any = None
 
 
 def make_request(
@@ -110,8 +137,8 @@ def make_request(
     if not isinstance(payload, dict):
         raise ValueError(f"event payload must be a JSON object, not {payload.__class__.__name__}")
     try:
-        payload_json = json.dumps(payload, ensure_ascii=False, allow_nan=False)
-    except (TypeError, ValueError) as exc:
+        payload_json = _encode(payload)
+    except (TypeError, ValueError, RecursionError) as exc:
         raise ValueError(f"event payload is not JSON-serializable: {exc}") from exc
     if idempotency_key is not None and not 0 < len(idempotency_key) <= 200:
         raise ValueError("idempotency key must be 1 to 200 characters")
@@ -165,8 +192,8 @@ def advance(row: SessionRow, event: AppendRequest) -> None:
     - `turn_ended` clears the active turn and its attempts.
 
     Continuation attempts are charged by recovery before it hands the turn to a worker
-    (`Sessions.charge_attempt`), not by the note the worker then writes: a worker that
-    dies before its note was still charged.
+    (`Sessions.charge_attempt`), and by a worker before it continues its own turn, not by
+    the note the worker then writes: a worker that dies before its note was still charged.
     """
     row.last_seq += 1
     if event.type == EventType.USER_MESSAGE:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import weakref
+from typing import Any
 
 import peewee
 
@@ -39,10 +40,11 @@ class Sql:
         p = self.p = db.param
         q = db.quote
         self.session = f"{q[0]}session{q[1]}"
+        self._row = f"({', '.join([p] * len(EVENT_COLUMNS))})"
         self.insert = (
-            f"INSERT INTO {q[0]}event{q[1]} ({', '.join(EVENT_COLUMNS)}) "
-            f"VALUES ({', '.join([p] * len(EVENT_COLUMNS))})"
+            f"INSERT INTO {q[0]}event{q[1]} ({', '.join(EVENT_COLUMNS)}) VALUES {self._row}"
         )
+        self._inserts: dict[int, str] = {1: self.insert}
         self.insert_key = (
             f"INSERT INTO {q[0]}intake_key{q[1]} (session_id, {q[0]}key{q[1]}, seq, digest) "
             f"VALUES ({p}, {p}, {p}, {p})"
@@ -52,6 +54,41 @@ class Sql:
             f"UPDATE {self.session} SET {', '.join(f'{c} = {p}' for c in settable)}, "
             f"updated_at = {p} WHERE id = {p}"
         )
+        # The append of events that change nothing but `last_seq`, from a known row: it
+        # matches (rowcount 1) only if nobody appended and the lease did not move since.
+        self.bump = (
+            f"UPDATE {self.session} SET last_seq = {p}, updated_at = {p} "
+            f"WHERE id = {p} AND last_seq = {p} AND lease_token = {p}"
+        )
+        # SQLite: take the write lock up front, so a write never upgrades a read lock.
+        self.begin = "BEGIN IMMEDIATE" if self.kind == "sqlite" else "BEGIN"
+        self.find_key = (
+            f"SELECT seq, digest FROM {q[0]}intake_key{q[1]} "
+            f"WHERE session_id = {p} AND {q[0]}key{q[1]} = {p}"
+        )
+        read = (
+            f"SELECT seq, type, turn_id, payload, created_at, writer, lease_token "
+            f"FROM {q[0]}event{q[1]} WHERE session_id = {p}"
+        )
+        self.read_after = f"{read} AND seq > {p} ORDER BY seq LIMIT {p}"
+        self.read_last = f"{read} ORDER BY seq DESC LIMIT {p}"
+        self.last_user = (
+            f"SELECT seq FROM {q[0]}event{q[1]} WHERE session_id = {p} AND type = {p} "
+            "ORDER BY seq DESC LIMIT 1"
+        )
+
+    def insert_events(self, cursor: Any, events: list[tuple[Any, ...]]) -> None:
+        """Insert event rows. psycopg2's `executemany` makes a round trip per row, so on
+        PostgreSQL they go in one multi-row INSERT; pymysql already does that, and SQLite
+        makes no round trips."""
+        if self.kind != "postgresql" or len(events) == 1:
+            cursor.executemany(self.insert, events)
+            return
+        n = len(events)
+        sql = self._inserts.get(n)
+        if sql is None:  # at most MAX_BATCH of them
+            sql = self._inserts[n] = self.insert + f", {self._row}" * (n - 1)
+        cursor.execute(sql, [value for row in events for value in row])
 
     def lock_rows(self, count: int) -> str:
         """Read (and on servers, lock in id order) the session rows a batch appends to."""

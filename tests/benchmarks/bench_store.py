@@ -1,14 +1,22 @@
 """Event-store append throughput against a raw sqlite3 baseline, on the same machine.
 
-Three workloads, run alternately (round-robin, in rounds) so they share the machine's
-state, in one fresh temporary directory on tempfile's default filesystem:
+Workloads, run alternately (round-robin, in rounds) so they share the machine's state,
+in one fresh temporary directory on tempfile's default filesystem:
 
 - `raw_sqlite`: one thread, `BEGIN IMMEDIATE; INSERT; COMMIT` per event with sqlite3 into
-  a table shaped like the store's `event` table;
+  a table shaped like the store's `event` table: the baseline of every ratio;
+- `raw_sqlite_store_sql`: the same loop running the store's own statements for an append
+  (the session row's bump, then the insert) on a database with the store's schema: what
+  that SQL costs with no Python around it, for context (no target);
 - `store_single_session`: one thread appending to one session through `Store.events`;
+- `store_single_session_asyncio`: one asyncio task doing the same with `append_async`
+  (each append goes through the committer thread), for context (no target);
 - `store_32_sessions`: 32 threads in this process, each appending to its own session;
 - `store_32_sessions_asyncio`: 32 asyncio tasks in one event loop, each appending to its
   own session with `append_async`: the way a worker appends.
+
+Every workload commits each append durably before the next (one fsync'd commit per
+append for one session); the store's batch several sessions' appends into one commit.
 
 Both use journal_mode=WAL; one pass with synchronous=FULL (the store's default, reported
 at the top level) and a second with synchronous=NORMAL (under `synchronous_normal`).
@@ -37,7 +45,7 @@ from typing import Any
 from supervisor.store import Store
 from tests.benchmarks.figures import percentile
 
-TARGETS = {"single_session_ratio_min": 0.5, "sessions_32_ratio_min": 2.0}
+TARGETS = {"single_session_ratio_min": 0.8, "sessions_32_ratio_min": 2.0}
 DEFAULT_EVENTS = 3000
 QUICK_EVENTS = 400
 THREADS = 32
@@ -65,6 +73,15 @@ CREATE TABLE event (
 RAW_INSERT = (
     "INSERT INTO event (session_id, seq, type, turn_id, payload, created_at, writer) "
     "VALUES (?, ?, ?, ?, ?, ?, ?)"
+)
+# The store's statements for an append from a known session row (statements.py).
+STORE_BUMP = (
+    "UPDATE session SET last_seq = ?, updated_at = ? "
+    "WHERE id = ? AND last_seq = ? AND lease_token = ?"
+)
+STORE_INSERT = (
+    "INSERT INTO event (session_id, seq, type, turn_id, payload, created_at, writer, "
+    "lease_token) VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
 )
 
 
@@ -125,10 +142,7 @@ class Tally:
 
 
 def open_raw(path: Path, synchronous: str) -> sqlite3.Connection:
-    conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
-    conn.execute("PRAGMA journal_mode=WAL")
-    conn.execute(f"PRAGMA synchronous={synchronous.upper()}")
-    conn.execute("PRAGMA busy_timeout=5000")
+    conn = open_raw_conn(path, synchronous)
     conn.execute(RAW_SCHEMA)
     return conn
 
@@ -153,6 +167,51 @@ def run_raw(
         t1 = clock()
         latencies.append(t1 - t0)
         done = seq
+        if t1 > deadline:
+            break
+    return done, (clock() - start) / 1e9, latencies
+
+
+def open_store_sql(path: Path, synchronous: str) -> tuple[sqlite3.Connection, str]:
+    """A sqlite3 connection to a database with the store's schema, and one leased session."""
+    with Store(f"sqlite:///{path.as_posix()}", synchronous) as store:
+        session_id, _ = new_session(store, "raw")
+    return open_raw_conn(path, synchronous), session_id
+
+
+def open_raw_conn(path: Path, synchronous: str) -> sqlite3.Connection:
+    conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute(f"PRAGMA synchronous={synchronous.upper()}")
+    conn.execute("PRAGMA busy_timeout=5000")
+    return conn
+
+
+def run_store_sql(
+    conn: sqlite3.Connection, session_id: str, n: int, deadline: float
+) -> tuple[int, float, list[int]]:
+    """`run_raw` with the store's statements: bump the session row, insert, commit."""
+    last, token = conn.execute(
+        "SELECT last_seq, lease_token FROM session WHERE id = ?", (session_id,)
+    ).fetchone()
+    latencies: list[int] = []
+    clock = time.perf_counter_ns
+    execute = conn.execute
+    start = clock()
+    done = 0
+    for i in range(1, n + 1):
+        t0 = clock()
+        execute("BEGIN IMMEDIATE")
+        execute(STORE_BUMP, (last + 1, time.time(), session_id, last, token))
+        last += 1
+        execute(
+            STORE_INSERT,
+            (session_id, last, EVENT_TYPE, TURN_ID, PAYLOAD_JSON, time.time(), WRITER, token),
+        )
+        execute("COMMIT")
+        t1 = clock()
+        latencies.append(t1 - t0)
+        done = i
         if t1 > deadline:
             break
     return done, (clock() - start) / 1e9, latencies
@@ -191,6 +250,29 @@ def run_store_single(store: Store, n: int, deadline: float) -> tuple[int, float,
     start = time.perf_counter_ns()
     done = append_loop(store, session_id, token, n, deadline, latencies)
     return done, (time.perf_counter_ns() - start) / 1e9, latencies
+
+
+def run_store_single_asyncio(store: Store, n: int, deadline: float) -> tuple[int, float, list[int]]:
+    session_id, token = new_session(store, "s0.1")
+    latencies: list[int] = []
+    clock = time.perf_counter_ns
+
+    async def one() -> int:
+        done = 0
+        append = store.events.append_async
+        for _ in range(n):
+            t0 = clock()
+            await append(session_id, EVENT_TYPE, PAYLOAD, token=token, turn_id=TURN_ID)
+            t1 = clock()
+            latencies.append(t1 - t0)
+            done += 1
+            if t1 > deadline:
+                break
+        return done
+
+    start = clock()
+    done = asyncio.run(one())
+    return done, (clock() - start) / 1e9, latencies
 
 
 def run_store_threads(
@@ -255,21 +337,27 @@ def run_store_asyncio(
 
 def run_pass(workdir: Path, synchronous: str, n_events: int) -> dict[str, Any]:
     raw_conn = open_raw(workdir / f"raw-{synchronous}.db", synchronous)
+    sql_conn, sql_session = open_store_sql(workdir / f"store-sql-{synchronous}.db", synchronous)
     store = Store(f"sqlite:///{(workdir / f'store-{synchronous}.db').as_posix()}", synchronous)
     try:
         far = time.perf_counter_ns() + 3_600 * 10**9
         # Warm-up: page cache, WAL file, sqlite3/peewee statement caches, the committer.
         run_raw(raw_conn, "warmup", WARMUP_EVENTS, far)
+        run_store_sql(sql_conn, sql_session, WARMUP_EVENTS, far)
         run_store_single(store, WARMUP_EVENTS, far)
+        run_store_single_asyncio(store, WARMUP_EVENTS, far)
         run_store_threads(store, THREADS, THREADS * 4, far)
         run_store_asyncio(store, THREADS, THREADS * 4, far)
 
-        tallies = {name: Tally() for name in ("raw", "single", "threads", "asyncio")}
+        names = ("raw", "store_sql", "single", "single_asyncio", "threads", "asyncio")
+        tallies = {name: Tally() for name in names}
         per_round = max(THREADS, n_events // ROUNDS)
         budget_ns = int(WORKLOAD_BUDGET_S / ROUNDS * 1e9)
         workloads: list[tuple[str, Callable[[float], tuple[int, float, list[int]]]]] = [
             ("raw", lambda d: run_raw(raw_conn, f"raw-{time.time_ns()}", per_round, d)),
+            ("store_sql", lambda d: run_store_sql(sql_conn, sql_session, per_round, d)),
             ("single", lambda d: run_store_single(store, per_round, d)),
+            ("single_asyncio", lambda d: run_store_single_asyncio(store, per_round, d)),
             ("threads", lambda d: run_store_threads(store, THREADS, per_round, d)),
             ("asyncio", lambda d: run_store_asyncio(store, THREADS, per_round, d)),
         ]
@@ -285,6 +373,7 @@ def run_pass(workdir: Path, synchronous: str, n_events: int) -> dict[str, Any]:
     finally:
         store.close()
         raw_conn.close()
+        sql_conn.close()
 
     raw_rate = tallies["raw"].rate
 
@@ -300,13 +389,18 @@ def run_pass(workdir: Path, synchronous: str, n_events: int) -> dict[str, Any]:
         figures["avg_batch"] = round(tally.committed / tally.commits, 2) if tally.commits else None
         return figures
 
+    sql_rate = tallies["store_sql"].rate
     single = against_raw(tallies["single"])
+    single["ratio_to_store_sql"] = round(tallies["single"].rate / sql_rate, 3) if sql_rate else None
     threads = batched(tallies["threads"], threads=THREADS)
     tasks = batched(tallies["asyncio"], tasks=THREADS)
     return {
         "synchronous": synchronous.upper(),
         "raw_sqlite": tallies["raw"].summary(),
+        "raw_sqlite_store_sql": tallies["store_sql"].summary()
+        | {"ratio_to_raw": round(sql_rate / raw_rate, 3) if raw_rate else None},
         "store_single_session": single,
+        "store_single_session_asyncio": against_raw(tallies["single_asyncio"]),
         "store_32_sessions": threads,
         "store_32_sessions_asyncio": tasks,
         "meets_targets": {
