@@ -36,8 +36,16 @@ class StandIn:
 
 
 class Sent(list[tuple[str, str, dict[str, Any]]]):
+    """What was sent, one entry per session of an `assign`; `messages` as sent."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[tuple[str, str, dict[str, Any]]] = []
+
     def __call__(self, worker: WorkerHandle, type: str, **fields: Any) -> bool:
-        self.append((worker.identity, type, fields))
+        self.messages.append((worker.identity, type, fields))
+        for each in fields["sessions"] if type == "assign" else [fields]:
+            self.append((worker.identity, type, each))
         return worker.alive
 
 
@@ -142,3 +150,99 @@ def test_nothing_is_charged_when_no_worker_is_ready(store: Store) -> None:
     sid = session(store, active_turn_id="t1", owner=f"host/{BOOT[:8]}/w9.1", lease_token=1)
     asyncio.run(pool.dispatch())
     assert sent == [] and store.sessions.get(sid).attempt_count == 0
+
+
+def dead_worker_with(store: Store, pool: Any, dead: WorkerHandle, k: int) -> list[str]:
+    """`k` sessions mid-turn on `dead`, which has just exited."""
+    sids = [
+        session(
+            store,
+            active_turn_id=f"t{i}",
+            owner=f"host/{BOOT[:8]}/{dead.identity}",
+            lease_token=1,
+            lease_expires_at=store.now() + 30,
+            attempt_turn_id=f"t{i}",
+            attempt_count=1,
+        )
+        for i in range(k)
+    ]
+    for sid in sids:
+        dead.sessions.add(sid)
+        pool.assigned[sid] = dead
+    dead.exited = True
+    del pool.workers[dead.identity]
+    pool.orphaned(dead)
+    return sids
+
+
+def count_write_transactions(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every write transaction the store's sessions and leases open, by caller."""
+    from supervisor.store import db, leases, sessions
+
+    opened: list[str] = []
+
+    def counting(database: Any, work: Any, **options: Any) -> Any:
+        opened.append(getattr(work, "__qualname__", "?"))
+        return db.run_write(database, work, **options)
+
+    monkeypatch.setattr(leases, "run_write", counting)
+    monkeypatch.setattr(sessions, "run_write", counting)
+    return opened
+
+
+def test_k_sessions_of_a_dead_worker_are_adopted_in_one_transaction_and_one_message(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    k = 60
+    dead, other, spare = handle(0), handle(1), handle(2, spare=True)
+    pool, sent = ownership(store, dead, other, spare)
+    sids = dead_worker_with(store, pool, dead, k)
+    opened = count_write_transactions(monkeypatch)
+    asyncio.run(pool.dispatch())
+    assert len(opened) == 1  # every charge and every lease in one commit
+    assigns = [m for m in sent.messages if m[1] == "assign"]
+    assert len(assigns) == 1 and assigns[0][0] == "w2.1"  # one message, to the spare
+    assert [a["session"] for a in assigns[0][2]["sessions"]] == sids
+    assert {a["reason"] for a in assigns[0][2]["sessions"]} == {"adopt"}
+    for sid, a in zip(sids, assigns[0][2]["sessions"], strict=True):
+        row = store.sessions.get(sid)
+        assert row.attempt_count == 2  # charged
+        assert row.owner == f"host/{BOOT[:8]}/w2.1" and row.lease_token == a["token"] == 2
+    assert pool.recovery.attention == set()  # nothing left owed
+
+
+def test_a_turn_that_moved_on_is_neither_charged_nor_leased(store: Store) -> None:
+    dead, spare = handle(0), handle(1, spare=True)
+    pool, sent = ownership(store, dead, spare)
+    sid, moved = dead_worker_with(store, pool, dead, 2)
+    real_tail = pool.recovery.store.events.tail
+
+    def tail_then_end(session_id: str, count: int) -> Any:
+        # The turn ends (its worker committed `turn_ended` late) between judging and leasing.
+        if session_id == moved:
+            Session.update(active_turn_id=None).where(Session.id == moved).execute()
+        return real_tail(session_id, count)
+
+    pool.recovery.store.events.tail = tail_then_end
+    asyncio.run(pool.dispatch())
+    assert [f["session"] for _, _, f in sent] == [sid]
+    row = store.sessions.get(moved)
+    assert row.attempt_count == 1 and row.lease_token == 1  # untouched
+
+
+def test_a_pass_reads_pending_and_owed_sessions_only_until_the_full_pass(store: Store) -> None:
+    """Between full passes a backlog nobody asked about costs nothing: an interrupted
+    session of an earlier boot is not read until the full pass (or a touch)."""
+    pool, sent = ownership(store, handle(0))
+    asyncio.run(pool.dispatch())  # the first pass is a full one
+    old = session(store, active_turn_id="t1", owner="host/oldboot1/w0.1", lease_token=1)
+    new = session(store, pending=True)
+    read: list[list[str]] = []
+    real_some = store.sessions.some
+    store.sessions.some = lambda ids: read.append(sorted(ids)) or real_some(ids)  # type: ignore[method-assign]
+    asyncio.run(pool.dispatch())
+    assert [f["session"] for _, _, f in sent] == [new] and read == []
+    pool.touch(old)  # a first touch: owed a judgement, read by id
+    asyncio.run(pool.dispatch())
+    assert read == [[old]]
+    assert [f["session"] for _, _, f in sent][1:] == [old]

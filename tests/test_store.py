@@ -62,12 +62,17 @@ def test_a_version_1_database_is_migrated_and_keeps_its_rows(db_url: str) -> Non
         run_migrations(
             migrator.drop_column("session", "resend_requested_at"),
             migrator.drop_column("intake_key", "digest"),
+            migrator.drop_index("session", "session_owner"),
+            migrator.drop_index("session", "session_pending_status_updated_at"),
         )
         SchemaVersion.update(version=1).execute()
     with Store(db_url) as store:
         assert (store.schema_before, store.schema_version) == (1, migrations.LATEST)
         assert store.sessions.get(sid).resend_requested_at is None
         assert [e.payload["text"] for e in store.events.read(sid)] == ["kept"]
+        # Version 4 indexed the work query and lease renewal.
+        indexes = {index.name for index in store.db.get_indexes("session")}
+        assert {"session_owner", "session_pending_status_updated_at"} <= indexes
         # Version 3 scoped the key to the principal that sent it: a replay still finds it.
         replay = store.events.append(
             sid, "user_message", {"text": "kept"}, writer="intake",

@@ -20,10 +20,11 @@ worker -> supervisor (every one also names its `worker`, `w<slot>.<generation>`)
     lease_lost  {session}                      fenced out: the session is someone else's
 
 supervisor -> worker:
-    assign      {session, token, reason,       own this session with this lease token;
-                 cause}                        reason: an AssignReason; cause: what
-                                               stopped the turn (a Cause), for the
-                                               continuation note
+    assign      {sessions: [{session, token,   own these sessions, each with its lease
+                 reason, cause}]}              token; reason: an AssignReason; cause:
+                                               what stopped the turn (a Cause), for the
+                                               continuation note. One message per worker
+                                               and dispatch pass, at most MAX_ASSIGN
     release     {session}                      stop at the next event boundary, release
     wake        {session}                      re-read the session: there may be work
     interrupt   {session}                      cancel the turn in flight (operator)
@@ -73,6 +74,7 @@ APPEND_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 
 MAX_FRAME = 64 * 1024  # bytes; a peer that sends a bigger frame is disconnected by zmq
 MAX_SEQ = 2**62  # beyond any seq or lease token, and within every backend's BIGINT
 MAX_COUNT = 1_000_000  # sessions, turns, observations per heartbeat
+MAX_ASSIGN = 1000  # sessions in one `assign` message (one dispatch pass assigns fewer)
 
 
 class Histogram:
@@ -195,11 +197,19 @@ class LeaseLost(_AboutSession):
     type: Literal["lease_lost"] = "lease_lost"
 
 
-class Assign(_ToSession):
-    type: Literal["assign"] = "assign"
+class Assignment(_ToSession):
+    """One session of an `assign`: its lease token, why, and what stopped its turn."""
+
     token: Seq
     reason: ReasonWord
     cause: CauseWord | None = None
+
+
+class Assign(_Message):
+    """Sessions given to one worker in one pass (a dead worker's k sessions: one message)."""
+
+    type: Literal["assign"] = "assign"
+    sessions: Annotated[list[Assignment], Field(min_length=1, max_length=MAX_ASSIGN)]
 
 
 class Release(_ToSession):

@@ -24,8 +24,9 @@ Rules
 - A worker takes new sessions while it is ready, alive, not retiring, not being stopped
   or replaced, and has sent a heartbeat within the last 3 intervals. The least-loaded
   such worker is chosen; the spare first for a session whose worker died (or whose
-  other-host owner's lease ran out), the spare last otherwise. Load counts what this
-  pass planned already.
+  other-host owner's lease ran out): it takes every such session of the pass, so a dead
+  worker's k sessions go over in one transaction and one message; the spare last
+  otherwise. Load counts what this pass planned already.
 - A turn in flight with no live owner is judged when something asks for it (`trigger`):
   a queued user message, its worker's death, a first touch, or the boot scan or retry
   timer having picked it; not while its next attempt is not due, nor when it was judged
@@ -114,8 +115,8 @@ def settled_key(session: SessionView, trigger: Trigger, breaker_tripped: bool) -
 class Budget:
     """How much one pass may start: assignments and judgements (each a database trip)."""
 
-    assign: int = 20
-    judge: int = 20
+    assign: int = 200  # one transaction and one message per worker, whatever the count
+    judge: int = 100  # each reads a turn's tail (in one trip to a thread for the pass)
 
 
 @dataclass(frozen=True)
@@ -242,7 +243,8 @@ def plan(
             judges += 1
             commands.append(Judge(s.id, trigger, target))
         loads[target] += 1
-        spares.discard(target)
+        if not (trigger is Trigger.WORKER_DEATH and target in spares):
+            spares.discard(target)  # the spare takes ALL a dead worker's sessions: one message
     return commands
 
 

@@ -24,9 +24,24 @@ from supervisor.core.engine import Assign, Budget, Judge, Move, Next, Wake
 from supervisor.core.slots import Slot
 from supervisor.core.vocabulary import AssignReason
 from supervisor.pool.recoverer import Judged, Recoverer
-from supervisor.store import SessionInfo, SessionNotFound, Store
+from supervisor.store import Grant, SessionInfo, Store
 
 Send = Callable[..., bool]  # (worker, type, **fields) -> sent
+FULL_PASS = 5.0  # seconds between passes that read every session with work
+# Seconds between passes when nothing asks: input written straight into the database
+# (the CLI, another host's API) is found by its index of pending sessions, at no cost
+# when there is none.
+PROBE = 0.25
+
+
+@dataclass(frozen=True)
+class Pick:
+    """A session to lease to `target`, why, and for a continuation its judgement."""
+
+    info: SessionInfo
+    target: WorkerHandle | None
+    reason: AssignReason
+    judged: Judged | None = None
 
 
 @dataclass(eq=False)
@@ -104,6 +119,8 @@ class Ownership:
         self.busy: set[str] = set()  # sessions being assigned right now
         self.stopping = False
         self.wanted = recovery.wanted  # set: dispatch now rather than at the next poll
+        self.full_due = 0.0  # monotonic time of the next full pass
+        self.probe_due = 0.0  # ... and of the next pass of any kind
 
     def wake(self, session_id: str) -> None:
         """New input was committed for the session: wake its owner, or find it one now."""
@@ -143,9 +160,24 @@ class Ownership:
             return True
         return False
 
-    async def dispatch(self) -> None:
-        """One pass: ask the engine what to do with every session with work, and do it."""
-        now, sessions = await asyncio.to_thread(self._sessions_with_work)
+    async def dispatch(self, full: bool | None = None) -> bool:
+        """One pass: ask the engine what to do with every session with work, and do it;
+        True when the pass's budget ran out (more is waiting: the pool passes again).
+
+        A pass reads the sessions with pending input and those recovery has business with
+        (`attention`: a worker died, a request touched it, a scan picked it), which costs
+        what it returns. A full pass (`FULL_PASS` apart, or when asked) reads every
+        session with work: what only time reveals (a lease that ran out, an attempt come
+        due) is found by it.
+        """
+        started = self.clock()
+        if full is None:
+            full = started >= self.full_due
+        if full:
+            self.full_due = started + FULL_PASS
+        self.probe_due = started + PROBE
+        attention = set(self.recovery.attention)
+        now, sessions = await asyncio.to_thread(self._sessions_with_work, full, attention)
         infos = {info.id: info for info in sessions}
         facts = engine.Facts(
             owner_prefix=self.owner_prefix,
@@ -167,6 +199,8 @@ class Ownership:
             monotonic=self.clock(),
             busy=frozenset(self.busy),
         )
+        assigns: list[Pick] = []
+        judges: list[tuple[SessionInfo, Judge]] = []
         for command in commands:
             info = infos[command.session]
             match command:
@@ -183,36 +217,63 @@ class Ownership:
                             "{} stopped renewing the lease; moving the session", command.worker
                         )
                 case Assign():
-                    await self._assign(info, self.workers.get(command.worker), command.reason)
+                    assigns.append(Pick(info, self.workers.get(command.worker), command.reason))
                 case Judge():
-                    await self._judge(info, command)
+                    judges.append((info, command))
+        # Whatever this pass did not get to stays in view for the next one.
+        served = {c.session for c in commands if isinstance(c, Assign | Judge)}
+        self.recovery.attention -= served
+        self.recovery.settle_attention(attention - served, set(infos))
+        await self._assign_all(assigns)  # user input first: its own commit
+        if judges:
+            await self._judge_all(judges)
+        spent = len(assigns) >= self.budget.assign or len(judges) >= self.budget.judge
+        if spent and full:
+            self.full_due = started  # what only a full pass found: the next one is full too
+        return spent
 
-    def _sessions_with_work(self) -> tuple[float, list[SessionInfo]]:
-        return self.store.now(), self.store.sessions.with_work()
+    def _sessions_with_work(
+        self, full: bool, attention: set[str]
+    ) -> tuple[float, list[SessionInfo]]:
+        if full:
+            return self.store.now(), self.store.sessions.with_work()
+        sessions = self.store.sessions.needing_turns()
+        seen = {info.id for info in sessions}
+        wanted = attention - seen
+        sessions += self.store.sessions.some(wanted) if wanted else []
+        return self.store.now(), sessions
 
-    async def _judge(self, info: SessionInfo, command: Judge) -> None:
-        judged = await self.recovery.judge(info, command.trigger)
-        then, reason = engine.after_judgement(judged.decision, command.trigger)
-        target = self.workers.get(command.worker)
-        if then is Next.CONTINUE:
-            assert reason is not None
-            await self._assign(info, target, reason, judged)
-        elif then is Next.DRIVE:
-            self.recovery.drive(info, judged)
-            await self._assign(info, target, AssignReason.NEW)
-        else:
-            await self.recovery.carry_out(info, judged)
+    def next_pass_in(self) -> float:
+        """Seconds until a pass is due although nothing asked for one: the next probe for
+        input written straight into the database, full pass, or attempt come due."""
+        now = self.clock()
+        due = min(self.probe_due, self.full_due) - now
+        return max(0.0, min(due, self.recovery.next_due_in()))
+
+    async def _judge_all(self, judges: list[tuple[SessionInfo, Judge]]) -> None:
+        """Judge the sessions (their tails read in one go), then assign what continues."""
+        judged = await self.recovery.judge_all([(info, c.trigger) for info, c in judges])
+        picks: list[Pick] = []
+        for (info, command), j in zip(judges, judged, strict=True):
+            then, reason = engine.after_judgement(j.decision, command.trigger)
+            target = self.workers.get(command.worker)
+            if then is Next.CONTINUE:
+                assert reason is not None
+                picks.append(Pick(info, target, reason, j))
+            elif then is Next.DRIVE:
+                self.recovery.drive(info, j)
+                picks.append(Pick(info, target, AssignReason.NEW))
+            else:
+                await self.recovery.carry_out(info, j)
+        await self._assign_all(picks)
 
     async def adopt(self, session_ids: list[str], reason: AssignReason) -> None:
         """Hand sessions over at once (a rolling restart released them at a boundary)."""
-        for session_id in session_ids:
-            try:
-                info = await asyncio.to_thread(self.store.sessions.get, session_id)
-            except SessionNotFound:
-                continue
-            if info.status == "open" and (info.active_turn_id or info.pending):
-                spare = reason is AssignReason.ADOPT
-                await self._assign(info, self._choose(prefer_spare=spare), reason)
+        infos = await asyncio.to_thread(self.store.sessions.some, session_ids)
+        spare = reason is AssignReason.ADOPT
+        await self._assign_all(
+            [Pick(info, self._choose(prefer_spare=spare), reason) for info in infos]
+        )
 
     def _choose(self, prefer_spare: bool) -> WorkerHandle | None:
         views = [w.view() for w in self.workers.values()]
@@ -225,47 +286,75 @@ class Ownership:
         )
         return None if name is None else self.workers[name]
 
-    async def _assign(
-        self,
-        info: SessionInfo,
-        target: WorkerHandle | None,
-        reason: AssignReason,
-        judged: Judged | None = None,
-    ) -> None:
-        """Lease the session to `target` and tell it.
+    async def _assign_all(self, picks: list[Pick]) -> None:
+        """Lease every picked session to its worker in ONE transaction, then tell each
+        worker its sessions in one message.
 
-        A continuation (`judged`) is charged in the database before the lease: a worker
-        that dies at once has still used up the attempt. A charge no worker took is
+        A continuation (`judged`) is charged in the same transaction, before its lease: a
+        worker that dies at once has still used up the attempt. A charge no worker took is
         refunded.
         """
-        if target is None or info.id in self.busy or self.stopping:
+        picks = [
+            p
+            for p in picks
+            if p.target is not None and p.info.id not in self.busy and not self.stopping
+        ]
+        if not picks:
             return
-        self.busy.add(info.id)
+        self.busy.update(p.info.id for p in picks)
         try:
-            if judged is not None and not await self.recovery.charge(info, judged):
-                return
-            lease = await asyncio.to_thread(
-                self.store.leases.acquire,
-                info.id,
-                f"{self.owner_prefix}/{target.identity}",
-                self.config.lease.stale_after,
-                force=True,
+            grants = [
+                Grant(
+                    p.info.id,
+                    f"{self.owner_prefix}/{p.target.identity}",  # type: ignore[union-attr]
+                    p.info.active_turn_id if p.judged is not None else None,
+                )
+                for p in picks
+            ]
+            results = await asyncio.to_thread(
+                self.store.leases.grant, grants, self.config.lease.stale_after
             )
-            if (lease is None or not target.alive) and judged is not None:
-                await self.recovery.refund(info, judged)
+            refunds: list[Pick] = []
+            by_worker: dict[str, list[dict[str, Any]]] = {}
+            for p, granted in zip(picks, results, strict=True):
+                target = p.target
+                assert target is not None
+                if p.judged is not None:
+                    if granted.moved_on:
+                        self.recovery.charge_skipped(p.judged)
+                        continue
+                    if granted.lease is not None:
+                        self.recovery.charged(p.info, p.judged)
+                if granted.lease is None or not target.alive:
+                    if granted.lease is not None and p.judged is not None:
+                        refunds.append(p)
+                    continue
+                target.sessions.add(p.info.id)
+                target.spare = False
+                self.assigned[p.info.id] = target
+                self.woken[p.info.id] = p.info.last_seq
+                self.recovery.assigned(p.info.id)
+                cause = p.judged.decision.cause if p.judged is not None else None
+                by_worker.setdefault(target.identity, []).append(
+                    {
+                        "session": p.info.id,
+                        "token": granted.lease.token,
+                        "reason": p.reason.value,
+                        "cause": cause,
+                    }
+                )
+                log("pool", session=p.info.id).info(
+                    "assigned to {} ({}, token {})",
+                    target.identity,
+                    p.reason.value,
+                    granted.lease.token,
+                )
+            for p in refunds:
+                assert p.judged is not None
+                await self.recovery.refund(p.info, p.judged)
         finally:
-            self.busy.discard(info.id)
-        if lease is None or not target.alive:
-            return
-        target.sessions.add(info.id)
-        target.spare = False
-        self.assigned[info.id] = target
-        self.woken[info.id] = info.last_seq
-        self.recovery.assigned(info.id)
-        cause = judged.decision.cause if judged is not None else None
-        self.send(
-            target, "assign", session=info.id, token=lease.token, reason=reason.value, cause=cause
-        )
-        log("pool", session=info.id).info(
-            "assigned to {} ({}, token {})", target.identity, reason.value, lease.token
-        )
+            self.busy.difference_update(p.info.id for p in picks)
+        for name, assigned in by_worker.items():
+            worker = self.workers.get(name)
+            if worker is not None:
+                self.send(worker, "assign", sessions=assigned)

@@ -29,17 +29,17 @@ from typing import Any
 from supervisor.contract.clock import SYSTEM, Clock
 from supervisor.contract.config import Config
 from supervisor.contract.logs import log
-from supervisor.core import autonomy, breaker, engine, recovery
+from supervisor.core import breaker, engine, recovery
 from supervisor.core.engine import Memory, SessionView
 from supervisor.core.notices import notice
 from supervisor.core.recovery import Action, Decision, Interruption, Trigger
 from supervisor.http.metrics import Metrics
+from supervisor.pool.runs import Resumer, resume_runs
 from supervisor.store import EventRecord, SessionInfo, Store
 
 BREAKER_CHECK = 2.0  # seconds between readings of the boot log
 TAIL_EVENTS = 200  # events read to classify a turn's tail
 NOT_EVALUATED = "not evaluated yet"
-RUN_TAIL = 20  # events read to find an autonomous run's newest checkpoint
 
 
 @dataclass(frozen=True)
@@ -82,6 +82,9 @@ class Recoverer:
         # Set when recovery has work for the pool (picked sessions, a resumed run): the
         # pool's dispatch waits on it.
         self.wanted = asyncio.Event()
+        # Sessions recovery has business with (a worker died, a request touched it, a scan
+        # picked it): the pool's passes read them by id, not by scanning every session.
+        self.attention: set[str] = set()
         self._tasks: list[asyncio.Task[None]] = []
         self.log = log("recovery")
 
@@ -183,10 +186,13 @@ class Recoverer:
             self.owner_prefix, self.host + "/", self.config.pool.heartbeat_interval
         )
         views = [SessionView.of(info) for info in sessions]
-        judged: list[tuple[SessionInfo, Judged]] = []
-        for view, own in engine.scan_targets(views, self.memory, facts, trigger):
-            judged.append((rows[view.id], await self.judge(rows[view.id], own)))
-        held = await self._resume_runs(trigger)
+        targets = [
+            (rows[view.id], own)
+            for view, own in engine.scan_targets(views, self.memory, facts, trigger)
+        ]
+        judged = list(zip([i for i, _ in targets], await self.judge_all(targets), strict=True))
+        resumer = Resumer(self.store, self.metrics, self.clock, self._memory, self.wanted)
+        held = await resume_runs(resumer, trigger, self.breaker.tripped)
         continuing = [(i.id, j.facts.interrupted_at) for i, j in judged if j.decision.charged]
         plan = recovery.boot_scan_plan(continuing, self.settings.max_per_boot)
         suppressed = sum(1 for _, j in judged if j.decision.suppressed)
@@ -209,6 +215,7 @@ class Recoverer:
             self.attempted += plan
         for session_id in plan:
             self._memory(session_id).picked = trigger
+        self.attention.update(plan)
         for info, j in judged:
             if j.decision.action is Action.DRIVE_WITH_QUEUED_MESSAGE:
                 self.wanted.set()  # the pool hands it to a worker, as for any queued message
@@ -229,56 +236,39 @@ class Recoverer:
         if plan:
             self.wanted.set()
 
-    async def _resume_runs(self, trigger: Trigger) -> int:
-        """Autonomous runs that stopped between turns (no turn in flight) go on by
-        themselves: their prompt is appended as the next user message. Returns how many
-        the breaker held back."""
-        held = 0
-        for info in await asyncio.to_thread(self.store.sessions.idle_autonomous):
-            # The newest checkpoint is among the last events: a stopped run costs a short
-            # index range scan, not a read of its log.
-            events = await asyncio.to_thread(self.store.events.tail, info.id, RUN_TAIL)
-            if not autonomy.unfinished(events):
-                continue
-            checkpoint = autonomy.last_checkpoint(events) or {}
-            prompt = str(checkpoint.get("prompt", ""))  # every checkpoint carries it
-            wake = checkpoint.get("next_wake_at")
-            if wake is not None and float(wake) > self.clock():
-                continue
-            if self.breaker.tripped:
-                held += 1
-                key = ("autonomous resume suppressed", trigger)
-                if self._memory(info.id).quiet != key:
-                    self._memory(info.id).quiet = key
-                    self.metrics.recovery.labels("resume_run", "daemon_restart", "suppressed").inc()
-                    log("recovery", session=info.id).warning(
-                        "breaker tripped: autonomous resume suppressed"
-                    )
-                continue
-            await asyncio.to_thread(
-                self.store.events.append,
-                info.id,
-                "user_message",
-                {"text": prompt, "autonomous": True, "resumed": True},
-                writer="supervisor",
-            )
-            self.metrics.recovery.labels("resume_run", "daemon_restart", "started").inc()
-            log("recovery", session=info.id).info(
-                "autonomous run resumed after {} turns", checkpoint.get("turns", 0)
-            )
-            self.wanted.set()
-        return held
-
     def touch(self, session_id: str) -> bool:
         """A request touched the session (first touch); True the first time."""
         memory = self._memory(session_id)
         first, memory.touched = not memory.touched, True
+        if first:
+            self.attention.add(session_id)
         return first
 
     def died(self, session_ids: list[str]) -> None:
         """The worker of these sessions died during this boot."""
         for session_id in session_ids:
             self._memory(session_id).died = True
+        self.attention.update(session_ids)
+
+    def settle_attention(self, left: set[str], found: set[str]) -> None:
+        """A pass did not act on `left` (`found`: those that still have work). Kept: those
+        still owed a judgement (a dead worker's, picked by a scan, or with an attempt to
+        come due); a touch judged SKIP is the full pass's to find again."""
+        for session_id in left:
+            m = self.memory.get(session_id)
+            if (
+                session_id not in found
+                or m is None
+                or not (m.died or m.picked is not None or m.due is not None)
+            ):
+                self.attention.discard(session_id)
+
+    def next_due_in(self) -> float:
+        """Seconds until the earliest scheduled attempt is due (inf if none)."""
+        now = self.clock()
+        # One come due is judged by the pass at that time (it is kept in `attention`).
+        dues = [m.due for m in self.memory.values() if m.due is not None and m.due > now]
+        return min(dues) - now if dues else float("inf")
 
     def assigned(self, session_id: str) -> None:
         """The pool gave the session a new owner: its old owner's death is history."""
@@ -292,11 +282,21 @@ class Recoverer:
 
     async def judge(self, info: SessionInfo, trigger: Trigger) -> Judged:
         """Look the facts up and decide."""
-        events = await asyncio.to_thread(self.store.events.tail, info.id, TAIL_EVENTS)
+        [judged] = await self.judge_all([(info, trigger)])
+        return judged
+
+    async def judge_all(self, items: list[tuple[SessionInfo, Trigger]]) -> list[Judged]:
+        """Judge many sessions; their tails are read in one trip to a thread."""
+        tails = await asyncio.to_thread(
+            lambda: [self.store.events.tail(info.id, TAIL_EVENTS) for info, _ in items]
+        )
         now = self.clock()
-        facts = self.facts(info, events, trigger, now)
-        decision = recovery.decide(facts, trigger, now, self.breaker.tripped, self.settings)
-        return Judged(decision, facts, trigger)
+        judged = []
+        for (info, trigger), events in zip(items, tails, strict=True):
+            facts = self.facts(info, events, trigger, now)
+            decision = recovery.decide(facts, trigger, now, self.breaker.tripped, self.settings)
+            judged.append(Judged(decision, facts, trigger))
+        return judged
 
     def facts(
         self, info: SessionInfo, events: list[EventRecord], trigger: Trigger, now: float
@@ -315,21 +315,18 @@ class Recoverer:
 
     # --- carrying out ---------------------------------------------------------------
 
-    async def charge(self, info: SessionInfo, j: Judged) -> bool:
-        """Charge the attempt in the database before it starts; False if the turn moved on."""
+    def charge_skipped(self, j: Judged) -> None:
+        """The attempt was not charged: the turn moved on before the lease was taken."""
+        self._count(j, "skipped")
+
+    def charged(self, info: SessionInfo, j: Judged) -> None:
+        """The attempt was charged in the database (with the lease, before it starts)."""
         assert info.active_turn_id is not None
-        count = await asyncio.to_thread(
-            self.store.sessions.charge_attempt, info.id, info.active_turn_id
-        )
-        if count is None:
-            self._count(j, "skipped")
-            return False
         memory = self._memory(info.id)
         self.memory[info.id] = engine.charged(memory, info.active_turn_id, self.clock())
         self.metrics.recovery_age.observe(max(0.0, self.clock() - j.facts.interrupted_at))
         self._count(j, "started")
         self._log(info, j).info("{}", j.decision.reason)
-        return True
 
     async def refund(self, info: SessionInfo, j: Judged) -> None:
         """An attempt that was charged but never handed to a worker is given back."""
@@ -359,6 +356,7 @@ class Recoverer:
             return
         if d.action is Action.CONTINUE_AT:
             assert d.at is not None
+            self.attention.add(info.id)  # the pass at `due` reads it by id
             if memory.due != d.at:
                 memory.due = d.at
                 self._count(j, "scheduled")

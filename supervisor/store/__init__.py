@@ -28,7 +28,7 @@ from supervisor.store.errors import (
 )
 from supervisor.store.eventlog import EVENT_TYPES, EventLog, EventRecord
 from supervisor.store.events import ReplayedSeq, request_digest, scoped_key
-from supervisor.store.leases import Lease, Leases
+from supervisor.store.leases import Grant, Granted, Lease, Leases
 from supervisor.store.models import MODELS, SchemaVersion
 from supervisor.store.sessions import KINDS, SessionInfo, Sessions
 
@@ -44,6 +44,8 @@ __all__ = [
     "Children",
     "EventLog",
     "EventRecord",
+    "Grant",
+    "Granted",
     "IdempotencyConflict",
     "Lease",
     "LeaseLost",

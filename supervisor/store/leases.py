@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import peewee
@@ -20,6 +21,28 @@ class Lease:
     owner: str
     token: int
     expires_at: float
+
+
+@dataclass(frozen=True)
+class Grant:
+    """A lease to give `owner`; for a continuation, first an attempt of `charge` to charge."""
+
+    session_id: str
+    owner: str
+    charge: str | None = None  # the turn whose continuation attempt is charged first
+
+
+@dataclass(frozen=True)
+class Granted:
+    """What came of a `Grant`: the lease, or None; the attempt count if one was charged.
+
+    `moved_on`: the turn to charge was no longer the active one (it ended, another
+    began), so neither the attempt nor the lease was taken.
+    """
+
+    lease: Lease | None
+    attempts: int | None = None
+    moved_on: bool = False
 
 
 class Leases:
@@ -56,6 +79,67 @@ class Leases:
             row = Session.get(Session.id == session_id)
             assert row.lease_expires_at is not None
             return Lease(session_id, owner, row.lease_token, row.lease_expires_at)
+
+        return run_write(self._db, work)
+
+    def grant(self, grants: Sequence[Grant], ttl: float) -> list[Granted]:
+        """Take many leases (force), charging continuation attempts first, in ONE
+        transaction: a batch of assignments, or a dead worker's k sessions, costs one
+        commit, not k. A closed or deleted session gets no lease. Results in order."""
+        now = now_sql(self._db)
+        ids = [g.session_id for g in grants]
+
+        def work() -> list[Granted]:
+            rows = {
+                row.id: row
+                for start in range(0, len(ids), 500)
+                for row in Session.select(
+                    Session.id, Session.status, Session.active_turn_id,
+                    Session.attempt_turn_id, Session.attempt_count,
+                ).where(Session.id.in_(ids[start : start + 500]))
+            }  # fmt: skip
+            results: list[Granted] = []
+            for g in grants:
+                row = rows.get(g.session_id)
+                if row is None or row.status == SessionStatus.CLOSED:
+                    results.append(Granted(None))
+                    continue
+                attempts = None
+                if g.charge is not None:
+                    if row.active_turn_id != g.charge:
+                        results.append(Granted(None, moved_on=True))
+                        continue
+                    same = row.attempt_turn_id == g.charge
+                    attempts = (row.attempt_count if same else 0) + 1
+                    row.attempt_turn_id, row.attempt_count = g.charge, attempts
+                Session.update(
+                    owner=g.owner,
+                    lease_token=Session.lease_token + 1,
+                    lease_expires_at=now + ttl,
+                    **(
+                        {"attempt_turn_id": g.charge, "attempt_count": attempts}
+                        if attempts is not None
+                        else {}
+                    ),
+                ).where(Session.id == g.session_id).execute()
+                results.append(Granted(Lease(g.session_id, g.owner, 0, 0.0), attempts))
+            taken = [r.lease.session_id for r in results if r.lease is not None]
+            tokens = {
+                row.id: (int(row.lease_token), float(row.lease_expires_at or 0.0))
+                for start in range(0, len(taken), 500)
+                for row in Session.select(
+                    Session.id, Session.lease_token, Session.lease_expires_at
+                ).where(Session.id.in_(taken[start : start + 500]))
+            }
+            return [
+                r
+                if r.lease is None
+                else Granted(
+                    Lease(r.lease.session_id, r.lease.owner, *tokens[r.lease.session_id]),
+                    r.attempts,
+                )
+                for r in results
+            ]
 
         return run_write(self._db, work)
 

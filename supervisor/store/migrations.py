@@ -25,7 +25,7 @@ from supervisor.store.errors import SchemaMissing, SchemaTooNew
 from supervisor.store.events import scoped_key
 from supervisor.store.models import MODELS, Event, IntakeKey, SchemaVersion
 
-LATEST = 3
+LATEST = 4
 
 
 def _resend_mark(db: peewee.Database) -> None:
@@ -63,8 +63,21 @@ def _scoped_keys(db: peewee.Database) -> None:
             ).execute()
 
 
+def _work_indexes(db: peewee.Database) -> None:
+    """4: indexes for the work query (pending, status, updated_at) and lease renewal (owner)."""
+    migrator = SchemaMigrator.from_database(db)
+    run_migrations(
+        migrator.add_index("session", ("owner",), False),
+        migrator.add_index("session", ("pending", "status", "updated_at"), False),
+    )
+
+
 # version -> the step that migrates version-1 to version.
-STEPS: dict[int, Callable[[peewee.Database], None]] = {2: _resend_mark, 3: _scoped_keys}
+STEPS: dict[int, Callable[[peewee.Database], None]] = {
+    2: _resend_mark,
+    3: _scoped_keys,
+    4: _work_indexes,
+}
 
 _LOCK_NAME = "turnkeeper_migrate"
 _PG_LOCK_KEY = 0x7475726E  # "turn"

@@ -50,7 +50,7 @@ class Session(BaseModel):
     updated_at = peewee.DoubleField()
     last_seq = peewee.BigIntegerField(default=0)
     # Lease: the token grows on every acquisition and is never reused (fencing).
-    owner = peewee.CharField(max_length=ID_LEN, null=True)
+    owner = peewee.CharField(max_length=ID_LEN, null=True, index=True)  # renewal finds its own
     lease_token = peewee.BigIntegerField(default=0)
     lease_expires_at = peewee.DoubleField(null=True)
     # Set by a `user_message`, cleared by the `turn_started` that will read it: the
@@ -59,7 +59,8 @@ class Session(BaseModel):
     # A turn in flight, set by `turn_started` and cleared by `turn_ended` in the same commit.
     active_turn_id = peewee.CharField(max_length=ID_LEN, null=True, index=True)
     # Turn attempts, charged before the turn runs (its first by `turn_started`, each
-    # continuation by recovery) and cleared by `turn_ended`.
+    # continuation by recovery, or by its worker going on after a cut answer or a model
+    # error that may pass) and cleared by `turn_ended`.
     attempt_turn_id = peewee.CharField(max_length=ID_LEN, null=True)
     attempt_count = peewee.IntegerField(default=0)
     quarantined_at = peewee.DoubleField(null=True)
@@ -70,6 +71,8 @@ class Session(BaseModel):
 
     class Meta:
         table_name = "session"
+        # The work query: pending sessions in the order they waited, read off the index.
+        indexes = ((("pending", "status", "updated_at"), False),)
 
 
 class Event(BaseModel):
