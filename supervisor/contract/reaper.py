@@ -69,25 +69,51 @@ def become_subreaper() -> None:
         raise OSError(err, os.strerror(err))
 
 
+def own_children() -> list[int]:
+    """The pids of this process's children, exited ones (zombies) included.
+
+    Read from the kernel's own lists, /proc/self/task/<tid>/children (one per thread: a
+    child is listed under the thread that forked it, an adopted orphan under the one the
+    kernel chose), so the cost is that of our children, never a scan of every process on
+    the host. Where the kernel keeps no such list, psutil finds them by a scan.
+    """
+    try:
+        threads = os.listdir("/proc/self/task")
+    except OSError:
+        threads = []
+    found: list[int] = []
+    listed = False
+    for tid in threads:
+        try:
+            with open(f"/proc/self/task/{tid}/children", "rb") as f:
+                found += [int(pid) for pid in f.read().split()]
+        except OSError:
+            continue  # the thread ended meanwhile, or the kernel keeps no list
+        listed = True
+    if listed:
+        return found
+    try:
+        return [proc.pid for proc in psutil.Process().children()]
+    except psutil.Error:
+        return []
+
+
 def reap_orphans(keep: Iterable[int]) -> list[int]:
     """Reap exited children of ours that nobody else waits for; returns their pids.
 
-    `keep` are children whose owner reaps them itself (the pool's workers).
+    `keep` are children whose owner reaps them itself (the pool's workers): their exit
+    status is left for it. Cheap enough to run on every SIGCHLD (see `own_children`).
     """
     kept = set(keep)
     reaped: list[int] = []
-    try:
-        children = psutil.Process().children()
-    except psutil.Error:
-        return reaped
-    for child in children:
-        if child.pid in kept:
+    for pid in own_children():
+        if pid in kept:
             continue
         try:
-            if child.status() == psutil.STATUS_ZOMBIE and os.waitpid(child.pid, os.WNOHANG)[0]:
-                reaped.append(child.pid)
-        except (psutil.Error, ChildProcessError):
-            continue
+            if os.waitpid(pid, os.WNOHANG)[0]:
+                reaped.append(pid)
+        except ChildProcessError:
+            continue  # reaped by its own waiter meanwhile
     return reaped
 
 

@@ -8,12 +8,15 @@ When a worker dies (its process sentinel fires at once, even for SIGKILL or an O
 its sessions go to the hot spare first, and a replacement is started in the dead worker's
 slot, which then becomes the spare. A worker whose event loop stops sending heartbeats is
 hung: it gets SIGABRT (its traceback goes to the log) and, a second later, SIGKILL.
+
+Nothing runs on a tick (housekeeping.py). Children are reaped on SIGCHLD, never by a scan
+of the host's processes: the workers by `_bury`, once their sentinels fire; anything else
+(orphans adopted as the subreaper) by `reap_orphans`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import secrets
 import signal
@@ -30,12 +33,15 @@ from supervisor.contract.config import Config
 from supervisor.contract.logs import log
 from supervisor.contract.reaper import descendants, reap_orphans, terminate
 from supervisor.contract.spawn import WorkerSpec
+from supervisor.core.engine import HEARTBEATS_MISSED
 from supervisor.core.slots import Slot, SlotState, all_fatal
 from supervisor.core.vocabulary import AssignReason
 from supervisor.http.metrics import Metrics
+from supervisor.pool.housekeeping import Housekeeper
 from supervisor.pool.ownership import Ownership, WorkerHandle
 from supervisor.pool.plane import ControlPlane
 from supervisor.pool.processes import (
+    check_hangs,
     describe_exit,
     resource_tracker,
     send_signal,
@@ -45,11 +51,6 @@ from supervisor.pool.processes import (
 from supervisor.pool.recoverer import Recoverer
 from supervisor.store import Store
 from workers.entry import run_worker
-
-TICK = 0.1  # seconds between housekeeping rounds
-POLL = 0.25  # seconds between database polls for sessions with work
-START_TIMEOUT = 30.0  # a worker that has not said hello by then is hung
-ABORT_GRACE = 1.0  # between SIGABRT (traceback) and SIGKILL for a hung worker
 
 
 class Pool:
@@ -78,6 +79,7 @@ class Pool:
         self.slots = [Slot(i) for i in range(config.pool.workers + config.pool.spare)]
         self.current: dict[int, WorkerHandle] = {}
         self.workers: dict[str, WorkerHandle] = {}  # by name
+        self.held: list[Slot] = []  # at boot: slots that start once the first worker is up
         self.burying: set[int] = set()  # pids of exited workers whose status `_bury` reads
         self.plane = ControlPlane(address, self.workers, self._handle, self._replace, self.clock)
         self.ownership = Ownership(
@@ -92,6 +94,9 @@ class Pool:
         self.tasks: list[asyncio.Task[None]] = []  # run until stop; the daemon watches them
         self._pending: set[asyncio.Task[Any]] = set()  # background work; awaited by stop
         self._wanted = self.ownership.wanted
+        self.housekeeper = Housekeeper(
+            self._tend, self.ownership.dispatch, self.ownership.next_pass_in, self._wanted, clock
+        )
 
     # --- what requests tell the pool about sessions: `Ownership`'s to carry out -----
 
@@ -112,11 +117,15 @@ class Pool:
     async def start(self) -> None:
         """Bind the control plane and start every worker."""
         self.plane.bind()
-        for slot in self.slots:
-            self._spawn(slot)
+        asyncio.get_running_loop().add_signal_handler(signal.SIGCHLD, self._on_child_exit)
+        # One worker first, alone: it takes the interrupted turns without sharing the CPUs
+        # with the whole pool's start. The others, the spare among them, follow once it is
+        # ready (or gone).
+        first, *self.held = self.slots
+        self._spawn(first, spare=not self.held)
         self.tasks = [
             asyncio.create_task(self.plane.receive(), name="pool-receive"),
-            asyncio.create_task(self._housekeeping(), name="pool-housekeeping"),
+            asyncio.create_task(self.housekeeper.run(), name="pool-housekeeping"),
         ]
 
     async def wait_ready(self, timeout: float) -> bool:
@@ -146,6 +155,8 @@ class Pool:
         for task in self.tasks:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
+        # From here on `terminate` reaps every child itself.
+        asyncio.get_running_loop().remove_signal_handler(signal.SIGCHLD)
         for worker in self.workers.values():
             worker.stop_requested = True
         groups = await asyncio.to_thread(self._recorded_groups)
@@ -189,7 +200,7 @@ class Pool:
 
     # --- processes ------------------------------------------------------------------
 
-    def _spawn(self, slot: Slot) -> None:
+    def _spawn(self, slot: Slot, spare: bool = True) -> None:
         now = self.clock()
         slot.start(now)
         spare_now = sum(1 for w in self.current.values() if w.spare and w.alive)
@@ -213,7 +224,7 @@ class Pool:
             slot,
             slot.identity,
             process,
-            spare=spare_now < self.config.pool.spare,
+            spare=spare and spare_now < self.config.pool.spare,
             started=now,
             route=route.encode(),
             secret=secret,
@@ -223,6 +234,7 @@ class Pool:
         self.workers[worker.identity] = worker
         self.plane.admit(worker)
         asyncio.get_running_loop().add_reader(process.sentinel, self._on_exit, worker)
+        self.housekeeper.stir()  # its start timeout is a deadline of the loop
         self.log.info(
             "started worker {} (pid {}{})",
             worker.identity,
@@ -280,46 +292,28 @@ class Pool:
                 self.log.critical(
                     "slot {} is fatal: its worker cannot start (see above)", worker.slot.index
                 )
+        self.held = []  # the first worker is gone: the others start all the same
+        self.housekeeper.stir()  # the slot's restart is a deadline of the loop
         if all_fatal(self.slots):
             self.fatal.set()
 
-    async def _housekeeping(self) -> None:
-        next_poll = 0.0
-        while True:
-            now = self.clock()
-            if not self.stopping:
-                for slot in self.slots:
-                    if slot.due(now):
-                        self._spawn(slot)
-            self._check_hangs(now)
-            reap_orphans([*(w.pid for w in self.workers.values()), *self.burying])
-            if now >= next_poll or self._wanted.is_set():
-                self._wanted.clear()
-                next_poll = now + POLL
-                try:
-                    await self.ownership.dispatch()
-                except Exception:
-                    self.log.exception("dispatch failed; trying again")
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wanted.wait(), TICK)
+    def _on_child_exit(self) -> None:
+        # SIGCHLD. The workers' exit statuses are `_bury`'s to read: they are kept.
+        reaped = reap_orphans([*(w.pid for w in self.workers.values()), *self.burying])
+        if reaped:
+            self.log.info("reaped exited orphans: pid {}", ", ".join(map(str, reaped)))
 
-    def _check_hangs(self, now: float) -> None:
-        limit = self.config.pool.hang_timeout
-        for worker in list(self.workers.values()):
-            if not worker.alive or worker.stop_requested:
-                continue
-            silent = now - worker.last_heartbeat
-            if worker.aborted_at is not None:
-                if now - worker.aborted_at >= ABORT_GRACE:
-                    send_signal(worker.pid, signal.SIGKILL)
-            elif silent > (limit if worker.ready else max(limit, START_TIMEOUT)):
-                self.log.error(
-                    "worker {} sent no heartbeat for {:.1f} s: hung; aborting it",
-                    worker.identity,
-                    silent,
-                )
-                worker.aborted_at = now
-                send_signal(worker.pid, signal.SIGABRT)
+    def _tend(self, now: float) -> float:
+        """Start the workers of slots due for a restart, abort hung ones; returns when
+        either needs a look again."""
+        deadline = float("inf")
+        if not self.stopping:
+            for slot in (s for s in self.slots if s not in self.held):
+                if slot.due(now):
+                    self._spawn(slot)
+                elif slot.restart_at is not None:
+                    deadline = min(deadline, slot.restart_at)
+        return min(deadline, check_hangs(self.workers.values(), now, self.config.pool))
 
     def _background(self, work: Coroutine[Any, Any, Any]) -> None:
         task = asyncio.create_task(work)
@@ -344,7 +338,10 @@ class Pool:
         send_signal(worker.pid, signal.SIGKILL)  # its sessions are adopted as after a crash
 
     def _handle(self, worker: WorkerHandle, message: control.FromWorker) -> None:
-        worker.last_heartbeat = self.clock()
+        now = self.clock()
+        if now - worker.last_heartbeat > HEARTBEATS_MISSED * self.config.pool.heartbeat_interval:
+            self._wanted.set()  # silent so long it was given nothing: it takes sessions again
+        worker.last_heartbeat = now
         match message:
             case control.Hello():
                 worker.hello = True
@@ -352,6 +349,8 @@ class Pool:
                 worker.ready = True
                 worker.slot.ready(self.clock())
                 self.log.info("worker {} is ready", worker.identity)
+                self.held = []  # the first is up: the rest of the pool starts
+                self._wanted.set()  # sessions may have waited for a worker
             case control.Heartbeat():
                 worker.turns, worker.turns_served = message.turns, message.turns_served
                 worker.mcp = dict(message.mcp)
@@ -366,6 +365,8 @@ class Pool:
                 if owned and message.type == "released" and not self.stopping:
                     handoff = self.ownership.adopt([message.session], AssignReason.HANDOFF)
                     self._background(handoff)
+                elif owned:
+                    self._wanted.set()  # fenced out: the session may need another owner
 
     # --- rolling restart ------------------------------------------------------------
 

@@ -1,18 +1,24 @@
-"""The pool's dealings with the OS about its processes: signals, exit statuses,
-multiprocess's resource tracker, and how a slot and its worker are shown."""
+"""The pool's dealings with the OS about its processes: signals, exit statuses, hung
+workers, multiprocess's resource tracker, and how a slot and its worker are shown."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import signal
+from collections.abc import Iterable
 from typing import Any
 
 import multiprocess
 import multiprocess.resource_tracker
 
+from supervisor.contract.config import PoolConfig
+from supervisor.contract.logs import log
 from supervisor.core.slots import Slot
 from supervisor.pool.ownership import WorkerHandle
+
+START_TIMEOUT = 30.0  # a worker that has not said it is ready by then is hung
+ABORT_GRACE = 1.0  # between SIGABRT (traceback) and SIGKILL for a hung worker
 
 
 def resource_tracker() -> int | None:
@@ -46,6 +52,36 @@ def describe_exit(code: int | None, requested: bool = False) -> str:
         except ValueError:
             return f"signal {-code}"
     return f"code {code}"
+
+
+def check_hangs(workers: Iterable[WorkerHandle], now: float, pool: PoolConfig) -> float:
+    """Abort the workers silent for longer than `pool.hang_timeout`: SIGABRT (its
+    traceback goes to the log), and SIGKILL `ABORT_GRACE` later, again every
+    `ABORT_GRACE` until it is gone. Returns the time of the next check it needs."""
+    next_check = float("inf")
+    for worker in list(workers):
+        if not worker.alive or worker.stop_requested:
+            continue
+        if worker.aborted_at is not None:
+            killed_at = worker.aborted_at + ABORT_GRACE
+            if now >= killed_at:
+                send_signal(worker.pid, signal.SIGKILL)
+            next_check = min(next_check, killed_at if now < killed_at else now + ABORT_GRACE)
+            continue
+        limit = pool.hang_timeout if worker.ready else max(pool.hang_timeout, START_TIMEOUT)
+        silent = now - worker.last_heartbeat
+        if silent > limit:
+            log("pool").error(
+                "worker {} sent no heartbeat for {:.1f} s: hung; aborting it",
+                worker.identity,
+                silent,
+            )
+            worker.aborted_at = now
+            send_signal(worker.pid, signal.SIGABRT)
+            next_check = min(next_check, now + ABORT_GRACE)
+        else:
+            next_check = min(next_check, worker.last_heartbeat + limit)
+    return next_check
 
 
 def send_signal(pid: int, signum: int) -> None:

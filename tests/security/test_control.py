@@ -74,16 +74,16 @@ class MisbehavingAgent(ToolLoopAgent):
 
 def _sabotage(marker: Path) -> None:
     """In the daemon: the pool's housekeeping task dies once `marker` exists."""
-    import supervisor.pool.pool
+    from supervisor.pool.pool import Pool
 
-    reap = supervisor.pool.pool.reap_orphans
+    tend = Pool._tend
 
-    def sabotaged(pids: Any) -> None:
+    def sabotaged(pool: Pool, now: float) -> float:
         if marker.exists():
             raise RuntimeError("sabotaged by the test")
-        reap(pids)
+        return tend(pool, now)
 
-    supervisor.pool.pool.reap_orphans = sabotaged
+    Pool._tend = sabotaged  # type: ignore[method-assign]
 
 
 if os.environ.get(SABOTAGE) and multiprocess.current_process().name == "MainProcess":
@@ -283,6 +283,12 @@ def test_a_supervisor_task_that_dies_stops_the_daemon_with_a_non_zero_exit(
         assert client.get("/readyz").status_code == 200
         session = client.post("/v1/sessions", json={}).json()["id"]
         client.post(f"/v1/sessions/{session}/inject", json={"text": "/sleep 20 slow"})
+
+        def started() -> bool:
+            found = client.get(f"/v1/sessions/{session}/events").json()["events"]
+            return any(e["type"] == "turn_started" for e in found)
+
+        wait_until(started, 30, "the turn to start")  # so that the drain waits for it
         marker.touch()  # the pool's housekeeping task dies at its next round
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline and 503 not in readiness:
