@@ -6,8 +6,10 @@ The `Turn` it is handed commits every model call and tool call as an event by it
 an agent gets per-event durability without writing any storage code. `run_turn` returns
 the outcome: "completed", or "truncated" when the model was cut by its token limit.
 
-An agent may be asked to continue a turn that a crash interrupted: `turn.messages` then
-holds everything committed so far, with a note saying what happened.
+An agent may be asked to continue a turn that a crash interrupted, that it returned as
+"truncated" after an answer cut at the token limit, or that failed on a model error that
+may pass (`ModelError.transient`): `turn.messages` then holds everything committed so far,
+with a note saying what happened. Such continuations are bounded by the turn's attempts.
 """
 
 from __future__ import annotations

@@ -1,15 +1,19 @@
 """A session's conversation rebuilt from its event log, and the shape of a turn's tail.
 
-Pure functions over committed events: no database, no clock. The worker calls them when
-it (re)builds a session on first touch and before it continues an interrupted turn.
-How a turn's tail stands is read by `supervisor.core.tail`, shared with recovery.
+Pure code over committed events: no database, no clock. The worker calls it when a turn
+starts and before it continues an interrupted turn. `Conversation` and `Calls` keep what
+`to_messages` and `missing_results` give for a log that grows at its end, so a turn costs
+what its new events cost, not the whole history. How a turn's tail stands is read by
+`supervisor.core.tail`, shared with recovery.
 """
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_left
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any
 
 from supervisor.core.tail import Resume as Tail
@@ -17,6 +21,14 @@ from supervisor.core.tail import resume_from
 from supervisor.core.vocabulary import EventType
 from supervisor.store import EventRecord
 from workers.models import Message, ToolCall
+
+# The event types read here, as module names: looking up an enum member costs more than
+# comparing it, and these comparisons run for every event of a log.
+_USER, _MODEL = EventType.USER_MESSAGE, EventType.MODEL_RESPONSE
+_CALL, _RESULT = EventType.TOOL_CALL, EventType.TOOL_RESULT
+_CONTINUATION = EventType.CONTINUATION
+_STARTED, _ENDED = EventType.TURN_STARTED, EventType.TURN_ENDED
+_TURN_MARKS = frozenset((_STARTED, _ENDED))
 
 # The synthetic result of a call that started but has no recorded result.
 INTERRUPTED_RESULT = "interrupted before a result was recorded; it may or may not have taken effect"
@@ -27,13 +39,13 @@ NOT_STARTED_RESULT = "not run: the turn was interrupted before this call started
 def message_of(event: EventRecord) -> Message | None:
     """The conversation message an event stands for, if any."""
     payload = event.payload
-    if event.type == EventType.USER_MESSAGE:
+    if event.type == _USER:
         return Message("user", str(payload.get("text", "")))
-    if event.type == EventType.MODEL_RESPONSE:
+    if event.type == _MODEL:
         return Message("assistant", str(payload.get("text", "")), tool_calls=calls_of(payload))
-    if event.type == EventType.TOOL_RESULT:
+    if event.type == _RESULT:
         return Message("tool", str(payload.get("content", "")), tool_call_id=payload.get("call_id"))
-    if event.type == EventType.CONTINUATION:
+    if event.type == _CONTINUATION:
         return Message("user", str(payload.get("text", "")), note=True)
     return None
 
@@ -58,40 +70,180 @@ def to_messages(events: Iterable[EventRecord]) -> list[Message]:
     is always followed by their results.
     """
     events = list(events)
-    unread = _unread_by(events)
-    messages: list[Message] = []
-    open_calls: set[str] = set()
-    held: list[Message] = []  # waiting for open calls' results
-    waiting: dict[str, list[Message]] = {}  # turn id -> messages it did not read
-
-    def place(message: Message) -> None:
-        nonlocal open_calls, held
-        if message.role == "user" and open_calls:
-            held.append(message)
-            return
-        messages.append(message)
-        if message.role == "assistant":
-            open_calls = {call.id for call in message.tool_calls}
-        elif message.role == "tool":
-            open_calls.discard(message.tool_call_id or "")
-        if not open_calls and held:
-            messages.extend(held)
-            held = []
-
+    placement = _Placement(_unread_by(events))
     for event in events:
-        if event.type == EventType.TURN_ENDED and event.turn_id in waiting:
-            for message in waiting.pop(event.turn_id):
-                place(message)
-            continue
+        placement.add(event)
+    return placement.result()
+
+
+class _Placement:
+    """`to_messages` under way: the messages placed, and those waiting for their place."""
+
+    def __init__(self, unread: dict[int, str]) -> None:
+        self.unread = unread  # seq of a user message -> the turn that did not read it
+        self.messages: list[Message] = []
+        self.open_calls: set[str] = set()
+        self.held: list[Message] = []  # waiting for open calls' results
+        self.waiting: dict[str, list[Message]] = {}  # turn id -> messages it did not read
+
+    @property
+    def settled(self) -> bool:
+        """No call open and no message held or waiting: what follows starts afresh."""
+        return not (self.open_calls or self.held or self.waiting)
+
+    def add(self, event: EventRecord) -> None:
+        """Place the message `event` stands for, or the ones its turn's end releases."""
+        if event.type == _ENDED and event.turn_id in self.waiting:
+            for message in self.waiting.pop(event.turn_id):
+                self._place(message)
+            return
         found = message_of(event)
         if found is None:
-            continue
-        turn = unread.get(event.seq) if event.type == EventType.USER_MESSAGE else None
+            return
+        turn = self.unread.get(event.seq) if event.type == _USER else None
         if turn is not None:
-            waiting.setdefault(turn, []).append(found)
-            continue
-        place(found)
-    return messages + held + [m for later in waiting.values() for m in later]
+            self.waiting.setdefault(turn, []).append(found)
+            return
+        self._place(found)
+
+    def _place(self, message: Message) -> None:
+        if message.role == "user" and self.open_calls:
+            self.held.append(message)
+            return
+        self.messages.append(message)
+        if message.role == "assistant":
+            self.open_calls = {call.id for call in message.tool_calls}
+        elif message.role == "tool":
+            self.open_calls.discard(message.tool_call_id or "")
+        if not self.open_calls and self.held:
+            self.messages.extend(self.held)
+            self.held = []
+
+    def result(self) -> list[Message]:
+        """The messages, with those still held or waiting at the end."""
+        return self.messages + self.held + [m for later in self.waiting.values() for m in later]
+
+
+class Conversation:
+    """`to_messages` of a log that grows at its end, built once up to a cut.
+
+    The messages of the events before the cut are kept; a call builds only the events
+    after it. The cut stands where the two sides cannot change each other's messages:
+    the conversation is settled there (no call open, no message held or waiting), every
+    turn started before it also ended before it and read no further than it, no turn
+    after it read less than it, and no turn id is on both sides. Only an appended event
+    that breaks this (`follows` is False) could change the kept messages; the log then
+    starts a new Conversation.
+    """
+
+    def __init__(self) -> None:
+        self.cut = 0  # the index of the first event after the cut
+        self._before: list[Message] = []  # the messages of the events before the cut
+        self._cut_seq = 0  # the seq of the last event before the cut
+        self._turns: set[str] = set()  # turns started or ended before the cut
+
+    def follows(self, event: EventRecord) -> bool:
+        """Whether `event`, appended to the log, leaves the kept messages as they are."""
+        if event.type not in _TURN_MARKS:
+            return True
+        if event.turn_id in self._turns:
+            return False
+        read_to = event.payload.get("read_to") if event.type == _STARTED else None
+        return not (isinstance(read_to, int) and read_to < self._cut_seq)
+
+    def messages(
+        self, events: Sequence[EventRecord], extra: Sequence[EventRecord] = (), turn: str = ""
+    ) -> list[Message]:
+        """`to_messages(events + extra)`, or of `read_by(turn, events + extra)` with a turn.
+
+        `events` is the log the cut was found in, grown since only at its end.
+        """
+        if turn in self._turns:  # the turn started before the cut: read it all
+            return to_messages(read_by(turn, [*events, *extra]))
+        after = [*events[self.cut :], *extra]
+        return self._before + to_messages(read_by(turn, after) if turn else after)
+
+    def advance(self, events: Sequence[EventRecord]) -> None:
+        """Move the cut as far along `events` as it may go."""
+        after = events[self.cut :]
+        if not after or after[0].seq <= self._cut_seq:
+            return
+        found = _cut_in(after)
+        if found is None:
+            return
+        index, messages = found
+        self._before.extend(messages)
+        self._cut_seq = after[index - 1].seq
+        self._turns.update(_turn_ids(after[:index]))
+        self.cut += index
+
+
+def _cut_in(events: Sequence[EventRecord]) -> tuple[int, list[Message]] | None:
+    """The last cut in `events` (see Conversation) and the messages before it, if any.
+
+    One pass: the unread messages are found over all `events`, which at a cut gives the
+    same as over the events before it (nothing after it reads less, no turn straddles it).
+    """
+    if any(a.seq >= b.seq for a, b in pairwise(events)):
+        return None  # cuts are found in a log ordered by seq only
+    lowest = [math.inf] * (len(events) + 1)  # the least read_to at or after each index
+    last: dict[str, int] = {}  # turn id -> the index of its last turn_started or turn_ended
+    for index in range(len(events) - 1, -1, -1):
+        event = events[index]
+        lowest[index] = lowest[index + 1]
+        if _is_turn_mark(event):
+            last.setdefault(str(event.turn_id), index)
+            lowest[index] = min(lowest[index], _read_to(event))
+    placement = _Placement(_unread_by(events))
+    seen: set[str] = set()
+    started: set[str] = set()
+    ended: set[str] = set()
+    unended = 0  # turns started before the cut with no end before it
+    straddling = 0  # turns seen before the cut that show up again after it
+    read_most = -math.inf  # the greatest read_to before the cut
+    found: tuple[int, int] | None = None  # (cut index, messages before it)
+    for index, event in enumerate(events):
+        placement.add(event)
+        if _is_turn_mark(event):
+            turn = str(event.turn_id)
+            if turn not in seen and last[turn] > index:
+                straddling += 1
+            elif turn in seen and last[turn] == index:
+                straddling -= 1
+            seen.add(turn)
+            if event.type == _STARTED:
+                read_most = max(read_most, _read_to(event, -math.inf))
+                unended += turn not in started and turn not in ended
+                started.add(turn)
+            else:
+                unended -= turn in started and turn not in ended
+                ended.add(turn)
+        if (
+            placement.settled
+            and not (straddling or unended)
+            and read_most <= event.seq <= lowest[index + 1]
+        ):
+            found = (index + 1, len(placement.messages))
+    if found is None:
+        return None
+    return found[0], placement.messages[: found[1]]
+
+
+def _is_turn_mark(event: EventRecord) -> bool:
+    return bool(event.turn_id) and event.type in _TURN_MARKS
+
+
+def _read_to(event: EventRecord, otherwise: float = math.inf) -> float:
+    """The `read_to` of a turn's start, or `otherwise`."""
+    if event.type == _STARTED and event.turn_id:
+        value = event.payload.get("read_to")
+        if isinstance(value, int):
+            return value
+    return otherwise
+
+
+def _turn_ids(events: Iterable[EventRecord]) -> set[str]:
+    return {str(e.turn_id) for e in events if _is_turn_mark(e)}
 
 
 def read_by(turn_id: str, events: Sequence[EventRecord]) -> list[EventRecord]:
@@ -99,24 +251,20 @@ def read_by(turn_id: str, events: Sequence[EventRecord]) -> list[EventRecord]:
     `read_to`): what a continuation of the turn may show the model. Those messages drive
     the next turn; shown to the continuation too, they would be answered twice."""
     read_to = next(
-        (
-            e.payload.get("read_to")
-            for e in events
-            if e.type == EventType.TURN_STARTED and e.turn_id == turn_id
-        ),
+        (e.payload.get("read_to") for e in events if e.type == _STARTED and e.turn_id == turn_id),
         None,
     )
     if not isinstance(read_to, int):
         return list(events)
-    return [e for e in events if not (e.type == EventType.USER_MESSAGE and e.seq > read_to)]
+    return [e for e in events if not (e.type == _USER and e.seq > read_to)]
 
 
 def _unread_by(events: Sequence[EventRecord]) -> dict[int, str]:
     """User messages a turn did not read although they came before its end: seq -> turn."""
     spans: list[tuple[int, float, str]] = []  # (read_to, end seq, turn id)
-    ends = {e.turn_id: e.seq for e in events if e.type == EventType.TURN_ENDED and e.turn_id}
+    ends = {e.turn_id: e.seq for e in events if e.type == _ENDED and e.turn_id}
     for event in events:
-        read_to = event.payload.get("read_to") if event.type == EventType.TURN_STARTED else None
+        read_to = event.payload.get("read_to") if event.type == _STARTED else None
         if isinstance(read_to, int) and event.turn_id:
             spans.append((read_to, ends.get(event.turn_id, float("inf")), event.turn_id))
     # Turns follow each other, so the one that could have missed a message is the last to
@@ -125,7 +273,7 @@ def _unread_by(events: Sequence[EventRecord]) -> dict[int, str]:
     reads = [read_to for read_to, _, _ in spans]
     unread: dict[int, str] = {}
     for event in events:
-        if event.type == EventType.USER_MESSAGE and (i := bisect_left(reads, event.seq)):
+        if event.type == _USER and (i := bisect_left(reads, event.seq)):
             _, end, turn = spans[i - 1]
             if event.seq < end:
                 unread[event.seq] = turn
@@ -151,32 +299,53 @@ class MissingResult:
         }
 
 
-def missing_results(events: Sequence[EventRecord]) -> list[MissingResult]:
+def missing_results(events: Iterable[EventRecord]) -> list[MissingResult]:
     """Tool calls asked for in `events` that never got a result, in the order asked."""
-    asked: dict[str, str] = {}
-    started: set[str] = set()
-    answered: set[str] = set()
+    calls = Calls()
     for event in events:
-        if event.type == EventType.MODEL_RESPONSE:
+        calls.add(event)
+    return calls.missing()
+
+
+class Calls:
+    """`missing_results` of a log that grows at its end, kept event by event."""
+
+    def __init__(self) -> None:
+        self._open: dict[str, str] = {}  # call id -> tool name, in the order first asked
+        self._started: set[str] = set()
+        self._answered: set[str] = set()
+
+    def add(self, event: EventRecord) -> None:
+        """Take in the next event of the log."""
+        if event.type == _MODEL:
             for call in calls_of(event.payload):
-                asked[call.id] = call.name
-        elif event.type == EventType.TOOL_CALL:
-            started.add(str(event.payload.get("call_id")))
-        elif event.type == EventType.TOOL_RESULT:
-            answered.add(str(event.payload.get("call_id")))
-    return [
-        MissingResult(call_id, name, call_id in started)
-        for call_id, name in asked.items()
-        if call_id not in answered
-    ]
+                if call.id not in self._answered:
+                    self._open[call.id] = call.name
+        elif event.type == _CALL:
+            self._started.add(str(event.payload.get("call_id")))
+        elif event.type == _RESULT:
+            call_id = str(event.payload.get("call_id"))
+            # An answered call is never missing again, whatever comes later.
+            self._answered.add(call_id)
+            self._open.pop(call_id, None)
+            self._started.discard(call_id)
+
+    def missing(self) -> list[MissingResult]:
+        """The calls asked for so far that have no result, in the order asked."""
+        return [
+            MissingResult(call_id, name, call_id in self._started)
+            for call_id, name in self._open.items()
+        ]
 
 
 def turn_events(events: Sequence[EventRecord], turn_id: str) -> list[EventRecord]:
-    """The events of one turn, from its `turn_started` on."""
+    """The events of one turn, from its (last) `turn_started` on."""
     start = 0
-    for index, event in enumerate(events):
-        if event.type == EventType.TURN_STARTED and event.turn_id == turn_id:
+    for index in range(len(events) - 1, -1, -1):  # from the end: the turn is usually last
+        event = events[index]
+        if event.type == _STARTED and event.turn_id == turn_id:
             start = index
+            break
     return [e for e in events[start:] if e.turn_id in (turn_id, None)]
 
 

@@ -11,6 +11,8 @@ continuation, before its note): importing an agent is running code, and a worker
 dies doing so has been charged the turn's attempt, so the attempt rules bound it.
 A database that takes no writes (a full disk, a server gone) stops the turn where it is;
 the runner tries again with a growing delay and continues the turn when writes work.
+A turn the model cut at its token limit, or failed with an error that may pass, is not
+ended but continued on the attempt schedule (`workers.continuation`).
 """
 
 from __future__ import annotations
@@ -24,12 +26,16 @@ from typing import Any
 import peewee
 from loguru import logger
 
+from supervisor.contract.clock import SYSTEM, Clock
 from supervisor.core import autonomy, engine
 from supervisor.core.engine import SessionView, Step
+from supervisor.core.recovery import ATTEMPT_DELAYS
 from supervisor.core.vocabulary import AssignReason, EventType
-from supervisor.store import EventRecord, Lease, LeaseLost, StorageUnavailable, Store
+from supervisor.store import Lease, LeaseLost, StorageUnavailable, Store
 from workers import turns
 from workers.agent import Agent
+from workers.cache import HistoryCache, SessionLog
+from workers.continuation import Continuer
 from workers.models import Message, Model
 from workers.tools import Toolbox
 
@@ -38,6 +44,7 @@ Notify = Callable[..., Awaitable[None]]
 STORAGE_RETRY = (1.0, 30.0)  # first and longest wait before trying a failed write again
 # What a database that takes no writes raises: our own error, or the driver's.
 STORAGE_ERRORS = (StorageUnavailable, peewee.OperationalError, peewee.InterfaceError)
+READ_LIMIT = 1_000_000  # events in one read: a session's whole log
 
 
 class SessionRunner:
@@ -55,8 +62,11 @@ class SessionRunner:
         model: Model,
         toolbox: Toolbox,
         notify: Notify,
+        history: HistoryCache | None = None,
         observe: Callable[[float], None] = lambda seconds: None,
         served: Callable[[], None] = lambda: None,
+        attempt_delays: tuple[float, ...] = ATTEMPT_DELAYS,
+        clock: Clock = SYSTEM,
     ) -> None:
         self.session_id = session_id
         self.token = token
@@ -74,18 +84,47 @@ class SessionRunner:
         self._served = served  # a turn ended, for the worker's count of turns served
         self._woken = asyncio.Event()
         self.released = asyncio.Event()
+        # The session logs the worker keeps; a new runner reads its session's log anew.
+        self._history = history if history is not None else HistoryCache()
+        self._history.drop(session_id)
         self.in_turn = False
         self.task: asyncio.Task[None] | None = None
         self.log = logger.bind(subsystem="worker", session=session_id)
+        self._clock = clock
+        self._continuer = Continuer(
+            session_id,
+            store=store,
+            read=self._read,
+            commit=self._commit,
+            token=lambda: self._turn_token,
+            released=self.released,
+            woken=self._woken,
+            delays=attempt_delays,
+            clock=clock,
+            log=self.log,
+        )
+
+    @property
+    def in_turn(self) -> bool:
+        """A turn is running: the session's cached log is not evicted meanwhile."""
+        return self._in_turn
+
+    @in_turn.setter
+    def in_turn(self, value: bool) -> None:
+        self._in_turn = value
+        self._history.hold(self.session_id, value)
 
     def start(self) -> None:
         """Start the runner's task and look for work at once."""
         self.task = asyncio.create_task(self._loop(), name=f"session-{self.session_id}")
+        # A runner that stops (released, fenced out, failed) leaves no cached log behind.
+        self.task.add_done_callback(lambda _: self._history.drop(self.session_id))
         self.wake()
 
     def reassign(self, token: int, reason: str, cause: str | None = None) -> None:
-        """A newer assignment: write with its token from now on."""
+        """A newer assignment: write with its token from now on, and read the log anew."""
         self.token, self.reason, self.cause = token, reason, cause
+        self._history.drop(self.session_id)
         self.wake()
 
     def wake(self) -> None:
@@ -147,7 +186,10 @@ class SessionRunner:
 
     async def _run_available(self) -> None:
         while not self.released.is_set():
+            token = self.token
             info = await asyncio.to_thread(self._store.sessions.get, self.session_id)
+            if self.token != token:
+                continue  # a newer assignment came during the read: the row may predate it
             step = engine.runner_step(SessionView.of(info), self.token, self.reason)
             if step is Step.LEASE_LOST:
                 raise LeaseLost(self.session_id, self.token, info.lease_token)
@@ -175,8 +217,14 @@ class SessionRunner:
                     turn_id = info.active_turn_id
                     self.log.bind(turn=turn_id).info("continuing turn {} ({})", turn_id, cause)
                     self._load_agent()  # before the note: see the module's docstring
+                    charged = info.attempt_turn_id == turn_id and info.attempt_count > 1
                     outcome = await turns.resume_turn(
-                        turn_id, await self._read(), cause, self._commit, self._run
+                        turn_id,
+                        await self._read(),
+                        cause,
+                        self._commit,
+                        self._run,
+                        attempt=info.attempt_count - 1 if charged else None,
                     )
                 else:
                     turn_id, outcome = await turns.start_turn(self._commit, self._read, self._run)
@@ -208,8 +256,26 @@ class SessionRunner:
             EventType.USER_MESSAGE, {"text": found[0].prompt, "autonomous": True}, None
         )
 
-    async def _read(self) -> list[EventRecord]:
-        return await asyncio.to_thread(self._store.events.read, self.session_id, 0, 1_000_000)
+    async def _read(self) -> SessionLog:
+        """The session's events: the cached log with the events committed after it, or the
+        whole log read anew (the first read under this token, after an eviction, or when
+        the seqs read do not follow on from the log's)."""
+        token = self.token
+        log = self._history.get(self.session_id, token)
+        if log is not None:
+            read = self._store.events.read
+            new = await asyncio.to_thread(read, self.session_id, log.last_seq, READ_LIMIT)
+            if not log.add(new):
+                self.log.warning("a gap in the seqs after {}: reading the log anew", log.last_seq)
+                log = None
+        if log is None:
+            log = await asyncio.to_thread(self._read_whole, token)
+        self._history.put(self.session_id, log)
+        self._history.trim(keep=self.session_id)
+        return log
+
+    def _read_whole(self, token: int) -> SessionLog:
+        return SessionLog(self._store.events.read(self.session_id, 0, READ_LIMIT), token)
 
     def _load_agent(self) -> Agent:
         if self._agent is None:
@@ -217,6 +283,7 @@ class SessionRunner:
         return self._agent
 
     async def _run(self, turn_id: str, messages: list[Message]) -> str:
+        """Run the agent on the turn; end the turn, or continue it (`workers.continuation`)."""
         agent = self._load_agent()
         context = turns.TurnContext(
             self.session_id,
@@ -227,7 +294,9 @@ class SessionRunner:
             self._commit,
             self.released,
         )
-        return await turns.run_agent(agent, context, self._commit)
+        started = self._clock.time()
+        ending = await turns.agent_ending(agent, context)
+        return await self._continuer.after(turn_id, ending, started, self._run)
 
     async def _commit(self, type: str, payload: dict[str, Any], turn_id: str | None) -> int:
         now = time.time()

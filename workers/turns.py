@@ -12,6 +12,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -22,6 +23,7 @@ from supervisor.core.vocabulary import Cause, EventType, TurnOutcome
 from supervisor.store import EventRecord, LeaseLost, StorageUnavailable
 from workers import history
 from workers.agent import OUTCOMES, Agent
+from workers.cache import log_of
 from workers.history import Tail
 from workers.models import Message, Model, ModelError, ModelResponse, ToolCall, ToolSpec
 from workers.tools import Toolbox, ToolOutcome
@@ -159,15 +161,14 @@ async def start_turn(
     this turn's answer, where it arrived as far as the model knows. `turn_started` also
     charges the turn's first attempt. A tool call an earlier turn left without a result
     (an operator interrupt, say) gets its synthetic error result first, so the model never
-    sees a call without an answer.
+    sees a call without an answer. `read` gives the session's events: the worker's
+    cached `SessionLog` has the messages built already, up to its last few events.
     """
     turn_id = uuid.uuid4().hex
-    events = await read()
-    await commit(EventType.TURN_STARTED, {"read_to": events[-1].seq if events else 0}, turn_id)
-    repaired = [
-        await _repair(missing, turn_id, commit) for missing in history.missing_results(events)
-    ]
-    return turn_id, await run(turn_id, history.to_messages([*events, *repaired]))
+    log = log_of(await read())
+    await commit(EventType.TURN_STARTED, {"read_to": log.last_seq}, turn_id)
+    repaired = [await _repair(missing, turn_id, commit) for missing in log.missing_results()]
+    return turn_id, await run(turn_id, log.messages(repaired))
 
 
 async def _repair(missing: history.MissingResult, turn_id: str, commit: Commit) -> EventRecord:
@@ -190,16 +191,21 @@ async def resume_turn(
     cause: str,
     commit: Commit,
     run: Callable[[str, list[Message]], Awaitable[str]],
+    *,
+    attempt: int | None = None,
+    error: str | None = None,
 ) -> str:
     """Go on with an interrupted turn, after repairing calls that lost their results.
 
     A turn whose final answer was already committed is only ended, so the user never
-    gets the same reply twice.
+    gets the same reply twice. The note names the `cause`, and the continuation
+    `attempt` it starts and the model's `error` when they are given.
     """
-    this_turn = history.turn_events(events, turn_id)
+    log = log_of(events)
+    this_turn = history.turn_events(log, turn_id)
     # Every unanswered call is repaired (chat APIs reject one anywhere in the history),
     # but only this turn's own decide whether the model must be called again.
-    repaired = [await _repair(m, turn_id, commit) for m in history.missing_results(events)]
+    repaired = [await _repair(m, turn_id, commit) for m in log.missing_results()]
     own = history.missing_results(this_turn)
     tail = Tail.RUN if own else history.classify_tail(this_turn)
     if tail is Tail.ANSWERED:
@@ -215,12 +221,15 @@ async def resume_turn(
         f"{CONTINUATION_NOTES.get(cause, 'it stopped')}; the last event was recorded at "
         f"{when}. Everything above was recorded before that. Continue the turn from there."
     )
-    await commit(
-        EventType.CONTINUATION, {"cause": cause, "text": note, "last_event_at": last_at}, turn_id
-    )
+    payload: dict[str, Any] = {"cause": cause, "text": note, "last_event_at": last_at}
+    if attempt is not None:
+        payload["attempt"] = attempt
+    if error is not None:
+        payload["error"] = error
+    await commit(EventType.CONTINUATION, payload, turn_id)
     # The repaired results go right after the calls they answer, as the log now has them.
     # Messages that came after the turn read its input are the next turn's to answer.
-    messages = history.to_messages(history.read_by(turn_id, [*events, *repaired]))
+    messages = log.messages(repaired, turn_id)
     messages.append(Message("user", note, note=True))
     return await run(turn_id, messages)
 
@@ -242,7 +251,32 @@ async def supersede_turn(turn_id: str, events: list[EventRecord], commit: Commit
 async def run_agent(agent: Agent, context: TurnContext, commit: Commit) -> str:
     """Run the agent to the end of the turn and commit `turn_ended` with its outcome.
 
-    A model error or an agent bug ends the turn as failed, with the error in the event,
+    How errors end the turn: see `agent_ending`. The worker's runner does not end every
+    turn here: one the model cut or failed with an error that may pass is continued
+    (`workers.continuation`).
+    """
+    return await end_turn(await agent_ending(agent, context), context.turn_id, commit)
+
+
+@dataclass(frozen=True)
+class Ending:
+    """How the agent's run of a turn came out: the `turn_ended` it calls for."""
+
+    outcome: str
+    payload: dict[str, Any]  # the `turn_ended` payload
+    transient: bool = False  # failed on a model error that may pass (`ModelError.transient`)
+
+    @property
+    def error(self) -> str | None:
+        """The error that failed the turn, if one did."""
+        error = self.payload.get("error")
+        return None if error is None else str(error)
+
+
+async def agent_ending(agent: Agent, context: TurnContext) -> Ending:
+    """Run the agent once to the end of the turn; how it ended (nothing is committed).
+
+    A model error or an agent bug is a `failed` ending, with the error in its payload,
     whatever the agent raised: `SystemExit`, `KeyboardInterrupt`, `RecursionError` and
     `MemoryError` included, so that agent code never ends the worker. A release, a lost
     lease or a database that takes no writes ends nothing (the turn goes on later).
@@ -252,23 +286,20 @@ async def run_agent(agent: Agent, context: TurnContext, commit: Commit) -> str:
         if outcome not in OUTCOMES:
             raise ValueError(f"run_turn returned {outcome!r}, not one of {OUTCOMES}")
     except ModelError as exc:
-        await commit(
-            EventType.TURN_ENDED,
-            {"outcome": TurnOutcome.FAILED, "error": str(exc), "transient": exc.transient},
-            context.turn_id,
-        )
-        return TurnOutcome.FAILED
+        payload = {"outcome": TurnOutcome.FAILED, "error": str(exc), "transient": exc.transient}
+        return Ending(TurnOutcome.FAILED, payload, exc.transient)
     except (TurnReleased, asyncio.CancelledError, LeaseLost, StorageUnavailable):
         raise
     except BaseException as exc:
         logger.bind(subsystem="worker", session=context.session_id).opt(exception=exc).error(
             "agent failed: {}", _describe(exc)
         )
-        await commit(
-            EventType.TURN_ENDED,
-            {"outcome": TurnOutcome.FAILED, "error": f"agent error: {_describe(exc)}"},
-            context.turn_id,
-        )
-        return TurnOutcome.FAILED
-    await commit(EventType.TURN_ENDED, {"outcome": outcome}, context.turn_id)
-    return outcome
+        error = f"agent error: {_describe(exc)}"
+        return Ending(TurnOutcome.FAILED, {"outcome": TurnOutcome.FAILED, "error": error})
+    return Ending(outcome, {"outcome": outcome})
+
+
+async def end_turn(ending: Ending, turn_id: str, commit: Commit, **extra: Any) -> str:
+    """Commit the turn's `turn_ended` as `ending` says, with `extra` in its payload."""
+    await commit(EventType.TURN_ENDED, {**ending.payload, **extra}, turn_id)
+    return ending.outcome

@@ -77,6 +77,7 @@ class PoolConfig(_Section):
     spare: Annotated[int, Field(ge=0)] = 1
     heartbeat_interval: PositiveSeconds = 1.0
     hang_timeout: PositiveSeconds = Field(default=5.0, validate_default=True)
+    history_cache_mb: Annotated[int, Field(ge=0)] = 64  # per worker: the session logs kept
 
     @field_validator("hang_timeout")
     @classmethod

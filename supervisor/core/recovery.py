@@ -16,7 +16,10 @@ Rules
   continuation attempts already charged for the turn; the turn's own first run is not one
   of them. The caller charges an attempt in the database before it starts; the store
   clears the charge when the turn ends. When the third has failed, the user gets a notice
-  asking to resend and the session is quarantined: never left silent.
+  asking to resend and the session is quarantined: never left silent. A worker that
+  continues its own turn (a cut answer, a model error that may pass) charges the same
+  attempts (`supervisor.core.continuation`); one that died waiting for its attempt left a
+  note followed by a charge, which is not a note to put a note on (row 11).
 - Only CONTINUE charges an attempt. Everything else is free, in particular what did not
   really try: another host's lease, not interrupted, still running, a queued user message.
 - Freshness: an interruption is fresh while `now - interrupted_at <= freshness`; exactly
@@ -54,6 +57,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, NamedTuple, Protocol
 
+from supervisor.core.continuation import charged_after_note
 from supervisor.core.tail import (
     CONTINUABLE_TAILS,
     ENDED_TAILS,
@@ -352,6 +356,10 @@ def interruption(
     notes = [e.created_at for e in own if e.type == "continuation"]
     started = [t for t in (last_attempt_at, *notes) if t]
     charged = row.attempt_turn_id == turn and turn is not None
+    attempts = max(0, row.attempt_count - 1) if charged else 0
+    if tail is TailClass.LAST_IS_CONTINUATION_NOTE and charged_after_note(own, attempts):
+        # Its worker charged the next attempt and died waiting: the turn stands as it did.
+        tail = classify_tail([e for e in events if e.type != "continuation"], turn)
     lease_expired = row.lease_expires_at is not None and row.lease_expires_at < now
     other_host = bool(row.owner) and not str(row.owner).startswith(host_prefix)
     return Interruption(
@@ -362,7 +370,7 @@ def interruption(
         lease_live=other_host and not lease_expired,
         lease_other_host=other_host,
         queued_user_message=row.pending,
-        attempts=max(0, row.attempt_count - 1) if charged else 0,
+        attempts=attempts,
         last_attempt_at=max(started) if started else None,
         cause=cause_of(tail, trigger, lease_expired and not died),
     )

@@ -19,8 +19,9 @@ turn           one run of the agent over a session's pending input, from `turn_s
                to `turn_ended` (`TurnOutcome`).
 wake           a signal that a session may have work: re-read it (control message `wake`,
                `POST /wake`); not kick, poke or nudge.
-continuation   going on with a turn a previous owner left unfinished; its note names the
-               `Cause`. Not resume or retry.
+continuation   going on with a turn a previous owner left unfinished, or that its own
+               worker saw cut by the token limit or failed by a model error that may
+               pass; its note names the `Cause` and the attempt. Not resume or retry.
 worker         one worker process (`w<slot>.<generation>`); not child or process.
 slot           a place in the pool that one worker generation after another fills
                (`SlotState`).
@@ -49,7 +50,7 @@ class EventType(StrEnum):
     TOOL_CALL = "tool_call"  # a tool call is about to run
     TOOL_RESULT = "tool_result"  # what it returned
     TURN_ENDED = "turn_ended"  # the turn is over, with its `TurnOutcome`
-    CONTINUATION = "continuation"  # a new owner goes on with an interrupted turn
+    CONTINUATION = "continuation"  # a turn goes on after an interruption, a cut or an error
     CHECKPOINT = "checkpoint"  # an autonomous run's progress and budgets
     NOTICE = "notice"  # the daemon tells the user something (quarantine, resend)
     ACL = "acl"  # a principal's permission changed
@@ -138,7 +139,8 @@ class Cause(StrEnum):
     HANDOFF = "handoff"
     LEASE_EXPIRED = "lease_expired"
     INTERRUPTED = "interrupted"
-    MAX_TOKENS = "max_tokens"
+    MAX_TOKENS = "max_tokens"  # also what its own worker continues a cut answer for
+    MODEL_ERROR = "model_error"  # a model call failed with an error that may pass
     STORAGE_UNAVAILABLE = "storage_unavailable"
 
     @property
@@ -160,6 +162,10 @@ _CAUSE_TEXT = {
     Cause.LEASE_EXPIRED: "the worker running it stopped responding and lost the session",
     Cause.INTERRUPTED: "its previous owner stopped",
     Cause.MAX_TOKENS: "the model's answer was cut off by its output token limit",
+    Cause.MODEL_ERROR: (
+        "the model call failed with an error that may pass (a timeout, a rate limit or a "
+        "server error)"
+    ),
     Cause.STORAGE_UNAVAILABLE: "the database could not be written for a while",
 }
 

@@ -28,6 +28,7 @@ from workers.models.base import FinishReason, Message, ModelResponse, ToolCall, 
 
 _COMMAND = re.compile(r"/(tool|sleep|long)(?:\s+(.*))?", re.DOTALL)
 _WORD = re.compile(r"\S+")
+COUNTS_KEPT = 8  # conversations whose word counts are kept: about one per session in use
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,8 @@ class EchoModel:
     def __init__(self, delay: float = 0.0, max_tokens: int = 1024) -> None:
         self.delay = delay
         self.max_tokens = max_tokens
+        # id of a conversation's first message -> (the messages counted, their words)
+        self._counted: dict[int, tuple[list[Message], int]] = {}
 
     async def complete(self, messages: list[Message], tools: list[ToolSpec]) -> ModelResponse:
         """Answer the most recent user message by the rules in the module docstring."""
@@ -56,13 +59,28 @@ class EchoModel:
         if finish == "stop":
             text, finish = _cut(text, self.max_tokens)
         usage = {
-            "prompt_tokens": sum(_words(message.content) for message in messages),
+            "prompt_tokens": self._prompt_tokens(messages),
             "completion_tokens": _words(text),
         }
         return ModelResponse(text, list(answer.tool_calls), finish, usage)
 
     async def aclose(self) -> None:
         """Nothing to release."""
+
+    def _prompt_tokens(self, messages: list[Message]) -> int:
+        """The words of `messages`. A conversation that goes on from one counted before
+        costs the words of its new messages only (and a comparison of the old ones)."""
+        if not messages:
+            return 0
+        key = id(messages[0])  # unique while kept: the kept list holds that message
+        before, total = self._counted.pop(key, ([], 0))
+        if not (len(before) <= len(messages) and messages[: len(before)] == before):
+            before, total = [], 0
+        total += sum(_words(message.content) for message in messages[len(before) :])
+        self._counted[key] = (list(messages), total)
+        while len(self._counted) > COUNTS_KEPT:
+            del self._counted[next(iter(self._counted))]
+        return total
 
 
 def _plan(messages: list[Message]) -> _Answer:
