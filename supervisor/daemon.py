@@ -164,6 +164,11 @@ class Daemon:
             self._step, "http listener", self.config.attach.shutdown_timeout + 1.0, http.cleanup
         )
         stack.push_async_callback(self._drain_step, pool)
+        # The boot scan runs now that the listener is up: an interrupted turn goes on as soon
+        # as one worker is ready (the pool assigns only to ready ones), not once all are.
+        for task in pool.recovery.start():  # its breaker loop and retry timer
+            self._watch(task)
+        stack.push_async_callback(pool.recovery.stop)
         return pool
 
     async def _serve_ready(
@@ -173,10 +178,6 @@ class Daemon:
         assert self.api is not None
         self.api.ready = True
         self.notifier.ready(self._summary(pool))
-        # The boot scan runs now that the listener is up.
-        for task in pool.recovery.start():  # its breaker loop and retry timer
-            self._watch(task)
-        stack.push_async_callback(pool.recovery.stop)
         watchdog = asyncio.create_task(self._watchdog(pool), name="watchdog")
         self._watch(watchdog)
         stack.push_async_callback(_cancel_and_wait, watchdog)

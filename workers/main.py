@@ -27,6 +27,8 @@ from supervisor.contract.reaper import exit_if_orphaned, set_pdeathsig
 from supervisor.contract.spawn import WorkerSpec
 from supervisor.store import Store
 from workers.agent import Agent, AgentLoadError, load_agent_class
+from workers.cache import HistoryCache
+from workers.mcp_launch import launch_all
 from workers.models import make_model
 from workers.runner import SessionRunner
 from workers.tools import BuiltinTools, Toolbox, Toolboxes
@@ -71,6 +73,7 @@ class Worker:
         self._mcp_rows: dict[int, int] = {}
         self._stop = asyncio.Event()
         self.latency = control.Histogram(control.APPEND_BUCKETS)
+        self.history = HistoryCache(config.pool.history_cache_mb * 2**20)  # session logs kept
         self.turns_served = 0  # turns this worker's runners ended since it started
         self.log = logger.bind(subsystem="worker")
 
@@ -79,6 +82,8 @@ class Worker:
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, self._stop.set)
         loop.add_signal_handler(signal.SIGINT, lambda: None)  # the supervisor decides
+        # The MCP servers' processes first: their starts overlap the rest of this one.
+        launched = await launch_all(self.config.mcp.servers)
         self.store = await asyncio.to_thread(
             Store, self.spec.db_url, self.config.store.synchronous, migrate=False
         )
@@ -95,6 +100,7 @@ class Worker:
                 on_start=self._mcp_started,
                 on_exit=self._mcp_exited,
                 reserved=[spec.name for spec in builtin.specs()],
+                launched=launched,
             )
             boxes.append(self.mcp)
         self.toolbox = Toolboxes(*boxes)
@@ -112,6 +118,8 @@ class Worker:
             asyncio.create_task(self._renew_leases()),
         ]
         if self.mcp is not None:
+            # Ready means its servers are up (or failed their start once): the pool gives
+            # sessions only to ready workers, so a spare is warm before it takes any.
             await self.mcp.start()  # bounded by each server's start_timeout; never raises
         await self.send("ready")
         self.log.info("ready as {} (pid {})", self.spec.identity, os.getpid())
@@ -157,29 +165,12 @@ class Worker:
         if isinstance(message, control.Stop):
             self._stop.set()
             return
-        session_id = message.session
-        runner = self.runners.get(session_id)
         if isinstance(message, control.Assign):
-            token, reason, cause = message.token, message.reason, message.cause
-            if runner is None or runner.task is None or runner.task.done():
-                runner = SessionRunner(
-                    session_id,
-                    token,
-                    reason,
-                    cause=cause,
-                    observe=self.latency.observe,
-                    served=self._served,
-                    store=self.store,
-                    make_agent=self._make_agent,
-                    model=self.model,
-                    toolbox=self.toolbox,
-                    notify=self.send,
-                )
-                self.runners[session_id] = runner
-                runner.start()
-            else:
-                runner.reassign(token, reason, cause)
-        elif runner is None:
+            for assignment in message.sessions:
+                self._assign(assignment)
+            return
+        runner = self.runners.get(message.session)
+        if runner is None:
             return
         elif isinstance(message, control.Wake):
             runner.wake()
@@ -187,6 +178,36 @@ class Worker:
             runner.release()
         elif isinstance(message, control.Interrupt):
             runner.interrupt()
+
+    def _assign(self, a: control.Assignment) -> None:
+        """Own the session with this token: a runner for it, or its runner re-tokened."""
+        runner = self.runners.get(a.session)
+        if runner is None or runner.task is None or runner.task.done():
+            runner = SessionRunner(
+                a.session,
+                a.token,
+                a.reason,
+                cause=a.cause,
+                observe=self.latency.observe,
+                served=self._served,
+                store=self.store,
+                make_agent=self._make_agent,
+                model=self.model,
+                toolbox=self.toolbox,
+                notify=self.send,
+                history=self.history,
+                attempt_delays=self._attempt_delays(),
+            )
+            self.runners[a.session] = runner
+            runner.start()
+        else:
+            runner.reassign(a.token, a.reason, a.cause)
+
+    def _attempt_delays(self) -> tuple[float, ...]:
+        """The schedule a runner continues its own turns on; with `recovery.auto_continue`
+        off, none: no turn is continued by itself."""
+        recovery = self.config.recovery
+        return tuple(recovery.attempt_delays) if recovery.auto_continue else ()
 
     async def _mcp_started(self, name: str, pid: int, create_time: float, pgid: int) -> None:
         row = await asyncio.to_thread(

@@ -1,10 +1,13 @@
 """MCP tool servers as a `Toolbox`: one supervised stdio child per configured server.
 
-Each server (`[[mcp.servers]]`) is started by the worker in its own process group over a
-transport turnkeeper owns (`workers.mcp_transport`), with a minimal environment: PATH,
-HOME, LANG, LC_ALL, TZ, USER and LOGNAME when set, plus exactly the variables its `env`
-setting names. The worker's own variables (NOTIFY_SOCKET, TURNKEEPER_*, API keys, tokens)
-never reach it. The official SDK's `ClientSession` speaks MCP over that transport.
+Each server (`[[mcp.servers]]`) is started by the worker in its own process group, first
+thing when the worker starts (`workers.mcp_launch`: the servers' own starts overlap the
+worker's), and connected to over a transport turnkeeper owns (`workers.mcp_transport`).
+All servers start at once, and a worker says `ready` only once each is ready or has
+failed its start once. They get a minimal environment: PATH, HOME, LANG, LC_ALL, TZ,
+USER and LOGNAME when set, plus exactly the variables its `env` setting names. The
+worker's own variables (NOTIFY_SOCKET, TURNKEEPER_*, API keys, tokens) never reach it.
+The official SDK's `ClientSession` speaks MCP over that transport.
 
 One server's life (restarts with the shared backoff, DOWN after too many crashes, calls
 that never raise) is `workers.mcp_server`. Here: the servers together, and the names their
@@ -16,12 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import mcp_types
 
 from supervisor.contract.config import McpServer
+from workers.mcp_launch import Launched
 from workers.mcp_server import (
     McpServerClient,
     OnExit,
@@ -92,15 +96,27 @@ class McpTools:
         on_exit: OnExit | None = None,
         reserved: Iterable[str] = (),
         policy: Callable[[], RestartPolicy] = RestartPolicy,
+        launched: Mapping[str, Launched | OSError] | None = None,
     ) -> None:
+        launched = launched or {}
         self.clients = [
-            McpServerClient(server, on_start=on_start, on_exit=on_exit, policy=policy())
+            McpServerClient(
+                server,
+                on_start=on_start,
+                on_exit=on_exit,
+                policy=policy(),
+                launched=launched.get(server.name),
+            )
             for server in servers
         ]
         self.reserved = frozenset(reserved)
 
     async def start(self) -> None:
-        """Start every server at once; returns when each is ready or has failed once."""
+        """Start every server at once; returns when each is ready or has failed once.
+
+        A server whose process is in `launched` (`workers.mcp_launch.launch_all`, started
+        while the worker was still setting up) is connected to, not started again.
+        """
         await asyncio.gather(*(client.start() for client in self.clients))
 
     def _routes(self) -> dict[str, tuple[McpServerClient, mcp_types.Tool]]:

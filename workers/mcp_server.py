@@ -27,6 +27,7 @@ from supervisor.contract.config import McpServer
 from supervisor.contract.reaper import ProcessId
 from supervisor.core.backoff import DEFAULT_BACKOFF, Backoff
 from supervisor.core.vocabulary import McpState
+from workers.mcp_launch import Launched, launch
 from workers.mcp_transport import ServerProcess, child_environment
 from workers.tools import ToolOutcome
 
@@ -113,6 +114,7 @@ class McpServerClient:
         on_start: OnStart | None = None,
         on_exit: OnExit | None = None,
         policy: RestartPolicy | None = None,
+        launched: Launched | OSError | None = None,
     ) -> None:
         self.config = config
         self.name = config.name
@@ -129,6 +131,9 @@ class McpServerClient:
         self._task: asyncio.Task[None] | None = None
         self._cleanup: asyncio.Task[None] | None = None
         self._deadline: float | None = None
+        # The process of the first life, started before the SDK was imported (or why it
+        # could not be); later lives start their own.
+        self._launched = launched
 
     def _set_state(self, state: McpState) -> None:
         self.state = state
@@ -161,6 +166,9 @@ class McpServerClient:
     async def stop(self, deadline: float) -> None:
         """Stop the server's process group: SIGTERM now, SIGKILL at `deadline` (loop time)."""
         self._deadline = deadline
+        if isinstance(self._launched, Launched):  # never started: never connected to
+            self._launched.discard()
+            self._launched = None
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -195,9 +203,14 @@ class McpServerClient:
     async def _run_once(self) -> str:
         """One life of the server process; returns how it ended, for the log."""
         config = self.config
-        env = child_environment(config.env)
+        launched, self._launched = self._launched, None
         try:
-            process = await ServerProcess.spawn(self.name, config.command, env, config.cwd)
+            if isinstance(launched, OSError):
+                raise launched
+            if launched is None:
+                env = child_environment(config.env)
+                launched = await launch(config.command, env, config.cwd)
+            process = await ServerProcess.attach(self.name, launched)
         except OSError as exc:
             return f"cannot be started: command {config.command[0]!r}: {exc.strerror or exc}"
         self.process = process

@@ -1,8 +1,10 @@
 """The stdio transport to one MCP server process, owned by turnkeeper.
 
-The server runs in its own process group with PR_SET_PDEATHSIG (it dies with the worker).
-Its stdin, stdout and stderr are pipes this module creates and closes itself, so that a
-descendant that inherited them cannot keep the transport open after the server is gone.
+The server runs in its own process group with PR_SET_PDEATHSIG (it dies with the worker),
+started by `workers.mcp_launch` (perhaps before the SDK was imported: `attach` takes such a
+process over). Its stdin, stdout and stderr are pipes that launch creates and this module
+closes itself, so that a descendant that inherited them cannot keep the transport open
+after the server is gone.
 JSON-RPC is framed as one message per line; stdout lines go to the `ClientSession` through
 an anyio memory stream, the session's messages go to stdin, and stderr lines go to the log.
 
@@ -20,7 +22,6 @@ import functools
 import os
 import signal
 from collections.abc import Mapping, Sequence
-from typing import IO
 
 import anyio
 import mcp_types
@@ -30,7 +31,7 @@ from mcp.shared.message import SessionMessage
 
 from supervisor.contract.mcp_env import INHERITED_ENV as INHERITED_ENV
 from supervisor.contract.mcp_env import child_environment as child_environment
-from supervisor.contract.reaper import new_group_with_pdeathsig
+from workers.mcp_launch import Launched, launch
 
 LINE_LIMIT = 32 * 1024 * 1024
 """Bytes; a longer stdout line is a broken server, and the connection is closed."""
@@ -57,10 +58,6 @@ def _group_alive(pgid: int) -> bool:
         except (OSError, psutil.Error):
             continue
     return False
-
-
-def _read_end(fd: int) -> IO[bytes]:
-    return os.fdopen(fd, "rb", buffering=0)
 
 
 class ServerProcess:
@@ -107,46 +104,32 @@ class ServerProcess:
         cls, name: str, command: Sequence[str], env: Mapping[str, str], cwd: str | None
     ) -> ServerProcess:
         """Start `command` in a new process group; raises OSError if it cannot be run."""
+        return await cls.attach(name, await launch(command, env, cwd))
+
+    @classmethod
+    async def attach(cls, name: str, launched: Launched) -> ServerProcess:
+        """Take over a process `launch` started: its pipes go to this event loop.
+
+        Raises OSError if they cannot, after killing the process group.
+        """
         loop = asyncio.get_running_loop()
-        in_r, in_w = os.pipe()
-        out_r, out_w = os.pipe()
-        err_r, err_w = os.pipe()
-        ours = [_read_end(out_r), _read_end(err_r), os.fdopen(in_w, "wb", buffering=0)]
-        try:
-            proc = await asyncio.create_subprocess_exec(
-                *command,
-                stdin=in_r,
-                stdout=out_w,
-                stderr=err_w,
-                cwd=cwd or None,
-                env=dict(env),
-                preexec_fn=new_group_with_pdeathsig,
-            )
-        except BaseException:
-            for pipe in ours:
-                pipe.close()
-            raise
-        finally:
-            for fd in (in_r, out_w, err_w):
-                os.close(fd)
         readers = []
         pipes: list[asyncio.BaseTransport] = []
         try:
-            for pipe in ours[:2]:
+            for pipe in (launched.stdout, launched.stderr):
                 reader = asyncio.StreamReader(limit=LINE_LIMIT)
                 protocol = functools.partial(asyncio.StreamReaderProtocol, reader)
                 transport, _ = await loop.connect_read_pipe(protocol, pipe)
                 readers.append(reader)
                 pipes.append(transport)
-            stdin, _ = await loop.connect_write_pipe(asyncio.Protocol, ours[2])
+            stdin, _ = await loop.connect_write_pipe(asyncio.Protocol, launched.stdin)
         except BaseException:
-            with contextlib.suppress(OSError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            for pipe in ours:
-                pipe.close()
+            for opened in pipes:
+                opened.close()
+            launched.discard()
             raise
         pipes.append(stdin)
-        return cls(name, proc, stdin, readers[0], readers[1], pipes)
+        return cls(name, launched.proc, stdin, readers[0], readers[1], pipes)
 
     async def _read_stdout(self, stdout: asyncio.StreamReader) -> None:
         try:
