@@ -27,7 +27,7 @@ from supervisor.core.vocabulary import (
     SessionStatus,
     Writer,
 )
-from supervisor.http import answers, attach, auth, openapi
+from supervisor.http import answers, attach, auth, openapi, pages
 from supervisor.http.answers import MAX_SEQ, RETRY_AFTER, ApiError, answer, read_body, whole
 from supervisor.http.auth import ADMIN, Tokens
 from supervisor.http.lifecycle import Lifecycle, refuse_closed
@@ -37,8 +37,6 @@ from supervisor.http.schemas import (
     AclEntries,
     BootState,
     CreateSession,
-    EventList,
-    EventOut,
     Health,
     Inject,
     Injected,
@@ -58,6 +56,7 @@ from supervisor.store import (
     request_digest,
     scoped_key,
 )
+from supervisor.store.reading import EventRows
 
 SESSION_ID = re.compile(r"^[0-9a-f]{32}$")
 PUBLIC = frozenset({"/healthz", "/readyz", "/openapi.json"})
@@ -112,6 +111,7 @@ class Api:
         self.stopping = False
         self.storage = StorageHealth(store.probe_write, metrics)
         self.lifecycle = Lifecycle(store, self._session, self.publish, pool)
+        self.pages = pages.Pages(EventRows(store.db).batches)  # replays, /events: off the loop
         self.log = log("intake")
 
     def app(self) -> web.Application:
@@ -140,6 +140,7 @@ class Api:
         r.add_get("/metrics", self.metrics_text)
         r.add_get("/openapi.json", self.openapi_document)
         app.on_shutdown.append(self._on_shutdown)
+        app.on_cleanup.append(self.pages.cleanup)  # after the streams ended
         return app
 
     def publish(self, session_id: str, event: dict[str, Any]) -> None:
@@ -289,7 +290,7 @@ class Api:
         if isinstance(seq, ReplayedSeq):  # committed before: nothing new to count
             self.metrics.intake_replays.labels(EventType.USER_MESSAGE).inc()
             return answer(Injected(seq=int(seq)), 202, {"Idempotent-Replayed": "true"})
-        await self._publish_seq(info.id, seq)
+        self.publish(info.id, {"seq": seq, "type": EventType.USER_MESSAGE})
         if self.pool is not None:
             self.pool.wake(info.id)
         return answer(Injected(seq=seq), 202)
@@ -307,8 +308,8 @@ class Api:
         info = await self._session(request)
         after = self._int(request, "after", 0, 0, MAX_SEQ)
         limit = self._int(request, "limit", 100, 1, 1000)
-        records = await asyncio.to_thread(self.store.events.read, info.id, after, limit)
-        return answer(EventList(events=[EventOut.model_validate(r.to_dict()) for r in records]))
+        body = await self.pages.json(info.id, after, limit)  # read and encoded off the loop
+        return web.Response(body=body, content_type="application/json", charset="utf-8")
 
     async def attach(self, request: web.Request) -> web.StreamResponse:
         self._refuse_while_stopping()
@@ -330,7 +331,7 @@ class Api:
                 headers={"Retry-After": RETRY_AFTER},
             )
         return await attach.stream(
-            request, info.id, after, self.hub, self.store.events.read, principal=principal
+            request, info.id, after, self.hub, self.pages.sse, principal=principal
         )
 
     async def acl(self, request: web.Request) -> web.Response:

@@ -6,25 +6,30 @@ replays the log after the client's `Last-Event-ID`, then, at each signal past wh
 sent, reads the new events from the database: a client gets every event once, in order,
 and only ever what was stored, whoever sent the signal. A client too slow to keep up is
 dropped (it reconnects with Last-Event-ID) instead of being buffered without bound.
+
+The log is read a page at a time (keyset paging on seq), each page read and encoded on a
+reader thread (`pages.Pages`); the loop writes each page's bytes in one write, and awaits
+the client draining them before it asks for the next page.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 
-from supervisor.store import EventRecord
-
 QUEUE_LIMIT = 1000  # live events buffered per stream before the client counts as too slow
 KEEPALIVE = 15.0  # seconds between keep-alive comments on an idle stream
 IDLE_CHECK = 2.0  # seconds between database checks on an idle stream (writes by others)
-PAGE = 500
+PAGE = 500  # events per page of a replay
+
+# (session id, after, limit) -> (the SSE bytes of the next events after `after`, at most
+# `limit`, the last seq in them, whether more may follow) (`pages.Pages.sse`)
+ReadPage = Callable[[str, int, int], Awaitable[tuple[bytes, int, bool]]]
 
 _CLOSE: dict[str, Any] = {}
 
@@ -96,18 +101,12 @@ def with_room(queue: asyncio.Queue[dict[str, Any]]) -> None:
         queue.get_nowait()
 
 
-def sse(event: dict[str, Any]) -> bytes:
-    """One event in SSE form: id is the seq, event the type, data the JSON event."""
-    data = json.dumps(event, ensure_ascii=False, separators=(",", ":"))
-    return f"id: {event['seq']}\nevent: {event['type']}\ndata: {data}\n\n".encode()
-
-
 async def stream(
     request: web.Request,
     session_id: str,
     after: int,
     hub: Hub,
-    read: Callable[[str, int, int], list[EventRecord]],
+    read: ReadPage,
     *,
     principal: str = "",
 ) -> web.StreamResponse:
@@ -150,17 +149,12 @@ async def stream(
     return response
 
 
-async def _replay(
-    response: web.StreamResponse,
-    session_id: str,
-    after: int,
-    read: Callable[[str, int, int], list[EventRecord]],
-) -> int:
-    """Send every stored event after `after`; returns the last seq sent."""
+async def _replay(response: web.StreamResponse, session_id: str, after: int, read: ReadPage) -> int:
+    """Send every stored event after `after`, page by page; returns the last seq sent."""
     while True:
-        page = await asyncio.to_thread(read, session_id, after, PAGE)
-        for record in page:
-            await response.write(sse(record.to_dict()))
-            after = record.seq
-        if len(page) < PAGE:
+        body, last, more = await read(session_id, after, PAGE)
+        if body:
+            await response.write(body)  # waits while the client has not drained it
+            after = last
+        if not more:
             return after
