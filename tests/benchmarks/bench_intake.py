@@ -43,11 +43,21 @@ splits the machine's time (user, system, softirq, iowait, steal). The supervisor
 `supervisor_busiest_thread_cpu_percent` its busiest OS thread (the loop, or the store's
 committer thread): near 100, the supervisor is bound by one core.
 
+3. `latency_with_model_delay`: the latency as a user feels it. A second daemon, the same
+   but for the echo model's `model.delay` = 1 s (every model call takes a second, as a
+   real model's would), and `--sessions` sessions injected at once per round for
+   `--delay-rounds` rounds (the first round, the sessions' first turns, apart). The
+   daemon's `overhead_ms` is inject -> `turn_ended` minus the delay; its p99 has a target
+   (`TARGET_OVERHEAD_P99_MS`). A model that takes a second leaves the workers idle
+   meanwhile, so this overhead is what turnkeeper adds, not what 50 turns queued behind
+   a zero-delay model cost (the figures of 1).
+
 `--synchronous normal` runs the same with SQLite `synchronous=NORMAL`, for comparison only:
 the durable default, and what the figures are meant to describe, is FULL.
 
     python -m tests.benchmarks intake [--sessions N] [--rounds N] [--solo N] [--seconds S]
-                                      [--clients N] [--synchronous full|normal] [--quick]
+                                      [--clients N] [--delay-rounds N]
+                                      [--synchronous full|normal] [--quick]
 
 Prints one JSON object. It measures; it asserts nothing.
 """
@@ -80,8 +90,27 @@ from supervisor.store import Store
 from tests.benchmarks import figures
 from tests.daemon import Daemon
 
-DEFAULTS = {"sessions": 50, "rounds": 10, "solo": 30, "seconds": 10.0, "clients": 50}
-QUICK = {"sessions": 50, "rounds": 3, "solo": 10, "seconds": 3.0, "clients": 50}
+DEFAULTS = {
+    "sessions": 50,
+    "rounds": 10,
+    "solo": 30,
+    "seconds": 10.0,
+    "clients": 50,
+    "delay_rounds": 5,
+}
+QUICK = {
+    "sessions": 50,
+    "rounds": 3,
+    "solo": 10,
+    "seconds": 3.0,
+    "clients": 50,
+    "delay_rounds": 3,
+}
+# The client is one principal (the admin) with an attach stream per session, and a few
+# more streams for good measure: above the shipped `http.max_streams_per_principal`.
+STREAMS = 8
+MODEL_DELAY_S = 1.0  # latency_with_model_delay: echo's `model.delay`
+TARGET_OVERHEAD_P99_MS = 50.0
 WORKERS, SPARE = 2, 1
 TURN_TIMEOUT_S = 60.0  # one round's wait for every session's turn_ended
 DRAIN_LIMIT_S = 40.0  # after the sustained phase, at most this long for the backlog
@@ -593,6 +622,62 @@ async def run(
     }
 
 
+async def delay_overhead(
+    root: Path, sessions: int, rounds: int, delay: float = MODEL_DELAY_S
+) -> dict[str, Any]:
+    """Phase 3 on its own daemon in `root`: the latency rounds with echo's `model.delay`
+    set, and the overhead (inject -> `turn_ended` minus the delay)."""
+    pool_defaults = PoolConfig()
+    pool = {
+        "workers": WORKERS,
+        "spare": SPARE,
+        "heartbeat_interval": pool_defaults.heartbeat_interval,
+        "hang_timeout": pool_defaults.hang_timeout,
+    }
+    port = free_port()
+    daemon = Daemon(
+        root,
+        http={"listen": f"127.0.0.1:{port}", "max_streams_per_principal": sessions + STREAMS},
+        pool=pool,
+        agent={"class": AgentConfig().class_},
+        model={"provider": "echo", "delay": delay},
+    )
+    bench: IntakeBench | None = None
+    try:
+        await asyncio.to_thread(daemon.start)
+        token = (daemon.state / "admin.token").read_text().strip()
+        bench = IntakeBench(daemon, f"http://127.0.0.1:{port}", token, sessions)
+        await bench.open()
+        latency = await bench.latency(rounds)
+    finally:
+        if bench is not None:
+            await bench.close()
+        await asyncio.to_thread(stop, daemon)
+    ended = latency["turn_ended_ms"]
+    delay_ms = delay * 1000
+
+    def less_delay(value: float | None) -> float | None:
+        return None if value is None else round(value - delay_ms, 1)
+
+    overhead = {k: less_delay(ended[k]) for k in ("p50", "p99", "max")}
+    return {
+        "model_delay_s": delay,
+        "sessions": sessions,
+        "rounds": rounds,
+        "pool": pool,
+        "turn_ended_ms": ended,
+        "overhead_ms": overhead,
+        "first_round_model_response_ms": latency["first_round"]["model_response_ms"],
+        "inject_request_ms": latency["inject_request_ms"],
+        "target_overhead_p99_ms": TARGET_OVERHEAD_P99_MS,
+        "meets_target": overhead["p99"] is not None and overhead["p99"] <= TARGET_OVERHEAD_P99_MS,
+        "errors": dict(bench.errors) if bench is not None else {},
+        "attach_stream_errors": dict(Counter(s.error for s in bench.streams if s.error))
+        if bench is not None
+        else {},
+    }
+
+
 def _filesystem(path: Path) -> str | None:
     """The type of the filesystem holding `path` (fsync costs differ: ext4, tmpfs...)."""
     resolved = str(path.resolve())
@@ -635,6 +720,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--clients", type=int, default=None, help="sustained concurrent clients (default 50)"
     )
     parser.add_argument(
+        "--delay-rounds",
+        type=int,
+        default=None,
+        help=f"rounds with model.delay = {MODEL_DELAY_S} s (default 5; 0 skips them)",
+    )
+    parser.add_argument(
         "--synchronous",
         choices=("full", "normal"),
         default="full",
@@ -666,6 +757,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "store": "sqlite (WAL)",
         "state_dir_filesystem": _filesystem(Path(tempfile.gettempdir())),
         "client": f"aiohttp {aiohttp.__version__}, one ClientSession, no connection limit",
+        "max_streams_per_principal": args.sessions + STREAMS,
         "drain_limit_s": drain_limit,
     }
     started = time.monotonic()
@@ -673,7 +765,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         port = free_port()
         daemon = Daemon(
             Path(tmp) / "intake",
-            http={"listen": f"127.0.0.1:{port}"},
+            http={
+                "listen": f"127.0.0.1:{port}",
+                "max_streams_per_principal": args.sessions + STREAMS,
+            },
             pool=dict(settings["pool"]),
             agent={"class": settings["agent_class"]},
             model={"provider": "echo", "delay": 0.0},
@@ -686,6 +781,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             figures = asyncio.run(run(daemon, f"http://127.0.0.1:{port}", token, args, drain_limit))
         finally:
             stopped_in = stop(daemon)
+        delayed = (
+            asyncio.run(delay_overhead(Path(tmp) / "delayed", args.sessions, args.delay_rounds))
+            if args.delay_rounds
+            else None
+        )
 
     result: dict[str, Any] = {
         "benchmark": "intake",
@@ -695,6 +795,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "synchronous": args.synchronous.upper(),
         "settings": settings,
         **figures,
+        "latency_with_model_delay": delayed,
         "daemon_stop_s": stopped_in,
         "wall_s": round(time.monotonic() - started, 1),
     }
