@@ -25,6 +25,7 @@ import pytest
 from loguru import logger
 
 from supervisor.contract.config import McpServer
+from supervisor.contract.mcp_env import child_environment
 from supervisor.contract.reaper import ProcessId
 from supervisor.core.backoff import Backoff
 from supervisor.core.vocabulary import McpState
@@ -35,7 +36,6 @@ from workers.mcp import (
     offered_names,
     outcome_of,
 )
-from workers.mcp_transport import child_environment
 from workers.models import ToolSpec
 from workers.tools import BuiltinTools, Toolboxes, ToolOutcome
 

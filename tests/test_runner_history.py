@@ -7,8 +7,7 @@ model; `store.events.read` is wrapped to record where each read starts.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -22,15 +21,6 @@ from workers.runner import SessionRunner
 from workers.tools import BuiltinTools
 
 GUARD = 60.0  # seconds: only so that a broken runner fails the test instead of hanging it
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> Iterator[Store]:
-    s = Store(f"sqlite:///{tmp_path / 'state' / 'turnkeeper.db'}")
-    try:
-        yield s
-    finally:
-        s.close()
 
 
 class Reads(list[tuple[str, int]]):

@@ -422,7 +422,7 @@ def test_session_rows_are_plain_data(store: Store) -> None:
     assert isinstance(store.db, peewee.Database)
 
 
-def test_recovery_charges_refunds_and_finalizes_only_the_active_turn(store: Store) -> None:
+def test_attempts_are_charged_refunded_and_finalized_only_for_the_active_turn(store: Store) -> None:
     sid = store.sessions.create("alice").id
     lease = store.leases.acquire(sid, "w1", 30)
     assert lease is not None

@@ -17,6 +17,7 @@ import json
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
+from supervisor.contract.sections import PoolConfig
 from supervisor.store import EventRecord
 from workers.history import Calls, Conversation, MissingResult
 from workers.models import Message
@@ -24,7 +25,7 @@ from workers.models import Message
 # An event held in memory costs its record, its payload's objects and its message: about
 # this much besides the text of its payload (tracemalloc, short events: ~960 bytes).
 EVENT_OVERHEAD = 1000
-DEFAULT_BUDGET = 64 * 2**20  # bytes; `pool.history_cache_mb` sets it
+DEFAULT_BUDGET = PoolConfig.model_fields["history_cache_mb"].default * 2**20  # bytes
 
 
 def event_size(event: EventRecord) -> int:
@@ -63,6 +64,8 @@ class SessionLog(list[EventRecord]):
 
     def add(self, new: Sequence[EventRecord]) -> bool:
         """Append events read after `last_seq`; False, adding nothing, on a gap in the seqs."""
+        if not new:
+            return True
         expected = self.last_seq + 1
         for event in new:
             if event.seq != expected:

@@ -11,12 +11,11 @@ recovery with the attempts that are left; the wait is the attempt schedule's
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Awaitable, Callable
 from enum import Enum
 from typing import Any
 
-from supervisor.contract.clock import Clock
+from supervisor.contract.clock import Clock, sleep_unless
 from supervisor.core import continuation, engine, recovery
 from supervisor.core.engine import SessionView, Step
 from supervisor.core.vocabulary import AssignReason, Cause
@@ -153,18 +152,7 @@ class Continuer:
 
     async def _sleep_or_wake(self, seconds: float) -> bool:
         """Sleep `seconds` on the clock; True if woken or released before."""
-        sleep = asyncio.ensure_future(self._clock.sleep(seconds))
-        woken = asyncio.ensure_future(self._woken.wait())
-        released = asyncio.ensure_future(self._released.wait())
-        waits = {sleep, woken, released}
-        try:
-            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for wait in waits:
-                wait.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.gather(*waits, return_exceptions=True)
-        return sleep.cancelled()  # cut short: it had not come to its end
+        return await sleep_unless(self._clock, seconds, self._woken, self._released)
 
 
 def _why(cause: Cause, ending: turns.Ending) -> str:

@@ -196,9 +196,7 @@ def _cut_in(events: Sequence[EventRecord]) -> tuple[int, list[Message]] | None:
             lowest[index] = min(lowest[index], _read_to(event))
     placement = _Placement(_unread_by(events))
     seen: set[str] = set()
-    started: set[str] = set()
-    ended: set[str] = set()
-    unended = 0  # turns started before the cut with no end before it
+    unended: set[str] = set()  # turns whose first mark before the cut is a start, not ended
     straddling = 0  # turns seen before the cut that show up again after it
     read_most = -math.inf  # the greatest read_to before the cut
     found: tuple[int, int] | None = None  # (cut index, messages before it)
@@ -206,18 +204,18 @@ def _cut_in(events: Sequence[EventRecord]) -> tuple[int, list[Message]] | None:
         placement.add(event)
         if _is_turn_mark(event):
             turn = str(event.turn_id)
-            if turn not in seen and last[turn] > index:
+            first = turn not in seen
+            if first and last[turn] > index:
                 straddling += 1
-            elif turn in seen and last[turn] == index:
+            elif not first and last[turn] == index:
                 straddling -= 1
             seen.add(turn)
             if event.type == _STARTED:
                 read_most = max(read_most, _read_to(event, -math.inf))
-                unended += turn not in started and turn not in ended
-                started.add(turn)
+                if first:
+                    unended.add(turn)
             else:
-                unended -= turn in started and turn not in ended
-                ended.add(turn)
+                unended.discard(turn)
         if (
             placement.settled
             and not (straddling or unended)

@@ -72,6 +72,11 @@ async def launch(command: Sequence[str], env: Mapping[str, str], cwd: str | None
     return Launched(proc, stdin, stdout, stderr)
 
 
+async def launch_server(server: McpServer) -> Launched:
+    """Start one configured server's process, with its minimal environment."""
+    return await launch(server.command, child_environment(server.env), server.cwd)
+
+
 async def launch_all(servers: Sequence[McpServer]) -> dict[str, Launched | OSError]:
     """Start every server's process, by name; a command that cannot be run is its error.
 
@@ -80,9 +85,7 @@ async def launch_all(servers: Sequence[McpServer]) -> dict[str, Launched | OSErr
     launched: dict[str, Launched | OSError] = {}
     for server in servers:
         try:
-            launched[server.name] = await launch(
-                server.command, child_environment(server.env), server.cwd
-            )
+            launched[server.name] = await launch_server(server)
         except OSError as exc:
             launched[server.name] = exc
     return launched

@@ -27,8 +27,8 @@ from supervisor.contract.config import McpServer
 from supervisor.contract.reaper import ProcessId
 from supervisor.core.backoff import DEFAULT_BACKOFF, Backoff
 from supervisor.core.vocabulary import McpState
-from workers.mcp_launch import Launched, launch
-from workers.mcp_transport import ServerProcess, child_environment
+from workers.mcp_launch import Launched, launch_server
+from workers.mcp_transport import ServerProcess
 from workers.tools import ToolOutcome
 
 OnStart = Callable[[str, int, float, int], Awaitable[Any]]
@@ -208,8 +208,7 @@ class McpServerClient:
             if isinstance(launched, OSError):
                 raise launched
             if launched is None:
-                env = child_environment(config.env)
-                launched = await launch(config.command, env, config.cwd)
+                launched = await launch_server(config)
             process = await ServerProcess.attach(self.name, launched)
         except OSError as exc:
             return f"cannot be started: command {config.command[0]!r}: {exc.strerror or exc}"

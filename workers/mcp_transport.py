@@ -7,11 +7,6 @@ closes itself, so that a descendant that inherited them cannot keep the transpor
 after the server is gone.
 JSON-RPC is framed as one message per line; stdout lines go to the `ClientSession` through
 an anyio memory stream, the session's messages go to stdin, and stderr lines go to the log.
-
-The child's environment is minimal (`child_environment`): PATH, HOME, LANG, LC_ALL, TZ,
-USER and LOGNAME when set, plus exactly the variables its `env` setting names. Nothing
-else of the worker's environment reaches it: no NOTIFY_SOCKET, no TURNKEEPER_* settings,
-no API keys or tokens.
 """
 
 from __future__ import annotations
@@ -21,7 +16,6 @@ import contextlib
 import functools
 import os
 import signal
-from collections.abc import Mapping, Sequence
 
 import anyio
 import mcp_types
@@ -29,9 +23,7 @@ import psutil
 from loguru import logger
 from mcp.shared.message import SessionMessage
 
-from supervisor.contract.mcp_env import INHERITED_ENV as INHERITED_ENV
-from supervisor.contract.mcp_env import child_environment as child_environment
-from workers.mcp_launch import Launched, launch
+from workers.mcp_launch import Launched
 
 LINE_LIMIT = 32 * 1024 * 1024
 """Bytes; a longer stdout line is a broken server, and the connection is closed."""
@@ -98,13 +90,6 @@ class ServerProcess:
             asyncio.create_task(self._write_stdin()),
             asyncio.create_task(self._watch()),
         ]
-
-    @classmethod
-    async def spawn(
-        cls, name: str, command: Sequence[str], env: Mapping[str, str], cwd: str | None
-    ) -> ServerProcess:
-        """Start `command` in a new process group; raises OSError if it cannot be run."""
-        return await cls.attach(name, await launch(command, env, cwd))
 
     @classmethod
     async def attach(cls, name: str, launched: Launched) -> ServerProcess:

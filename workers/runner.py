@@ -28,6 +28,7 @@ from loguru import logger
 
 from supervisor.contract.clock import SYSTEM, Clock
 from supervisor.core import autonomy, engine
+from supervisor.core.continuation import attempts_charged
 from supervisor.core.engine import SessionView, Step
 from supervisor.core.recovery import ATTEMPT_DELAYS
 from supervisor.core.vocabulary import AssignReason, EventType
@@ -217,14 +218,13 @@ class SessionRunner:
                     turn_id = info.active_turn_id
                     self.log.bind(turn=turn_id).info("continuing turn {} ({})", turn_id, cause)
                     self._load_agent()  # before the note: see the module's docstring
-                    charged = info.attempt_turn_id == turn_id and info.attempt_count > 1
                     outcome = await turns.resume_turn(
                         turn_id,
                         await self._read(),
                         cause,
                         self._commit,
                         self._run,
-                        attempt=info.attempt_count - 1 if charged else None,
+                        attempt=attempts_charged(info, turn_id) or None,
                     )
                 else:
                     turn_id, outcome = await turns.start_turn(self._commit, self._read, self._run)

@@ -262,9 +262,17 @@ async def run_agent(agent: Agent, context: TurnContext, commit: Commit) -> str:
 class Ending:
     """How the agent's run of a turn came out: the `turn_ended` it calls for."""
 
-    outcome: str
     payload: dict[str, Any]  # the `turn_ended` payload
-    transient: bool = False  # failed on a model error that may pass (`ModelError.transient`)
+
+    @property
+    def outcome(self) -> str:
+        """The turn's outcome (`TurnOutcome`)."""
+        return str(self.payload["outcome"])
+
+    @property
+    def transient(self) -> bool:
+        """Failed on a model error that may pass (`ModelError.transient`)."""
+        return bool(self.payload.get("transient", False))
 
     @property
     def error(self) -> str | None:
@@ -287,7 +295,7 @@ async def agent_ending(agent: Agent, context: TurnContext) -> Ending:
             raise ValueError(f"run_turn returned {outcome!r}, not one of {OUTCOMES}")
     except ModelError as exc:
         payload = {"outcome": TurnOutcome.FAILED, "error": str(exc), "transient": exc.transient}
-        return Ending(TurnOutcome.FAILED, payload, exc.transient)
+        return Ending(payload)
     except (TurnReleased, asyncio.CancelledError, LeaseLost, StorageUnavailable):
         raise
     except BaseException as exc:
@@ -295,8 +303,8 @@ async def agent_ending(agent: Agent, context: TurnContext) -> Ending:
             "agent failed: {}", _describe(exc)
         )
         error = f"agent error: {_describe(exc)}"
-        return Ending(TurnOutcome.FAILED, {"outcome": TurnOutcome.FAILED, "error": error})
-    return Ending(outcome, {"outcome": outcome})
+        return Ending({"outcome": TurnOutcome.FAILED, "error": error})
+    return Ending({"outcome": outcome})
 
 
 async def end_turn(ending: Ending, turn_id: str, commit: Commit, **extra: Any) -> str:

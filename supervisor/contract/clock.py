@@ -46,6 +46,18 @@ class SystemClock:
 SYSTEM = SystemClock()
 
 
+async def sleep_unless(clock: Clock, seconds: float, *events: asyncio.Event) -> bool:
+    """Sleep `seconds` on `clock`, or less if one of `events` is set; True if cut short."""
+    sleep = asyncio.ensure_future(clock.sleep(seconds))
+    waits = {sleep, *(asyncio.ensure_future(event.wait()) for event in events)}
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        return not sleep.done()
+    finally:
+        for wait in waits:
+            wait.cancel()
+
+
 class FakeClock:
     """A clock a test moves by hand; `sleep` returns when `advance` reaches its deadline."""
 

@@ -74,7 +74,7 @@ APPEND_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 
 MAX_FRAME = 64 * 1024  # bytes; a peer that sends a bigger frame is disconnected by zmq
 MAX_SEQ = 2**62  # beyond any seq or lease token, and within every backend's BIGINT
 MAX_COUNT = 1_000_000  # sessions, turns, observations per heartbeat
-MAX_ASSIGN = 1000  # sessions in one `assign` message (one dispatch pass assigns fewer)
+MAX_ASSIGN = 500  # sessions in one `assign`: 500 fit in a `MAX_FRAME`; a pass assigns fewer
 
 
 class Histogram:

@@ -35,6 +35,7 @@ left, and the row never counts more than the last.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from supervisor.core.tail import Resume, TailEvent
 from supervisor.core.vocabulary import Cause, EventType, TurnOutcome
@@ -61,6 +62,14 @@ def goes_on(cause: Cause, tail: Resume) -> bool:
     if cause is Cause.MAX_TOKENS:
         return tail is Resume.TRUNCATED
     return tail is not Resume.ANSWERED
+
+
+def attempts_charged(row: Any, turn_id: str | None) -> int:
+    """The continuation attempts charged for `turn_id`: the session row's count (any
+    object with `attempt_turn_id` and `attempt_count`) less the turn's first run."""
+    if turn_id is None or row.attempt_turn_id != turn_id:
+        return 0
+    return max(0, int(row.attempt_count) - 1)
 
 
 def charged_after_note(turn_events: Sequence[TailEvent], attempts: int) -> bool:

@@ -113,7 +113,8 @@ def settled_key(session: SessionView, trigger: Trigger, breaker_tripped: bool) -
 
 @dataclass(frozen=True)
 class Budget:
-    """How much one pass may start: assignments and judgements (each a database trip)."""
+    """How much one pass may start: assignments (one transaction for all of them) and
+    judgements (their tails read in one trip to a thread)."""
 
     assign: int = 200  # one transaction and one message per worker, whatever the count
     judge: int = 100  # each reads a turn's tail (in one trip to a thread for the pass)
@@ -243,7 +244,7 @@ def plan(
             judges += 1
             commands.append(Judge(s.id, trigger, target))
         loads[target] += 1
-        if not (trigger is Trigger.WORKER_DEATH and target in spares):
+        if trigger is not Trigger.WORKER_DEATH:
             spares.discard(target)  # the spare takes ALL a dead worker's sessions: one message
     return commands
 

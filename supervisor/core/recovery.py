@@ -57,7 +57,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, NamedTuple, Protocol
 
-from supervisor.core.continuation import charged_after_note
+from supervisor.core.continuation import attempts_charged, charged_after_note
 from supervisor.core.tail import (
     CONTINUABLE_TAILS,
     ENDED_TAILS,
@@ -355,8 +355,7 @@ def interruption(
     last = own[-1] if own else (events[-1] if events else None)
     notes = [e.created_at for e in own if e.type == "continuation"]
     started = [t for t in (last_attempt_at, *notes) if t]
-    charged = row.attempt_turn_id == turn and turn is not None
-    attempts = max(0, row.attempt_count - 1) if charged else 0
+    attempts = attempts_charged(row, turn)
     if tail is TailClass.LAST_IS_CONTINUATION_NOTE and charged_after_note(own, attempts):
         # Its worker charged the next attempt and died waiting: the turn stands as it did.
         tail = classify_tail([e for e in events if e.type != "continuation"], turn)

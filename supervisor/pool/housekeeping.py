@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 
-from supervisor.contract.clock import Clock
+from supervisor.contract.clock import Clock, sleep_unless
 from supervisor.contract.logs import log
 
 SLACK = 0.01  # seconds the loop wakes past a deadline: never early, so never a spin
@@ -46,7 +46,6 @@ class Housekeeper:
         self.wanted = wanted
         self.clock = clock
         self.stirred = asyncio.Event()
-        self.passes = 0  # dispatch passes run, for the curious
         self.log = log("pool")
 
     def stir(self) -> None:
@@ -69,7 +68,6 @@ class Housekeeper:
                 timed_at = now
             self.wanted.clear()
             retry_at = float("inf")
-            self.passes += 1
             try:
                 if await self.dispatch():
                     self.wanted.set()  # the pass's budget ran out: more is waiting
@@ -79,13 +77,5 @@ class Housekeeper:
 
     async def _rest(self, seconds: float) -> None:
         """Sleep `seconds` (and SLACK), or until a pass is wanted or the slots change."""
-        waits = [
-            asyncio.ensure_future(self.wanted.wait()),
-            asyncio.ensure_future(self.stirred.wait()),
-            asyncio.ensure_future(self.clock.sleep(min(MAX_REST, max(0.0, seconds)) + SLACK)),
-        ]
-        try:
-            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for wait in waits:
-                wait.cancel()
+        rest = min(MAX_REST, max(0.0, seconds)) + SLACK
+        await sleep_unless(self.clock, rest, self.wanted, self.stirred)

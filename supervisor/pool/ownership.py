@@ -160,19 +160,18 @@ class Ownership:
             return True
         return False
 
-    async def dispatch(self, full: bool | None = None) -> bool:
+    async def dispatch(self) -> bool:
         """One pass: ask the engine what to do with every session with work, and do it;
         True when the pass's budget ran out (more is waiting: the pool passes again).
 
         A pass reads the sessions with pending input and those recovery has business with
         (`attention`: a worker died, a request touched it, a scan picked it), which costs
-        what it returns. A full pass (`FULL_PASS` apart, or when asked) reads every
+        what it returns. A full pass (`FULL_PASS` apart) reads every
         session with work: what only time reveals (a lease that ran out, an attempt come
         due) is found by it.
         """
         started = self.clock()
-        if full is None:
-            full = started >= self.full_due
+        full = started >= self.full_due
         if full:
             self.full_due = started + FULL_PASS
         self.probe_due = started + PROBE
@@ -315,7 +314,7 @@ class Ownership:
                 self.store.leases.grant, grants, self.config.lease.stale_after
             )
             refunds: list[Pick] = []
-            by_worker: dict[str, list[dict[str, Any]]] = {}
+            by_worker: dict[WorkerHandle, list[dict[str, Any]]] = {}
             for p, granted in zip(picks, results, strict=True):
                 target = p.target
                 assert target is not None
@@ -335,7 +334,7 @@ class Ownership:
                 self.woken[p.info.id] = p.info.last_seq
                 self.recovery.assigned(p.info.id)
                 cause = p.judged.decision.cause if p.judged is not None else None
-                by_worker.setdefault(target.identity, []).append(
+                by_worker.setdefault(target, []).append(
                     {
                         "session": p.info.id,
                         "token": granted.lease.token,
@@ -354,7 +353,5 @@ class Ownership:
                 await self.recovery.refund(p.info, p.judged)
         finally:
             self.busy.difference_update(p.info.id for p in picks)
-        for name, assigned in by_worker.items():
-            worker = self.workers.get(name)
-            if worker is not None:
-                self.send(worker, "assign", sessions=assigned)
+        for worker, assigned in by_worker.items():
+            self.send(worker, "assign", sessions=assigned)

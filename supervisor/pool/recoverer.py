@@ -34,7 +34,7 @@ from supervisor.core.engine import Memory, SessionView
 from supervisor.core.notices import notice
 from supervisor.core.recovery import Action, Decision, Interruption, Trigger
 from supervisor.http.metrics import Metrics
-from supervisor.pool.runs import Resumer, resume_runs
+from supervisor.pool.runs import Resumer
 from supervisor.store import EventRecord, SessionInfo, Store
 
 BREAKER_CHECK = 2.0  # seconds between readings of the boot log
@@ -85,6 +85,7 @@ class Recoverer:
         # Sessions recovery has business with (a worker died, a request touched it, a scan
         # picked it): the pool's passes read them by id, not by scanning every session.
         self.attention: set[str] = set()
+        self.runs = Resumer(store, metrics, self.clock, self._memory, self.wanted)
         self._tasks: list[asyncio.Task[None]] = []
         self.log = log("recovery")
 
@@ -191,8 +192,7 @@ class Recoverer:
             for view, own in engine.scan_targets(views, self.memory, facts, trigger)
         ]
         judged = list(zip([i for i, _ in targets], await self.judge_all(targets), strict=True))
-        resumer = Resumer(self.store, self.metrics, self.clock, self._memory, self.wanted)
-        held = await resume_runs(resumer, trigger, self.breaker.tripped)
+        held = await self.runs.resume(trigger, self.breaker.tripped)
         continuing = [(i.id, j.facts.interrupted_at) for i, j in judged if j.decision.charged]
         plan = recovery.boot_scan_plan(continuing, self.settings.max_per_boot)
         suppressed = sum(1 for _, j in judged if j.decision.suppressed)
@@ -279,11 +279,6 @@ class Recoverer:
         return self.memory.setdefault(session_id, Memory())
 
     # --- judging --------------------------------------------------------------------
-
-    async def judge(self, info: SessionInfo, trigger: Trigger) -> Judged:
-        """Look the facts up and decide."""
-        [judged] = await self.judge_all([(info, trigger)])
-        return judged
 
     async def judge_all(self, items: list[tuple[SessionInfo, Trigger]]) -> list[Judged]:
         """Judge many sessions; their tails are read in one trip to a thread."""

@@ -23,7 +23,7 @@ RUN_TAIL = 20  # events read to find an autonomous run's newest checkpoint
 
 @dataclass(frozen=True)
 class Resumer:
-    """What resuming runs needs of recovery."""
+    """Resumes autonomous runs, with what that needs of recovery."""
 
     store: Store
     metrics: Metrics
@@ -31,43 +31,42 @@ class Resumer:
     memory: Callable[[str], Memory]  # recovery's record of a session
     wanted: asyncio.Event  # set: the pool has input to hand out
 
-
-async def resume_runs(self: Resumer, trigger: Trigger, tripped: bool) -> int:
-    """Autonomous runs that stopped between turns (no turn in flight) go on by
-    themselves: their prompt is appended as the next user message. Returns how many
-    the breaker (`tripped`) held back."""
-    held = 0
-    for info in await asyncio.to_thread(self.store.sessions.idle_autonomous):
-        # The newest checkpoint is among the last events: a stopped run costs a short
-        # index range scan, not a read of its log.
-        events = await asyncio.to_thread(self.store.events.tail, info.id, RUN_TAIL)
-        if not autonomy.unfinished(events):
-            continue
-        checkpoint = autonomy.last_checkpoint(events) or {}
-        prompt = str(checkpoint.get("prompt", ""))  # every checkpoint carries it
-        wake = checkpoint.get("next_wake_at")
-        if wake is not None and float(wake) > self.clock():
-            continue
-        if tripped:
-            held += 1
-            key = ("autonomous resume suppressed", trigger)
-            if self.memory(info.id).quiet != key:
-                self.memory(info.id).quiet = key
-                self.metrics.recovery.labels("resume_run", "daemon_restart", "suppressed").inc()
-                log("recovery", session=info.id).warning(
-                    "breaker tripped: autonomous resume suppressed"
-                )
-            continue
-        await asyncio.to_thread(
-            self.store.events.append,
-            info.id,
-            "user_message",
-            {"text": prompt, "autonomous": True, "resumed": True},
-            writer="supervisor",
-        )
-        self.metrics.recovery.labels("resume_run", "daemon_restart", "started").inc()
-        log("recovery", session=info.id).info(
-            "autonomous run resumed after {} turns", checkpoint.get("turns", 0)
-        )
-        self.wanted.set()
-    return held
+    async def resume(self, trigger: Trigger, tripped: bool) -> int:
+        """Autonomous runs that stopped between turns (no turn in flight) go on by
+        themselves: their prompt is appended as the next user message. Returns how many
+        the breaker (`tripped`) held back."""
+        held = 0
+        for info in await asyncio.to_thread(self.store.sessions.idle_autonomous):
+            # The newest checkpoint is among the last events: a stopped run costs a short
+            # index range scan, not a read of its log.
+            events = await asyncio.to_thread(self.store.events.tail, info.id, RUN_TAIL)
+            if not autonomy.unfinished(events):
+                continue
+            checkpoint = autonomy.last_checkpoint(events) or {}
+            prompt = str(checkpoint.get("prompt", ""))  # every checkpoint carries it
+            wake = checkpoint.get("next_wake_at")
+            if wake is not None and float(wake) > self.clock():
+                continue
+            if tripped:
+                held += 1
+                key = ("autonomous resume suppressed", trigger)
+                if self.memory(info.id).quiet != key:
+                    self.memory(info.id).quiet = key
+                    self.metrics.recovery.labels("resume_run", "daemon_restart", "suppressed").inc()
+                    log("recovery", session=info.id).warning(
+                        "breaker tripped: autonomous resume suppressed"
+                    )
+                continue
+            await asyncio.to_thread(
+                self.store.events.append,
+                info.id,
+                "user_message",
+                {"text": prompt, "autonomous": True, "resumed": True},
+                writer="supervisor",
+            )
+            self.metrics.recovery.labels("resume_run", "daemon_restart", "started").inc()
+            log("recovery", session=info.id).info(
+                "autonomous run resumed after {} turns", checkpoint.get("turns", 0)
+            )
+            self.wanted.set()
+        return held

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
@@ -150,6 +150,15 @@ def _cause(exc: peewee.DatabaseError) -> peewee.DatabaseError:
     return exc
 
 
+IN_MAX = 500  # values in one IN (...) list: well within every backend's limits
+
+
+def chunks(values: Sequence[str]) -> Iterator[Sequence[str]]:
+    """`values` in slices of at most `IN_MAX`, for IN lists."""
+    for start in range(0, len(values), IN_MAX):
+        yield values[start : start + IN_MAX]
+
+
 def run_write(
     db: peewee.Database,
     work: Callable[[], T],
@@ -186,14 +195,12 @@ def run_append(
 
     The transaction is driven with plain `begin`/COMMIT statements on the cursor: no
     query is built and no transaction object is made on the hot path. Driver errors
-    arrive as peewee's, so the retries are those of `run_write`. Inside a transaction
-    this thread already has open, `work` runs in a savepoint of it.
+    arrive as peewee's, so the retries are those of `run_write`. Never called inside a
+    transaction: the event log writes on its committer thread, or on the caller's thread
+    only when it has none open.
     """
 
     def attempt() -> T:
-        if db.in_transaction():
-            with db.atomic(), DRIVER_ERRORS:
-                return work(db.cursor())
         cursor = db.cursor()
         with DRIVER_ERRORS:
             cursor.execute(begin)

@@ -33,7 +33,6 @@ from supervisor.store.events import (
     advance,
     make_request,
 )
-from supervisor.store.models import Event
 from supervisor.store.statements import sql_for
 
 __all__ = [
@@ -257,16 +256,3 @@ def _row_record(session_id: str, row: tuple[Any, ...]) -> EventRecord:
         session_id, int(seq), kind, turn_id, json.loads(payload), float(created_at), writer,
         None if token is None else int(token),
     )  # fmt: skip
-
-
-def _record(row: Event) -> EventRecord:
-    return EventRecord(
-        session_id=row.session_id,
-        seq=row.seq,
-        type=row.type,
-        turn_id=row.turn_id,
-        payload=json.loads(row.payload),
-        created_at=row.created_at,
-        writer=row.writer,
-        lease_token=row.lease_token,
-    )

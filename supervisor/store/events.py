@@ -191,9 +191,10 @@ def advance(row: SessionRow, event: AppendRequest) -> None:
       (`write_events` keeps pending when a user message came after the turn's `read_to`);
     - `turn_ended` clears the active turn and its attempts.
 
-    Continuation attempts are charged by recovery before it hands the turn to a worker
-    (`Sessions.charge_attempt`), and by a worker before it continues its own turn, not by
-    the note the worker then writes: a worker that dies before its note was still charged.
+    Continuation attempts are charged by recovery with the lease it hands the turn over
+    with (`Leases.grant`), and by a worker before it continues its own turn
+    (`Sessions.charge_attempt`), not by the note the worker then writes: a worker that
+    dies before its note was still charged.
     """
     row.last_seq += 1
     if event.type == EventType.USER_MESSAGE:

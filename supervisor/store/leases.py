@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import peewee
 
 from supervisor.core.vocabulary import SessionStatus
-from supervisor.store.db import db_now, now_sql, run_write
+from supervisor.store.db import chunks, db_now, now_sql, run_write
 from supervisor.store.errors import LeaseLost, SessionNotFound
 from supervisor.store.models import Session
 
@@ -92,53 +93,45 @@ class Leases:
         def work() -> list[Granted]:
             rows = {
                 row.id: row
-                for start in range(0, len(ids), 500)
+                for part in chunks(ids)
                 for row in Session.select(
                     Session.id, Session.status, Session.active_turn_id,
                     Session.attempt_turn_id, Session.attempt_count,
-                ).where(Session.id.in_(ids[start : start + 500]))
+                ).where(Session.id.in_(part))
             }  # fmt: skip
-            results: list[Granted] = []
+            taken: dict[str, int | None] = {}  # leased: the attempt count charged, if any
+            moved_on: set[str] = set()
             for g in grants:
                 row = rows.get(g.session_id)
                 if row is None or row.status == SessionStatus.CLOSED:
-                    results.append(Granted(None))
                     continue
-                attempts = None
+                charge: dict[str, Any] = {}
                 if g.charge is not None:
                     if row.active_turn_id != g.charge:
-                        results.append(Granted(None, moved_on=True))
+                        moved_on.add(g.session_id)
                         continue
                     same = row.attempt_turn_id == g.charge
-                    attempts = (row.attempt_count if same else 0) + 1
-                    row.attempt_turn_id, row.attempt_count = g.charge, attempts
+                    count = (row.attempt_count if same else 0) + 1
+                    charge = {"attempt_turn_id": g.charge, "attempt_count": count}
                 Session.update(
                     owner=g.owner,
                     lease_token=Session.lease_token + 1,
                     lease_expires_at=now + ttl,
-                    **(
-                        {"attempt_turn_id": g.charge, "attempt_count": attempts}
-                        if attempts is not None
-                        else {}
-                    ),
+                    **charge,
                 ).where(Session.id == g.session_id).execute()
-                results.append(Granted(Lease(g.session_id, g.owner, 0, 0.0), attempts))
-            taken = [r.lease.session_id for r in results if r.lease is not None]
+                taken[g.session_id] = charge.get("attempt_count")
             tokens = {
                 row.id: (int(row.lease_token), float(row.lease_expires_at or 0.0))
-                for start in range(0, len(taken), 500)
+                for part in chunks(list(taken))
                 for row in Session.select(
                     Session.id, Session.lease_token, Session.lease_expires_at
-                ).where(Session.id.in_(taken[start : start + 500]))
+                ).where(Session.id.in_(part))
             }
             return [
-                r
-                if r.lease is None
-                else Granted(
-                    Lease(r.lease.session_id, r.lease.owner, *tokens[r.lease.session_id]),
-                    r.attempts,
-                )
-                for r in results
+                Granted(Lease(g.session_id, g.owner, *tokens[g.session_id]), taken[g.session_id])
+                if g.session_id in taken
+                else Granted(None, moved_on=g.session_id in moved_on)
+                for g in grants
             ]
 
         return run_write(self._db, work)

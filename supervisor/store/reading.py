@@ -3,8 +3,8 @@
 A page is one `SELECT ... WHERE session_id = ? AND seq > ? ORDER BY seq LIMIT ?` on the
 unique (session_id, seq) index: keyset paging, so the thousandth page costs what the first
 does. Rows come back as tuples straight from the driver, with no model instance per row,
-and the payload stays the JSON text it was stored as (`make_request` wrote it with
-`json.dumps`), so a caller that sends events on as JSON need not parse and encode it again.
+and the payload stays the JSON text it was stored as (`supervisor.store.events` encoded
+it), so a caller that sends events on as JSON need not parse and encode it again.
 """
 
 from __future__ import annotations

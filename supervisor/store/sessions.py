@@ -23,7 +23,7 @@ from supervisor.core.vocabulary import (
     Writer,
 )
 from supervisor.store import lifecycle
-from supervisor.store.db import run_write
+from supervisor.store.db import chunks, run_write
 from supervisor.store.errors import SessionClosed, SessionNotFound
 from supervisor.store.eventlog import make_request, write_events
 from supervisor.store.models import Session, SessionACL
@@ -182,10 +182,9 @@ class Sessions:
     def some(self, session_ids: Collection[str]) -> list[SessionInfo]:
         """The open ones of these sessions that have work (pending, or a turn in flight)."""
         rows: list[SessionInfo] = []
-        ids = list(session_ids)
-        for start in range(0, len(ids), 500):  # a bounded IN list
+        for part in chunks(list(session_ids)):
             query = Session.select().where(
-                Session.id.in_(ids[start : start + 500])
+                Session.id.in_(part)
                 & (Session.status == SessionStatus.OPEN)
                 & (Session.pending | Session.active_turn_id.is_null(False))
             )
@@ -320,13 +319,14 @@ class Sessions:
         """
         return run_write(self._db, lambda: lifecycle.interrupt(self._db, session_id, by))
 
-    def close(self, session_id: str, by: str) -> bool:
+    def close(self, session_id: str, by: str) -> list[lifecycle.Written]:
         """Close the session: its turn in flight ends as an interrupt would end it, and it
         runs no turn and takes no message any more; its history is kept (see lifecycle.py).
 
-        False if it was closed already: closing is idempotent.
+        Returns the events written (seq, type): none if it was closed already, for
+        closing is idempotent.
         """
-        return bool(run_write(self._db, lambda: lifecycle.close(self._db, session_id, by)))
+        return run_write(self._db, lambda: lifecycle.close(self._db, session_id, by))
 
     def request_turn(self, session_id: str) -> None:
         """Mark the session as needing a turn with no new message (a wake).
@@ -344,14 +344,14 @@ class Sessions:
 
         run_write(self._db, work)
 
-    def release(self, session_id: str, by: str = "operator") -> bool:
+    def release(self, session_id: str, by: str = "operator") -> list[lifecycle.Written]:
         """Lift a quarantine: the poisoned turn ends `failed` with a notice and is never
         retried; the attempts start over (see lifecycle.py). The one place of this rule,
         for the API and the command line alike.
 
-        False if the session was not quarantined.
+        Returns the events written (seq, type): none if the session was not quarantined.
         """
-        return bool(run_write(self._db, lambda: lifecycle.release(self._db, session_id, by)))
+        return run_write(self._db, lambda: lifecycle.release(self._db, session_id, by))
 
     def counts(self) -> dict[str, int]:
         """Sessions by state: open, quarantined, closed; running (a turn in flight) and
