@@ -66,15 +66,15 @@ class Probe:
         self.proc.communicate()
 
 
-def load_agents(
-    specs: list[str], environ: Mapping[str, str], first: Probe | None = None
-) -> dict[str, str]:
-    """spec -> why the worker's loader cannot load it ("" when it can).
+def load_agents(first: Probe, environ: Mapping[str, str]) -> dict[str, str]:
+    """spec -> why the worker's loader cannot load it ("" when it can), for each of the
+    specs of `first`, a probe already started.
 
-    `first` is a probe of `specs` already started. A module whose import ends its child
-    is blamed, and the specs after it are tried in a fresh one.
+    A module whose import ends its child is blamed, and the specs after it are tried in a
+    fresh one (with `environ`, as `first` was).
     """
-    errors = (first or Probe(specs, environ)).answers()
+    specs = first.specs
+    errors = first.answers()
     while len(errors) < len(specs):
         left = [spec for spec in specs if spec not in errors]
         errors |= Probe(left, environ).answers()

@@ -60,7 +60,7 @@ def verdicts(
         if config.auth.tokens_file:
             who = trust.effective_user() if user is None else user
             yield tokens_verdict(Path(config.auth.tokens_file), who)
-        yield from agent_verdicts(keys, load_agents(list(keys), environ, probe))
+        yield from agent_verdicts(keys, load_agents(probe, environ))
     finally:
         probe.stop()  # `run` stops at the first problem: the child goes too
 

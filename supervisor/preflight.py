@@ -85,6 +85,7 @@ def _tokens(config: Config, paths: Paths) -> Tokens:
     admin = digest(ensure_admin_token(paths.admin_token_file, user))
     hashes = {ADMIN: admin}
     if config.auth.tokens_file:
+        # check_plugins read it already: only the admin token's hash or an edit since fail here
         try:
             hashes |= read_tokens_file(Path(config.auth.tokens_file), user, admin)
         except TokensFileError as exc:

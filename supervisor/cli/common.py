@@ -1,26 +1,35 @@
 """What every command shares: loading the configuration once, opening the store, the
-exit codes and one-line errors, and the table and time formats."""
+daemon's pid and a client of it, the exit codes and one-line errors, and the table and
+time formats."""
 
 from __future__ import annotations
 
+import functools
 import sys
+from collections.abc import Callable
 from datetime import datetime
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, NoReturn, ParamSpec, TypeVar
 
 import click
 
+from supervisor import locks
 from supervisor.contract.config import (
     Config,
     ConfigError,
+    Paths,
     load_config,
     make_private_dir,
     resolve_paths,
 )
 
-# Exit codes, as the README's table gives them (systemctl's and sysexits' conventions).
 if TYPE_CHECKING:
+    from supervisor.cli.client import Client
     from supervisor.store import Store
 
+P = ParamSpec("P")
+R = TypeVar("R")
+
+# Exit codes, as the README's table gives them (systemctl's and sysexits' conventions).
 EX_OK = 0
 EX_FAILURE = 1  # the command ran and failed, or found a failure (doctor, a tripped breaker)
 EX_USAGE = 2  # a usage error (click's own)
@@ -65,6 +74,36 @@ def open_store(ctx: click.Context, *, migrate: bool) -> Store:
         config_error(str(exc))
     except (StoreError, OSError) as exc:
         fail(str(exc))
+
+
+def daemon_pid(paths: Paths) -> int | None:
+    """The pid of the daemon of these paths, from its lock; None: none is running."""
+    return locks.holder(paths.state_dir / locks.LEADER_LOCK)
+
+
+def reports_errors(command: Callable[P, R]) -> Callable[P, R]:
+    """A ClientError becomes one line on stderr: exit 3 when the daemon is not running
+    (as `systemctl is-active` says), 1 for any other failure."""
+
+    @functools.wraps(command)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        from supervisor.cli.client import ClientError, DaemonNotRunning
+
+        try:
+            return command(*args, **kwargs)
+        except DaemonNotRunning as exc:
+            not_running(str(exc))
+        except ClientError as exc:
+            fail(str(exc))
+
+    return wrapper
+
+
+def connect(ctx: click.Context) -> Client:
+    """A client of the configured daemon."""
+    from supervisor.cli.client import Client
+
+    return Client.from_config(load(ctx))
 
 
 def fail(message: str, code: int = EX_FAILURE) -> NoReturn:

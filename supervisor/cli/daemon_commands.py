@@ -11,23 +11,21 @@ or was interrupted under `send --wait`); 2 a usage error; 3 the daemon is not ru
 
 from __future__ import annotations
 
-import functools
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from supervisor.cli.common import (
     EX_FAILURE,
     colour,
+    connect,
     emit_json,
     fail,
     json_option,
-    load,
-    not_running,
+    reports_errors,
     table,
 )
 from supervisor.core.vocabulary import McpState, Permission, SessionKind, SlotState, TurnOutcome
@@ -35,8 +33,6 @@ from supervisor.core.vocabulary import McpState, Permission, SessionKind, SlotSt
 if TYPE_CHECKING:
     from supervisor.cli.client import Client
 
-P = ParamSpec("P")
-R = TypeVar("R")
 KINDS = [kind.value for kind in SessionKind]
 PERMISSIONS = [*(permission.value for permission in Permission), "none"]
 # The outcomes of a turn that `send --wait` calls a success (exit 0); any other exits 1.
@@ -48,31 +44,6 @@ def register(group: click.Group) -> None:
     """Add the commands of this module to `group`."""
     for command in (new, send, attach, interrupt, status, grant):
         group.add_command(command)
-
-
-def reports_errors(command: Callable[P, R]) -> Callable[P, R]:
-    """A ClientError becomes one line on stderr: exit 3 when the daemon is not running
-    (as `systemctl is-active` says), 1 for any other failure."""
-
-    @functools.wraps(command)
-    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-        from supervisor.cli.client import ClientError, DaemonNotRunning
-
-        try:
-            return command(*args, **kwargs)
-        except DaemonNotRunning as exc:
-            not_running(str(exc))
-        except ClientError as exc:
-            fail(str(exc))
-
-    return wrapper
-
-
-def connect(ctx: click.Context) -> Client:
-    """A client of the configured daemon."""
-    from supervisor.cli.client import Client
-
-    return Client.from_config(load(ctx))
 
 
 session_argument = click.argument("session_id", metavar="SESSION")

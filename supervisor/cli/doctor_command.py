@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING, NoReturn
 
 import click
 
-from supervisor.cli.common import EX_CONFIG, colour, emit_json, json_option
+from supervisor.cli.common import EX_CONFIG, colour, daemon_pid, emit_json, json_option
 
 if TYPE_CHECKING:
     from supervisor.cli.doctor import Finding
-    from supervisor.contract.config import Config
+    from supervisor.contract.config import Config, Paths
 
 COLOURS = {"PASS": "green", "WARN": "yellow", "FAIL": "red"}
 
@@ -50,7 +50,7 @@ def doctor_command(
     configuration itself cannot be loaded.
     """
     from supervisor.cli import doctor
-    from supervisor.contract.config import ConfigError, load_config
+    from supervisor.contract.config import ConfigError, load_config, resolve_paths
 
     try:
         cfg = load_config(ctx.obj.get("config_path"))
@@ -58,9 +58,11 @@ def doctor_command(
         fix = "correct the file or variable named; `turnkeeper config show` checks it"
         _report([doctor.Finding(doctor.FAIL, "config", str(exc), fix)], as_json, EX_CONFIG)
     findings = [doctor.Finding(doctor.PASS, "config", "loads")]
+    paths = resolve_paths(cfg)
+    running = daemon_pid(paths)
     findings += _service_files(cfg, unit, supervisord)
-    findings += _run_checks(cfg)
-    findings += _files_and_database(cfg)
+    findings += _run_checks(cfg, paths, running)
+    findings += _files_and_database(cfg, paths, running)
     _report(findings, as_json, doctor.exit_code(findings))
 
 
@@ -93,16 +95,13 @@ def _service_files(cfg: Config, unit: str | None, supervisord: str | None) -> li
     return findings
 
 
-def _run_checks(cfg: Config) -> list[Finding]:
+def _run_checks(cfg: Config, paths: Paths, running: int | None) -> list[Finding]:
     """What `run` checks before it starts, each verdict a finding named by its key, and
-    whether the listen address can be bound."""
-    from supervisor import checks, locks
+    whether the listen address can be bound (`running`: the daemon's pid, if it runs)."""
+    from supervisor import checks
     from supervisor.cli import doctor
-    from supervisor.contract.config import resolve_paths
 
-    state_dir = resolve_paths(cfg).state_dir
-    verdicts = list(checks.verdicts(cfg, user=doctor.service_user(state_dir)))
-    running = locks.holder(state_dir / locks.LEADER_LOCK)
+    verdicts = list(checks.verdicts(cfg, user=doctor.service_user(paths.state_dir)))
     verdicts.append(checks.listen_verdict(cfg.http.listen, running))
     return [
         doctor.Finding(
@@ -116,16 +115,14 @@ def _run_checks(cfg: Config) -> list[Finding]:
     ]
 
 
-def _files_and_database(cfg: Config) -> list[Finding]:
+def _files_and_database(cfg: Config, paths: Paths, running: int | None) -> list[Finding]:
     """The files the daemon trusts, and the database it would open."""
     from supervisor.cli import doctor
     from supervisor.cli.doctor_database import check_database
-    from supervisor.contract.config import resolve_paths
     from supervisor.store import sqlite_path
 
-    paths = resolve_paths(cfg)
     tokens = Path(cfg.auth.tokens_file) if cfg.auth.tokens_file else None
     findings = doctor.check_files(
         paths.state_dir, sqlite_path(paths.db_url), paths.runtime_dir, tokens
     )
-    return findings + check_database(cfg, paths.db_url, paths.state_dir)
+    return findings + check_database(cfg, paths.db_url, daemon_running=running is not None)

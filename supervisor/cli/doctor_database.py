@@ -3,15 +3,12 @@ the daemon (quarantined sessions, the restart breaker, stale leases)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from supervisor import locks
 from supervisor.cli.doctor import FAIL, PASS, WARN, Finding, check_sqlite
 from supervisor.contract.config import Config
 from supervisor.store import BadStoreURL, SchemaMissing, Store, StoreError
 
 
-def check_database(cfg: Config, url: str, state_dir: Path) -> list[Finding]:
+def check_database(cfg: Config, url: str, *, daemon_running: bool) -> list[Finding]:
     """Open the database without migrating it (that is the daemon's job) and judge it.
 
     A bad `store.url` fails as `run` fails on it; a database not created yet is only a
@@ -35,7 +32,7 @@ def check_database(cfg: Config, url: str, state_dir: Path) -> list[Finding]:
             findings += check_sqlite(str(mode), int(level))
         findings.append(_quarantine(store))
         findings.append(_breaker(store, cfg))
-        findings.append(_leases(store, locks.holder(state_dir / locks.LEADER_LOCK) is not None))
+        findings.append(_leases(store, daemon_running))
     return findings
 
 

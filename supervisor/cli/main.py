@@ -16,12 +16,13 @@ import click
 if "run" not in sys.argv[1:]:
     os.environ.setdefault("PYDANTIC_DISABLE_PLUGINS", "__all__")
 
-from supervisor import __version__, locks
+from supervisor import __version__
 from supervisor.cli import config_commands, daemon_commands, doctor_command, store_commands
 from supervisor.cli.common import (
     CONFIG_HELP,
     accept_config_everywhere,
     config_error,
+    daemon_pid,
     emit_json,
     fail,
     json_option,
@@ -97,7 +98,7 @@ def stop(ctx: click.Context, drain: float | None, timeout: float) -> None:
 
     cfg = load(ctx)
     paths = resolve_paths(cfg)
-    pid = locks.holder(paths.state_dir / locks.LEADER_LOCK)
+    pid = daemon_pid(paths)
     if pid is None:
         click.echo("the daemon is not running; nothing to stop")
         return
@@ -115,7 +116,7 @@ def stop(ctx: click.Context, drain: float | None, timeout: float) -> None:
     os.kill(pid, signal.SIGTERM)
     progress = _DrainProgress(cfg) if drain is not None and sys.stderr.isatty() else None
     deadline = time.monotonic() + timeout
-    while locks.holder(paths.state_dir / locks.LEADER_LOCK) == pid:
+    while daemon_pid(paths) == pid:
         if time.monotonic() > deadline:
             fail(f"pid {pid} has not exited after {timeout:g} s")
         if progress is not None:
@@ -170,7 +171,7 @@ def reload(ctx: click.Context, timeout: float, no_wait: bool, as_json: bool) -> 
     each slot's old and new worker. Exits 3 if the daemon is not running, 1 on a timeout.
     """
     cfg = load(ctx)
-    pid = locks.holder(resolve_paths(cfg).state_dir / locks.LEADER_LOCK)
+    pid = daemon_pid(resolve_paths(cfg))
     if pid is None:
         not_running("the daemon is not running (no process holds its lock)")
     before = None if no_wait else _slots(cfg)

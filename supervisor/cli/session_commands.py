@@ -11,19 +11,18 @@ import json
 import shutil
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import click
 
-from supervisor.cli.common import json_option, when
+from supervisor.cli.common import connect, daemon_pid, json_option, load, reports_errors, when
+from supervisor.contract.config import resolve_paths
 from supervisor.core.vocabulary import SessionCount, SessionStatus
 
 if TYPE_CHECKING:
-    from supervisor.cli.client import Client
     from supervisor.store import EventRecord, SessionInfo, Store
 
 DEFAULT_TAIL = 20  # events `sessions show` prints when told neither --tail nor --after
-T = TypeVar("T")
 POLL_INTERVAL = 0.2  # seconds between two reads of the log by `sessions show --follow`
 PAGE = 1000  # events read from the database at a time
 
@@ -282,6 +281,7 @@ def _columns() -> int:
 @click.argument("session_id", metavar="ID")
 @json_option
 @click.pass_context
+@reports_errors
 def sessions_close(ctx: click.Context, session_id: str, as_json: bool) -> None:
     """Close a session through the daemon: it takes no more turns; its history is kept.
 
@@ -289,12 +289,12 @@ def sessions_close(ctx: click.Context, session_id: str, as_json: bool) -> None:
     """
     from supervisor.cli.common import not_running
 
-    if _daemon_pid(ctx) is None:
+    if daemon_pid(resolve_paths(load(ctx))) is None:
         not_running("the daemon is not running; `sessions close` needs it (`turnkeeper run`)")
-    with _client(ctx) as client:
-        already = _api(lambda: client.get_session(session_id))["status"] == SessionStatus.CLOSED
+    with connect(ctx) as client:
+        already = client.get_session(session_id)["status"] == SessionStatus.CLOSED
         if not already:
-            _api(lambda: client.close_session(session_id))
+            client.close_session(session_id)
     _report(
         as_json,
         {"id": session_id, "status": SessionStatus.CLOSED, "already_closed": already},
@@ -308,13 +308,14 @@ def sessions_close(ctx: click.Context, session_id: str, as_json: bool) -> None:
 @click.argument("session_id", metavar="ID")
 @json_option
 @click.pass_context
+@reports_errors
 def sessions_release(ctx: click.Context, session_id: str, as_json: bool) -> None:
     """Lift a session's quarantine; the user can then send a message again.
 
     Through the daemon when it runs (for anyone with write access to the session, e.g.
     its owner with $TURNKEEPER_TOKEN); else in the database, as the operator.
     """
-    if _daemon_pid(ctx) is None:
+    if daemon_pid(resolve_paths(load(ctx))) is None:
         released, status = _release_in_database(ctx, session_id)
         via = "database"
     else:
@@ -330,8 +331,8 @@ def sessions_release(ctx: click.Context, session_id: str, as_json: bool) -> None
 
 
 def _release_through_api(ctx: click.Context, session_id: str) -> tuple[bool, str]:
-    with _client(ctx) as client:
-        answer = _api(lambda: client.release_session(session_id))
+    with connect(ctx) as client:
+        answer = client.release_session(session_id)
     return bool(answer["released"]), str(answer["status"])
 
 
@@ -341,7 +342,7 @@ def _release_in_database(ctx: click.Context, session_id: str) -> tuple[bool, str
 
     with open_store(ctx, migrate=False) as store:
         try:
-            released = store.sessions.release(session_id)
+            released = bool(store.sessions.release(session_id))
         except SessionNotFound as exc:
             fail(str(exc))
         return released, store.sessions.get(session_id).status
@@ -354,35 +355,3 @@ def _report(as_json: bool, data: dict[str, Any], text: str) -> None:
         emit_json(data)
     else:
         click.echo(text)
-
-
-def _daemon_pid(ctx: click.Context) -> int | None:
-    """The pid of the daemon of this configuration, from its lock; None: not running."""
-    from supervisor import locks
-    from supervisor.cli.common import load
-    from supervisor.contract.config import resolve_paths
-
-    return locks.holder(resolve_paths(load(ctx)).state_dir / locks.LEADER_LOCK)
-
-
-def _client(ctx: click.Context) -> Client:
-    from supervisor.cli.client import Client, ClientError
-    from supervisor.cli.common import fail, load
-
-    try:
-        return Client.from_config(load(ctx))
-    except ClientError as exc:
-        fail(str(exc))
-
-
-def _api(call: Callable[[], T]) -> T:
-    """The answer of one API call; its error is one line and exit 1 (3: no daemon)."""
-    from supervisor.cli.client import ClientError, DaemonNotRunning
-    from supervisor.cli.common import fail, not_running
-
-    try:
-        return call()
-    except DaemonNotRunning as exc:
-        not_running(str(exc))
-    except ClientError as exc:
-        fail(str(exc))

@@ -37,22 +37,14 @@ from supervisor.contract.secrets import mask_url as mask_url
 from supervisor.contract.secrets import mask_urls as mask_urls
 
 # Re-exported: the sections are imported from here.
-from supervisor.contract.sections import AGENT_SPEC as AGENT_SPEC
 from supervisor.contract.sections import AgentConfig as AgentConfig
-from supervisor.contract.sections import AttachConfig as AttachConfig
-from supervisor.contract.sections import AuthConfig as AuthConfig
 from supervisor.contract.sections import Config as Config
-from supervisor.contract.sections import DaemonConfig as DaemonConfig
 from supervisor.contract.sections import HttpConfig as HttpConfig
-from supervisor.contract.sections import LeaseConfig as LeaseConfig
-from supervisor.contract.sections import LogConfig as LogConfig
-from supervisor.contract.sections import McpConfig as McpConfig
 from supervisor.contract.sections import McpServer as McpServer
 from supervisor.contract.sections import ModelConfig as ModelConfig
 from supervisor.contract.sections import PoolConfig as PoolConfig
 from supervisor.contract.sections import RecoveryConfig as RecoveryConfig
 from supervisor.contract.sections import ShutdownConfig as ShutdownConfig
-from supervisor.contract.sections import StoreConfig as StoreConfig
 
 DEFAULT_PATH = Path("/etc/turnkeeper/turnkeeper.toml")
 

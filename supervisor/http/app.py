@@ -201,11 +201,6 @@ class Api:
     def _int(request: web.Request, name: str, default: int, low: int, high: int) -> int:
         return whole(request.query.get(name), name, default, low, high)
 
-    async def _publish_seq(self, session_id: str, seq: int | None) -> None:
-        if seq is not None:
-            for record in await asyncio.to_thread(self.store.events.read, session_id, seq - 1, 1):
-                self.publish(session_id, record.to_dict())
-
     # --- routes ---------------------------------------------------------------------
 
     async def create(self, request: web.Request) -> web.Response:
@@ -344,7 +339,7 @@ class Api:
             seq = await asyncio.to_thread(
                 self.store.acl.grant, info.id, body.principal, body.permission, by=by
             )
-        await self._publish_seq(info.id, seq)
+        self.publish(info.id, {"seq": seq, "type": EventType.ACL})
         entries = await asyncio.to_thread(self.store.acl.entries, info.id)
         return answer(AclEntries.model_validate({"acl": entries}))
 

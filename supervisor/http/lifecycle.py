@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
-from supervisor.core.vocabulary import Permission, SessionStatus, Writer
+from supervisor.core.vocabulary import EventType, Permission, SessionStatus
 from supervisor.http.answers import ApiError, answer
 from supervisor.http.schemas import Closed, Interrupted, Released
 from supervisor.store import SessionClosed, SessionInfo, Store
@@ -62,40 +62,36 @@ class Lifecycle:
         info = await self.session(request, Permission.WRITE)
         seq = await asyncio.to_thread(self.store.sessions.interrupt, info.id, request["principal"])
         if seq is not None:
-            await self._publish_after(info.id, seq - 1, limit=1)
+            self._publish(info.id, [(seq, EventType.TURN_ENDED)])
             self._stop_worker(info.id)
         return answer(Interrupted(interrupted=seq is not None, seq=seq))
 
     async def close(self, request: web.Request) -> web.Response:
         info = await self.session(request, Permission.ADMIN)
-        if await asyncio.to_thread(self.store.sessions.close, info.id, request["principal"]):
-            await self._publish_after(info.id, info.last_seq, Writer.SUPERVISOR)
+        written = await asyncio.to_thread(self.store.sessions.close, info.id, request["principal"])
+        if written:
+            self._publish(info.id, written)
             self._stop_worker(info.id)  # its turn, or its idle runner: it runs nothing more
         return answer(Closed(id=info.id))
 
     async def release(self, request: web.Request) -> web.Response:
         info = await self.session(request, Permission.WRITE)
-        released = await asyncio.to_thread(
+        written = await asyncio.to_thread(
             self.store.sessions.release, info.id, request["principal"]
         )
         status = SessionStatus(info.status)
-        if released:
-            await self._publish_after(info.id, info.last_seq, Writer.SUPERVISOR)
+        if written:
+            self._publish(info.id, written)
             status = SessionStatus.OPEN
             if self.pool is not None:
                 self.pool.wake(info.id)  # input sent while it was quarantined runs now
-        return answer(Released(id=info.id, released=released, status=status))
+        return answer(Released(id=info.id, released=bool(written), status=status))
 
     def _stop_worker(self, session_id: str) -> None:
         if self.pool is not None:
             self.pool.interrupt(session_id)
 
-    async def _publish_after(
-        self, session_id: str, after: int, writer: Writer | None = None, limit: int = 1000
-    ) -> None:
-        """Count and signal what the store wrote for this route: the events after `after`
-        (by `writer`: a worker's events in between were signalled by the worker itself)."""
-        records = await asyncio.to_thread(self.store.events.read, session_id, after, limit)
-        for record in records:
-            if writer is None or record.writer == writer:
-                self.publish(session_id, record.to_dict())
+    def _publish(self, session_id: str, written: list[tuple[int, EventType]]) -> None:
+        """Count and signal what the store wrote for this route."""
+        for seq, kind in written:
+            self.publish(session_id, {"seq": seq, "type": kind})

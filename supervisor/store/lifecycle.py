@@ -30,6 +30,8 @@ from supervisor.store.models import Event, Session
 
 RELEASED = "released"  # the reason of a released session's turn_ended and notice
 
+Written = tuple[int, EventType]  # an event written here: its seq and type, to signal
+
 
 def append_all(db: peewee.Database, requests: list[AppendRequest]) -> list[int]:
     """Append `requests` in the open transaction; the first refusal aborts it."""
@@ -81,11 +83,11 @@ def interrupt(db: peewee.Database, session_id: str, by: str) -> int | None:
     return seq
 
 
-def close(db: peewee.Database, session_id: str, by: str) -> bool:
-    """Close the session; False if it was closed already (nothing is written then)."""
+def close(db: peewee.Database, session_id: str, by: str) -> list[Written]:
+    """Close the session; the events written, none if it was closed already."""
     row = _row(session_id)
     if row.status == SessionStatus.CLOSED:
-        return False
+        return []
     events = _turn_ended(
         row, Writer.SUPERVISOR, {"outcome": TurnOutcome.INTERRUPTED_BY_OPERATOR, "by": by}
     )
@@ -98,17 +100,17 @@ def close(db: peewee.Database, session_id: str, by: str) -> bool:
             writer=Writer.SUPERVISOR,
         )
     )
-    append_all(db, events)
+    seqs = append_all(db, events)
     changes = revoked() | {Session.status: SessionStatus.CLOSED, Session.pending: False}
     Session.update(changes).where(Session.id == session_id).execute()
-    return True
+    return _written(seqs, events)
 
 
-def release(db: peewee.Database, session_id: str, by: str) -> bool:
-    """Lift a quarantine; False if the session was not quarantined."""
+def release(db: peewee.Database, session_id: str, by: str) -> list[Written]:
+    """Lift a quarantine; the events written, none if the session was not quarantined."""
     row = _row(session_id)
     if row.status != SessionStatus.QUARANTINED:
-        return False
+        return []
     poisoned = row.active_turn_id or _last_turn(session_id)
     events = _turn_ended(
         row, Writer.SUPERVISOR, {"outcome": TurnOutcome.FAILED, "reason": RELEASED}
@@ -126,7 +128,7 @@ def release(db: peewee.Database, session_id: str, by: str) -> bool:
             writer=Writer.SUPERVISOR,
         )
     )
-    append_all(db, events)
+    seqs = append_all(db, events)
     changes = revoked() | {
         Session.status: SessionStatus.OPEN,
         Session.quarantined_at: None,
@@ -135,7 +137,11 @@ def release(db: peewee.Database, session_id: str, by: str) -> bool:
         Session.attempt_count: 0,
     }
     Session.update(changes).where(Session.id == session_id).execute()
-    return True
+    return _written(seqs, events)
+
+
+def _written(seqs: list[int], events: list[AppendRequest]) -> list[Written]:
+    return [(seq, EventType(event.type)) for seq, event in zip(seqs, events, strict=True)]
 
 
 def _last_turn(session_id: str) -> str | None:
