@@ -168,7 +168,7 @@ class Daemon:
             children = psutil.Process(self.pid).children()
         except psutil.NoSuchProcess:
             return []
-        return [c for c in children if _is_worker(c)]
+        return [c for c in children if is_worker(c)]
 
     def owner_pid(self, store: Store, session_id: str) -> int | None:
         """The pid of the worker that owns the session, if it is in the pool now."""
@@ -200,13 +200,13 @@ class Daemon:
         for pid, started in self.seen.items():
             with contextlib.suppress(psutil.Error):
                 proc = psutil.Process(pid)
-                if proc.create_time() == started and _is_worker(proc):
+                if proc.create_time() == started and is_worker(proc):
                     proc.kill()
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=10)
 
 
-def _is_worker(proc: psutil.Process) -> bool:
+def is_worker(proc: psutil.Process) -> bool:
     """A worker process: named `turnkeeper: worker ...` once it runs (setproctitle), and
     multiprocess's `spawn_main` command line for the moment before."""
     cmdline = " ".join(_cmdline(proc))

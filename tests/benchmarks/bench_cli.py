@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tests.benchmarks.figures import shipped_pool
 from tests.conftest import PYTHON, REPO, python_env
 from tests.daemon import Daemon
 
@@ -89,8 +90,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             )
             trees["base"] = base
         # The shipped pool timings (the tests' daemon beats 5 times a second).
-        pool = {"workers": 1, "spare": 0, "heartbeat_interval": 1.0, "hang_timeout": 5.0}
-        daemon = Daemon(root / "daemon", pool=pool)
+        daemon = Daemon(root / "daemon", pool=shipped_pool(1, 0))
         times: dict[str, list[float]] = {name: [] for name in trees}
         try:
             daemon.start()

@@ -10,10 +10,12 @@ state dir per scenario:
 - `host_processes`: the same, with `--procs` (500) extra `sleep` processes on the host
   while it is measured (started after the daemon is ready, SIGKILLed by pid after);
 - `stored_sessions`: `--sessions` (100,000) sessions written into the database before
-  the start, `--interrupted` (1,000) of them with a turn in flight of an earlier boot
-  of this host (a user message, `turn_started`, a lease that ran out). The boot scan
-  continues `recovery.max_per_boot` (10) of them; the others stay interrupted, left for a
-  first touch or the retry timer, and are among the sessions with work on every pass.
+  the start (`scale_seed.seed`), `--interrupted` (1,000) of them with a turn in flight of
+  an earlier boot of this host (a user message, `turn_started`, a lease that ran out),
+  the others with one completed turn. The boot scan continues `recovery.max_per_boot`
+  (10) of them; the others stay interrupted, left for a first touch or the retry timer,
+  which the full pass (every 5 s) reads; the 0.25 s pass reads only the index of
+  sessions with input pending.
 
 A run waits until the daemon is ready (and, with stored sessions, until the boot scan
 logged what it found), then `--settle` seconds, then reads the CPU time (user + system)
@@ -35,18 +37,16 @@ import os
 import platform
 import re
 import signal
-import socket
 import subprocess
 import tempfile
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
 import psutil
 
-from supervisor.store import Store
-from tests.benchmarks.figures import wait_for
+from tests.benchmarks import scale_seed
+from tests.benchmarks.figures import cpu_s, shipped_pool, stop, wait_for
 from tests.daemon import Daemon
 
 TARGET_PERCENT = 1.0  # of one core, for the supervisor
@@ -56,28 +56,18 @@ SETTLE_S = 3.0
 PROCS = 500
 SESSIONS = 100_000
 INTERRUPTED = 1_000
-CHUNK = 500  # rows per INSERT
-SHIPPED_POOL = {"workers": 2, "spare": 1, "heartbeat_interval": 1.0, "hang_timeout": 5.0}
 _SCANNED = re.compile(r"\[recovery\] boot_scan: \d+ interrupted sessions")
-
-
-def cpu_seconds(proc: psutil.Process) -> float:
-    """User + system CPU seconds of one process (not its children)."""
-    times = proc.cpu_times()
-    return float(times.user + times.system)
 
 
 def measure(daemon: Daemon, seconds: float) -> dict[str, Any]:
     """CPU of the supervisor and of each worker over `seconds`, as % of one core."""
-    supervisor = psutil.Process(daemon.pid)
-    workers = {name: psutil.Process(pid) for name, pid in daemon.worker_pids().items()}
-    before = {"supervisor": cpu_seconds(supervisor)}
-    before |= {name: cpu_seconds(p) for name, p in workers.items()}
+    procs = {"supervisor": psutil.Process(daemon.pid)}
+    procs |= {name: psutil.Process(pid) for name, pid in daemon.worker_pids().items()}
+    before = {name: cpu_s(p) or 0.0 for name, p in procs.items()}
     started = time.monotonic()
     time.sleep(seconds)
     wall = time.monotonic() - started
-    after = {"supervisor": cpu_seconds(supervisor)}
-    after |= {name: cpu_seconds(p) for name, p in workers.items()}
+    after = {name: cpu_s(p) or 0.0 for name, p in procs.items()}
     percent = {name: round(100 * (after[name] - before[name]) / wall, 2) for name in before}
     worker_figures = [v for k, v in percent.items() if k != "supervisor"]
     return {
@@ -90,57 +80,6 @@ def measure(daemon: Daemon, seconds: float) -> dict[str, Any]:
     }
 
 
-def store_sessions(url: str, total: int, interrupted: int) -> float:
-    """Write `total` sessions, `interrupted` with a turn of an earlier boot in flight;
-    returns the seconds it took."""
-    from supervisor.store.models import Event, Session
-
-    started = time.monotonic()
-    host = socket.gethostname()
-    now = time.time()
-    with Store(url) as store:
-        sessions: list[dict[str, Any]] = []
-        events: list[dict[str, Any]] = []
-        for i in range(total):
-            sid = uuid.uuid4().hex
-            row: dict[str, Any] = {
-                "id": sid,
-                "kind": "attached",
-                "created_at": now - total + i,
-                "updated_at": now - total + i,
-            }
-            if i < interrupted:
-                turn = uuid.uuid4().hex
-                row |= {
-                    "updated_at": now - 60,
-                    "last_seq": 2,
-                    "active_turn_id": turn,
-                    "owner": f"{host}/{'e' * 8}/w0.1",
-                    "lease_token": 1,
-                    "lease_expires_at": now - 30,
-                    "attempt_turn_id": turn,
-                    "attempt_count": 1,
-                }
-                common = {"session_id": sid, "created_at": now - 60, "lease_token": 1}
-                events.append(
-                    common
-                    | {"seq": 1, "type": "user_message", "payload": json.dumps({"text": "hello"})}
-                    | {"writer": "intake", "lease_token": None}
-                )
-                events.append(
-                    common
-                    | {"seq": 2, "type": "turn_started", "payload": json.dumps({"read_to": 1})}
-                    | {"writer": "worker", "turn_id": turn}
-                )
-            sessions.append(row)
-        with store.db.atomic():
-            for start in range(0, len(sessions), CHUNK):
-                Session.insert_many(sessions[start : start + CHUNK]).execute()
-            for start in range(0, len(events), CHUNK):
-                Event.insert_many(events[start : start + CHUNK]).execute()
-    return time.monotonic() - started
-
-
 def sleepers(count: int) -> list[subprocess.Popen[bytes]]:
     """`count` idle `sleep` processes: more processes on the host, nothing else."""
     return [subprocess.Popen(["sleep", "3600"]) for _ in range(count)]
@@ -148,11 +87,13 @@ def sleepers(count: int) -> list[subprocess.Popen[bytes]]:
 
 def run(root: Path, name: str, args: argparse.Namespace, seconds: float) -> dict[str, Any]:
     """One scenario on a fresh state dir."""
-    daemon = Daemon(root, pool=dict(SHIPPED_POOL), agent={"class": "tests.agents:ChaosAgent"})
+    daemon = Daemon(root, pool=shipped_pool(), agent={"class": "tests.agents:ChaosAgent"})
     figures: dict[str, Any] = {}
     if name == "stored_sessions":
         figures["sessions"], figures["interrupted"] = args.sessions, args.interrupted
-        figures["write_s"] = round(store_sessions(daemon.url, args.sessions, args.interrupted), 1)
+        path = daemon.state / "turnkeeper.db"
+        idle = args.sessions - args.interrupted
+        figures["write_s"] = scale_seed.seed(path, daemon.url, idle, args.interrupted)["seed_s"]
     extra: list[subprocess.Popen[bytes]] = []
     try:
         daemon.start()
@@ -169,10 +110,7 @@ def run(root: Path, name: str, args: argparse.Namespace, seconds: float) -> dict
             with contextlib.suppress(ProcessLookupError):
                 os.kill(proc.pid, signal.SIGKILL)
             proc.wait()
-        with contextlib.suppress(Exception):
-            daemon.signal(signal.SIGTERM)
-            daemon.wait(30)
-        daemon.kill_everything()
+        stop(daemon)
     return figures
 
 

@@ -70,8 +70,6 @@ import contextlib
 import json
 import os
 import platform
-import signal
-import socket
 import sqlite3
 import sys
 import tempfile
@@ -85,10 +83,11 @@ from typing import Any
 import aiohttp
 import psutil
 
-from supervisor.contract.config import AgentConfig, PoolConfig
+from supervisor.contract.config import AgentConfig
 from supervisor.store import Store
 from tests.benchmarks import figures
-from tests.daemon import Daemon
+from tests.benchmarks.figures import cpu_s, free_port, shipped_pool, stop
+from tests.daemon import Daemon, is_worker
 
 DEFAULTS = {
     "sessions": 50,
@@ -116,7 +115,6 @@ TURN_TIMEOUT_S = 60.0  # one round's wait for every session's turn_ended
 DRAIN_LIMIT_S = 40.0  # after the sustained phase, at most this long for the backlog
 QUICK_DRAIN_LIMIT_S = 15.0
 SAMPLE_S = 0.5
-STOP_TIMEOUT_S = 30.0
 
 
 # --- figures -----------------------------------------------------------------------
@@ -140,21 +138,7 @@ def cpu_per_op(cpu: dict[str, Any] | None, injects: int, turns: int) -> dict[str
     }
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 # --- CPU of the processes ----------------------------------------------------------
-
-
-def _cpu_s(proc: psutil.Process) -> float | None:
-    try:
-        times = proc.cpu_times()
-    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-        return None
-    return float(times.user + times.system)
 
 
 def _threads_s(proc: psutil.Process) -> dict[int, float]:
@@ -176,7 +160,7 @@ def _role(proc: psutil.Process) -> str:
         cmdline = " ".join(proc.cmdline())
     except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
         return "gone"
-    if cmdline.startswith("turnkeeper: worker ") or "spawn_main" in cmdline:
+    if is_worker(proc):
         return "worker"
     if "resource_tracker" in cmdline:
         return "resource_tracker"
@@ -215,7 +199,7 @@ class CpuMeter:
         self.machine_start = _machine_busy_s()
         self.times_start = psutil.cpu_times()
         for name, proc in self.procs.items():
-            self.start_s[name] = _cpu_s(proc) or 0.0
+            self.start_s[name] = cpu_s(proc) or 0.0
             with contextlib.suppress(psutil.Error):
                 proc.cpu_percent(None)
             self.samples[name] = []
@@ -250,7 +234,7 @@ class CpuMeter:
             self._thread.join()
         by_process: dict[str, Any] = {}
         for name, proc in self.procs.items():
-            end = _cpu_s(proc)
+            end = cpu_s(proc)
             samples = self.samples.get(name, [])
             by_process[name] = {
                 "cpu_s": None if end is None else round(end - self.start_s[name], 2),
@@ -627,13 +611,7 @@ async def delay_overhead(
 ) -> dict[str, Any]:
     """Phase 3 on its own daemon in `root`: the latency rounds with echo's `model.delay`
     set, and the overhead (inject -> `turn_ended` minus the delay)."""
-    pool_defaults = PoolConfig()
-    pool = {
-        "workers": WORKERS,
-        "spare": SPARE,
-        "heartbeat_interval": pool_defaults.heartbeat_interval,
-        "hang_timeout": pool_defaults.hang_timeout,
-    }
+    pool = shipped_pool(WORKERS, SPARE)
     port = free_port()
     daemon = Daemon(
         root,
@@ -691,21 +669,6 @@ def _filesystem(path: Path) -> str | None:
     return None if best is None else best[1]
 
 
-def stop(daemon: Daemon) -> float | None:
-    """SIGTERM and wait; SIGKILL whatever is left, by pid. Seconds to a clean stop."""
-    started = time.monotonic()
-    clean: float | None = None
-    try:
-        if daemon.proc is not None and daemon.proc.poll() is None:
-            daemon.signal(signal.SIGTERM)
-            with contextlib.suppress(Exception):
-                daemon.wait(STOP_TIMEOUT_S)
-                clean = round(time.monotonic() - started, 2)
-    finally:
-        daemon.kill_everything()
-    return clean
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(prog="python -m tests.benchmarks.bench_intake")
     parser.add_argument("--sessions", type=int, default=None, help="sessions (default 50)")
@@ -739,19 +702,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             setattr(args, name, value)
     drain_limit = QUICK_DRAIN_LIMIT_S if args.quick else DRAIN_LIMIT_S
 
-    pool_defaults = PoolConfig()
     settings: dict[str, Any] = {
         "sessions": args.sessions,
         "latency_rounds": args.rounds,
         "one_session_injections": args.solo,
         "sustained_seconds": args.seconds,
         "sustained_clients": args.clients,
-        "pool": {
-            "workers": WORKERS,
-            "spare": SPARE,
-            "heartbeat_interval": pool_defaults.heartbeat_interval,
-            "hang_timeout": pool_defaults.hang_timeout,
-        },
+        "pool": shipped_pool(WORKERS, SPARE),
         "agent_class": AgentConfig().class_,
         "model": {"provider": "echo", "delay": 0.0},
         "store": "sqlite (WAL)",

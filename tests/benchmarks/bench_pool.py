@@ -66,15 +66,12 @@ import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
-import psutil
-
-from supervisor.contract.config import AgentConfig, PoolConfig
+from supervisor.contract.config import AgentConfig
 from supervisor.store import EventRecord, SessionInfo, Store
-from tests.benchmarks.figures import stats_ms, wait_for
+from tests.benchmarks.figures import alive, log_time, shipped_pool, stats_ms, wait_for
 from tests.daemon import Daemon, inject
 
 T = TypeVar("T")
@@ -101,11 +98,6 @@ _RESTART_IN = re.compile(r"restart in ([\d.]+)s")
 _STAMP = r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3}) "
 
 
-def log_time(stamp: str) -> float:
-    """A daemon log timestamp (local time, milliseconds) as epoch seconds."""
-    return datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S.%f").timestamp()
-
-
 def first_log_time(log: str, pattern: str) -> float | None:
     """The earliest timestamp of a log line matching `pattern` (no groups), or None."""
     found = re.findall(_STAMP + r".*" + pattern, log, flags=re.MULTILINE)
@@ -127,17 +119,11 @@ class PoolBench:
     """One pool configuration: a daemon, its sessions, and the kills measured on it."""
 
     def __init__(self, root: Path, workers: int, spare: int) -> None:
-        defaults = PoolConfig()
         self.workers, self.spare = workers, spare
         self.slots = workers + spare
         self.daemon = Daemon(
             root,
-            pool={
-                "workers": workers,
-                "spare": spare,
-                "heartbeat_interval": defaults.heartbeat_interval,
-                "hang_timeout": defaults.hang_timeout,
-            },
+            pool=shipped_pool(workers, spare),
             agent={"class": AgentConfig().class_},
         )
         self.store: Store | None = None
@@ -203,7 +189,7 @@ class PoolBench:
         ready = set(_READY.findall(self.run_log()))
         return (
             len(current) == self.slots
-            and all(ident in ready and _alive(pid) for ident, pid in current.values())
+            and all(ident in ready and alive(pid) for ident, pid in current.values())
             and len(self.daemon.live_workers()) == self.slots
         )
 
@@ -295,7 +281,7 @@ class PoolBench:
         turns = {s: started(s) for s in sessions}
         infos = {s: self.info(s) for s in sessions}
         owner = self.owner_prefix + ident
-        ok = _alive(pid) and all(
+        ok = alive(pid) and all(
             (t := turns[s]) is not None
             and infos[s].owner == owner
             and infos[s].active_turn_id == t.turn_id
@@ -399,13 +385,6 @@ class PoolBench:
             "waited_s": {k: round(v, 1) for k, v in sorted(self.waited.items())},
             "wall_s": round(wall, 1),
         }
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -1,12 +1,12 @@
 """Replaying a session's log over HTTP against the real daemon: its cost, and the API meanwhile.
 
-The daemon is `turnkeeper run` as a real process (`tests.daemon.Daemon`) in a fresh state
-dir: SQLite with `synchronous=FULL`, the echo model with no delay, the shipped agent class
-and pool timings, listening on a free loopback TCP port. The client is one aiohttp
-`ClientSession` in this process, authenticated with the admin token the daemon writes
-(`http.max_streams_per_principal` is raised, as every replay is the admin's). Before each
-timed run the benchmark waits until the daemon counts no attach stream: a stream notices
-that its client left only at its next idle check.
+The daemon is `turnkeeper run` as a real process (`scale_support.ScaleDaemon`) in a fresh
+state dir: SQLite with `synchronous=FULL`, the echo model with no delay, the shipped agent
+class, pool timings and recovery schedule, listening on a free loopback TCP port. The
+client is one aiohttp `ClientSession` in this process, authenticated with the admin token
+the daemon writes (`http.max_streams_per_principal` is raised, as every replay is the
+admin's). Before each timed run the benchmark waits until the daemon counts no attach
+stream: a stream notices that its client left only at its next idle check.
 
 `--concurrent` sessions (default 10) are filled with `--events` events each (default
 5,000), appended through a `Store` opened by this process: a repeating turn of
@@ -46,12 +46,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import platform
-import signal
-import socket
 import statistics
 import sys
 import tempfile
@@ -62,10 +59,10 @@ from typing import Any
 import aiohttp
 import psutil
 
-from supervisor.contract.config import AgentConfig, PoolConfig
+from supervisor.contract.config import AgentConfig
 from supervisor.store import Store
 from tests.benchmarks import figures
-from tests.daemon import Daemon
+from tests.benchmarks.scale_support import STREAMS, ScaleDaemon, with_daemon
 
 TARGETS = {
     "supervisor_cpu_us_per_event_max": 30.0,
@@ -75,23 +72,14 @@ TARGETS = {
 DEFAULTS = {"events": 5000, "runs": 5, "concurrent": 10, "rounds": 8, "injects": 5}
 QUICK = {"events": 5000, "runs": 2, "concurrent": 10, "rounds": 3, "injects": 5}
 WORKERS, SPARE = 2, 1
-REPLAY_TIMEOUT_S = 120.0
-STOP_TIMEOUT_S = 30.0
 SETTLE_TIMEOUT_S = 10.0
-MAX_STREAMS = 1000  # http.max_streams_per_principal: the benchmark's client is one principal
 TEXT = ("The quick brown fox jumps over the lazy dog; " * 7).strip()
 DATA_LINE = b"\ndata: "
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def cpu_s(proc: psutil.Process) -> float:
-    times = proc.cpu_times()
-    return float(times.user + times.system)
+    """`figures.cpu_s` of a process that outlives the measurement."""
+    return figures.cpu_s(proc) or 0.0
 
 
 def fill(url: str, session_id: str, count: int) -> None:
@@ -295,24 +283,15 @@ async def measure(bench: ReplayBench, pid: int, args: argparse.Namespace) -> dic
     }
 
 
-async def run(base: str, token: str, url: str, pid: int, args: argparse.Namespace) -> Any:
-    bench = ReplayBench(base, token, args.events)
+async def run(daemon: ScaleDaemon, args: argparse.Namespace) -> dict[str, Any]:
+    """Fill the sessions on the running `daemon` and measure (`--events`, `--runs`,
+    `--concurrent`, `--rounds`, `--injects` in `args`)."""
+    bench = ReplayBench(daemon.base, daemon.token, args.events)
     try:
-        await bench.open(url, args.concurrent)
-        return await measure(bench, pid, args)
+        await bench.open(daemon.url, args.concurrent)
+        return await measure(bench, daemon.pid, args)
     finally:
         await bench.close()
-
-
-def stop(daemon: Daemon) -> None:
-    """SIGTERM and wait; SIGKILL whatever is left, by pid."""
-    try:
-        if daemon.proc is not None and daemon.proc.poll() is None:
-            daemon.signal(signal.SIGTERM)
-            with contextlib.suppress(Exception):
-                daemon.wait(STOP_TIMEOUT_S)
-    finally:
-        daemon.kill_everything()
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -328,43 +307,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if getattr(args, name) is None:
             setattr(args, name, value)
 
-    pool_defaults = PoolConfig()
-    pool = {
-        "workers": WORKERS,
-        "spare": SPARE,
-        "heartbeat_interval": pool_defaults.heartbeat_interval,
-        "hang_timeout": pool_defaults.hang_timeout,
-    }
     settings = {
         "events": args.events,
         "runs": args.runs,
         "concurrent": args.concurrent,
         "inject_rounds": args.rounds,
         "idle_injects_per_round": args.injects,
-        "pool": pool,
+        "pool": figures.shipped_pool(WORKERS, SPARE),
         "agent_class": AgentConfig().class_,
         "model": {"provider": "echo", "delay": 0.0},
         "store": "sqlite (WAL), synchronous FULL",
-        "max_streams_per_principal": MAX_STREAMS,
+        "max_streams_per_principal": STREAMS,
         "client": f"aiohttp {aiohttp.__version__}, one ClientSession, no connection limit",
     }
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="turnkeeper-bench-") as tmp:
-        port = free_port()
-        daemon = Daemon(
-            Path(tmp) / "replay",
-            http={"listen": f"127.0.0.1:{port}", "max_streams_per_principal": MAX_STREAMS},
-            pool=pool,
-            agent={"class": settings["agent_class"]},
-            model={"provider": "echo", "delay": 0.0},
-        )
-        try:
-            daemon.start()
-            token = (daemon.state / "admin.token").read_text().strip()
-            base = f"http://127.0.0.1:{port}"
-            found = asyncio.run(run(base, token, daemon.url, daemon.pid, args))
-        finally:
-            stop(daemon)
+        daemon = ScaleDaemon(Path(tmp) / "replay", workers=WORKERS, spare=SPARE)
+        found = asyncio.run(with_daemon(daemon, lambda d: run(d, args)))
     result: dict[str, Any] = {
         "benchmark": "replay",
         "python": sys.version.split()[0],

@@ -45,13 +45,11 @@ import statistics
 import sys
 import tempfile
 import time
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from supervisor.contract.config import PoolConfig
 from supervisor.store import Store
-from tests.benchmarks.figures import wait_for
+from tests.benchmarks.figures import log_time, shipped_pool, wait_for
 from tests.conftest import REPO
 from tests.daemon import Daemon, inject, turn_ended
 
@@ -110,18 +108,16 @@ def _marks(log: str, since: float) -> dict[str, float | None]:
         found[name] = None
         for line in lines:
             if re.search(pattern, line):
-                stamp = datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S.%f").timestamp()
-                found[name] = round(stamp - since, 3)
+                found[name] = round(log_time(line[:23]) - since, 3)
                 break
     return found
 
 
 def restart_run(root: Path, command: list[str], cwd: str | None) -> dict[str, Any]:
     """One SIGKILL of the supervisor with a turn held in flight, and the restart."""
-    pool = PoolConfig()
     daemon = Daemon(
         root,
-        pool={"workers": pool.workers, "spare": pool.spare, "heartbeat_interval": 1.0},
+        pool=shipped_pool(),
         agent={"class": "tests.agents:ChaosAgent"},
         mcp={
             "servers": [

@@ -22,11 +22,13 @@ time of a process, in 10 ms ticks.
     `--backlog` sessions with an interrupted turn waiting for a first touch (of an
     earlier boot of this host, a minute old) / on an empty one. Target <= 2x; no reply
     within `--backlog-timeout` is not met.
- 4. `idle_cpu`: the idle supervisor's CPU (% of a core, over `--idle-seconds`) as the
-    machine is, with `--extra-processes` more `sleep` processes, and on a database of
-    `--stored` sessions of which `--stored-interrupted` are interrupted. Target <= 1%.
- 5. `sse_replay`: SSE replay of `--replay-events` events from `Last-Event-ID: 0`: the
-    supervisor's CPU per event (<= 30 us), 10 concurrent replays' wall / 1's (<= 3x);
+ 4. `idle_cpu`: the idle supervisor's CPU (% of a core, over `--idle-seconds`,
+    `bench_idle.measure`) as the machine is, with `--extra-processes` more `sleep`
+    processes, and on a database of `--stored` sessions of which `--stored-interrupted`
+    are interrupted. Target <= 1%.
+ 5. `sse_replay`: `bench_replay` with 10 sessions of `--replay-events` events, `--reps`
+    runs: the supervisor's CPU per event of one replay (<= 30 us), 10 concurrent replays'
+    wall / 1's (<= 3x);
  6. and another session's inject -> 202 while 10 replays run / idle (<= 2x, medians).
  7. `arrivals`: `--arrivals` sessions created and sent a first message at once: first
     to last "assigned to" in the daemon log. Target <= 1 s.

@@ -70,10 +70,10 @@ from typing import Any, TypeVar
 
 import psutil
 
-from supervisor.contract.config import AgentConfig, PoolConfig, ShutdownConfig
+from supervisor.contract.config import AgentConfig, ShutdownConfig
 from supervisor.contract.reaper import ProcessId, descendants, terminate
 from supervisor.store import Store
-from tests.benchmarks.figures import wait_for
+from tests.benchmarks.figures import shipped_pool, wait_for
 from tests.conftest import PYTHON, REPO
 from tests.daemon import Daemon
 
@@ -185,15 +185,9 @@ class Tree:
         self.pid_files = {kind: root / f"spawner-{kind}.pids" for kind in PID_FILES}
         env = {MARKER_VAR: marker}
         env.update({var: str(self.pid_files[kind]) for kind, var in PID_FILES.items()})
-        defaults = PoolConfig()
         self.daemon = Daemon(
             root,
-            pool={
-                "workers": WORKERS,
-                "spare": 0,
-                "heartbeat_interval": defaults.heartbeat_interval,
-                "hang_timeout": defaults.hang_timeout,
-            },
+            pool=shipped_pool(WORKERS, 0),
             agent={"class": AgentConfig().class_},
             http={"listen": f"unix:{root / 'http.sock'}"},
             mcp={

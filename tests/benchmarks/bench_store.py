@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from supervisor.store import Store
+from supervisor.store.statements import Sql, sql_for
 from tests.benchmarks.figures import percentile
 
 TARGETS = {"single_session_ratio_min": 0.8, "sessions_32_ratio_min": 2.0}
@@ -73,15 +74,6 @@ CREATE TABLE event (
 RAW_INSERT = (
     "INSERT INTO event (session_id, seq, type, turn_id, payload, created_at, writer) "
     "VALUES (?, ?, ?, ?, ?, ?, ?)"
-)
-# The store's statements for an append from a known session row (statements.py).
-STORE_BUMP = (
-    "UPDATE session SET last_seq = ?, updated_at = ? "
-    "WHERE id = ? AND last_seq = ? AND lease_token = ?"
-)
-STORE_INSERT = (
-    "INSERT INTO event (session_id, seq, type, turn_id, payload, created_at, writer, "
-    "lease_token) VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
 )
 
 
@@ -147,36 +139,46 @@ def open_raw(path: Path, synchronous: str) -> sqlite3.Connection:
     return conn
 
 
-def run_raw(
-    conn: sqlite3.Connection, session_id: str, n: int, deadline: float
-) -> tuple[int, float, list[int]]:
-    """One INSERT + COMMIT per event; returns (events, seconds, latencies)."""
+def timed(n: int, deadline: float, one: Callable[[int], object]) -> tuple[int, float, list[int]]:
+    """`one(i)` for i in 1..n, until the deadline; returns (events, seconds, latencies)."""
     latencies: list[int] = []
     clock = time.perf_counter_ns
-    execute = conn.execute
     start = clock()
     done = 0
-    for seq in range(1, n + 1):
+    for i in range(1, n + 1):
         t0 = clock()
-        execute("BEGIN IMMEDIATE")
-        execute(
-            RAW_INSERT,
-            (session_id, seq, EVENT_TYPE, TURN_ID, PAYLOAD_JSON, time.time(), WRITER),
-        )
-        execute("COMMIT")
+        one(i)
         t1 = clock()
         latencies.append(t1 - t0)
-        done = seq
+        done = i
         if t1 > deadline:
             break
     return done, (clock() - start) / 1e9, latencies
 
 
-def open_store_sql(path: Path, synchronous: str) -> tuple[sqlite3.Connection, str]:
-    """A sqlite3 connection to a database with the store's schema, and one leased session."""
+def run_raw(
+    conn: sqlite3.Connection, session_id: str, n: int, deadline: float
+) -> tuple[int, float, list[int]]:
+    """One INSERT + COMMIT per event; returns (events, seconds, latencies)."""
+    execute = conn.execute
+
+    def one(seq: int) -> None:
+        execute("BEGIN IMMEDIATE")
+        execute(
+            RAW_INSERT, (session_id, seq, EVENT_TYPE, TURN_ID, PAYLOAD_JSON, time.time(), WRITER)
+        )
+        execute("COMMIT")
+
+    return timed(n, deadline, one)
+
+
+def open_store_sql(path: Path, synchronous: str) -> tuple[sqlite3.Connection, str, Sql]:
+    """A sqlite3 connection to a database with the store's schema, one leased session, and
+    the store's statements for an append from a known session row."""
     with Store(f"sqlite:///{path.as_posix()}", synchronous) as store:
         session_id, _ = new_session(store, "raw")
-    return open_raw_conn(path, synchronous), session_id
+        sql = sql_for(store.db)
+    return open_raw_conn(path, synchronous), session_id, sql
 
 
 def open_raw_conn(path: Path, synchronous: str) -> sqlite3.Connection:
@@ -188,33 +190,24 @@ def open_raw_conn(path: Path, synchronous: str) -> sqlite3.Connection:
 
 
 def run_store_sql(
-    conn: sqlite3.Connection, session_id: str, n: int, deadline: float
+    conn: sqlite3.Connection, session_id: str, sql: Sql, n: int, deadline: float
 ) -> tuple[int, float, list[int]]:
     """`run_raw` with the store's statements: bump the session row, insert, commit."""
     last, token = conn.execute(
         "SELECT last_seq, lease_token FROM session WHERE id = ?", (session_id,)
     ).fetchone()
-    latencies: list[int] = []
-    clock = time.perf_counter_ns
     execute = conn.execute
-    start = clock()
-    done = 0
-    for i in range(1, n + 1):
-        t0 = clock()
+
+    def one(i: int) -> None:
         execute("BEGIN IMMEDIATE")
-        execute(STORE_BUMP, (last + 1, time.time(), session_id, last, token))
-        last += 1
+        execute(sql.bump, (last + i, time.time(), session_id, last + i - 1, token))
         execute(
-            STORE_INSERT,
-            (session_id, last, EVENT_TYPE, TURN_ID, PAYLOAD_JSON, time.time(), WRITER, token),
+            sql.insert,
+            (session_id, last + i, EVENT_TYPE, TURN_ID, PAYLOAD_JSON, time.time(), WRITER, token),
         )
         execute("COMMIT")
-        t1 = clock()
-        latencies.append(t1 - t0)
-        done = i
-        if t1 > deadline:
-            break
-    return done, (clock() - start) / 1e9, latencies
+
+    return timed(n, deadline, one)
 
 
 # --- the store ---------------------------------------------------------------------
@@ -250,29 +243,6 @@ def run_store_single(store: Store, n: int, deadline: float) -> tuple[int, float,
     start = time.perf_counter_ns()
     done = append_loop(store, session_id, token, n, deadline, latencies)
     return done, (time.perf_counter_ns() - start) / 1e9, latencies
-
-
-def run_store_single_asyncio(store: Store, n: int, deadline: float) -> tuple[int, float, list[int]]:
-    session_id, token = new_session(store, "s0.1")
-    latencies: list[int] = []
-    clock = time.perf_counter_ns
-
-    async def one() -> int:
-        done = 0
-        append = store.events.append_async
-        for _ in range(n):
-            t0 = clock()
-            await append(session_id, EVENT_TYPE, PAYLOAD, token=token, turn_id=TURN_ID)
-            t1 = clock()
-            latencies.append(t1 - t0)
-            done += 1
-            if t1 > deadline:
-                break
-        return done
-
-    start = clock()
-    done = asyncio.run(one())
-    return done, (clock() - start) / 1e9, latencies
 
 
 def run_store_threads(
@@ -337,15 +307,17 @@ def run_store_asyncio(
 
 def run_pass(workdir: Path, synchronous: str, n_events: int) -> dict[str, Any]:
     raw_conn = open_raw(workdir / f"raw-{synchronous}.db", synchronous)
-    sql_conn, sql_session = open_store_sql(workdir / f"store-sql-{synchronous}.db", synchronous)
+    sql_conn, sql_session, sql = open_store_sql(
+        workdir / f"store-sql-{synchronous}.db", synchronous
+    )
     store = Store(f"sqlite:///{(workdir / f'store-{synchronous}.db').as_posix()}", synchronous)
     try:
         far = time.perf_counter_ns() + 3_600 * 10**9
         # Warm-up: page cache, WAL file, sqlite3/peewee statement caches, the committer.
         run_raw(raw_conn, "warmup", WARMUP_EVENTS, far)
-        run_store_sql(sql_conn, sql_session, WARMUP_EVENTS, far)
+        run_store_sql(sql_conn, sql_session, sql, WARMUP_EVENTS, far)
         run_store_single(store, WARMUP_EVENTS, far)
-        run_store_single_asyncio(store, WARMUP_EVENTS, far)
+        run_store_asyncio(store, 1, WARMUP_EVENTS, far)
         run_store_threads(store, THREADS, THREADS * 4, far)
         run_store_asyncio(store, THREADS, THREADS * 4, far)
 
@@ -355,9 +327,9 @@ def run_pass(workdir: Path, synchronous: str, n_events: int) -> dict[str, Any]:
         budget_ns = int(WORKLOAD_BUDGET_S / ROUNDS * 1e9)
         workloads: list[tuple[str, Callable[[float], tuple[int, float, list[int]]]]] = [
             ("raw", lambda d: run_raw(raw_conn, f"raw-{time.time_ns()}", per_round, d)),
-            ("store_sql", lambda d: run_store_sql(sql_conn, sql_session, per_round, d)),
+            ("store_sql", lambda d: run_store_sql(sql_conn, sql_session, sql, per_round, d)),
             ("single", lambda d: run_store_single(store, per_round, d)),
-            ("single_asyncio", lambda d: run_store_single_asyncio(store, per_round, d)),
+            ("single_asyncio", lambda d: run_store_asyncio(store, 1, per_round, d)),
             ("threads", lambda d: run_store_threads(store, THREADS, per_round, d)),
             ("asyncio", lambda d: run_store_asyncio(store, THREADS, per_round, d)),
         ]

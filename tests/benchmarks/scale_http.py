@@ -10,19 +10,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import aiohttp
-import psutil
-
-from tests.benchmarks import bench_intake, scale_seed
+from tests.benchmarks import bench_intake, bench_replay
 from tests.benchmarks.bench_intake import CpuMeter, IntakeBench
-from tests.benchmarks.figures import stats_ms
-from tests.benchmarks.scale_support import ScaleDaemon, check, cpu_s, median, ratio, with_daemon
+from tests.benchmarks.scale_support import ScaleDaemon, check, ratio, with_daemon
 
 REPLAYS = 10
 TODAY_CPU_MS = {"supervisor": 4.5, "workers": 8.0}  # per reply, measured before the work
@@ -31,137 +26,45 @@ TODAY_CPU_MS = {"supervisor": 4.5, "workers": 8.0}  # per reply, measured before
 # --- 5 and 6. SSE replays ----------------------------------------------------------
 
 
-async def _replay(d: ScaleDaemon, http: aiohttp.ClientSession, session_id: str, last: int) -> int:
-    """Attach with `Last-Event-ID: 0` and read until event `last`; events read.
-
-    Read in raw chunks, only counting `id:` lines, so that this client (in the process
-    that also times the injects of figure 6) costs little next to the supervisor.
-    """
-    url = f"{d.base}/v1/sessions/{session_id}/attach"
-    timeout = aiohttp.ClientTimeout(total=120, sock_read=60)
-    end = f"\nid: {last}\n".encode()
-    seen, tail = 0, b"\n"
-    async with http.get(url, headers={"Last-Event-ID": "0"}, timeout=timeout) as resp:
-        if resp.status != 200:
-            raise RuntimeError(f"attach answered {resp.status}")
-        async for chunk in resp.content.iter_any():
-            window = tail + chunk
-            seen += window.count(b"\nid: ") - tail.count(b"\nid: ")
-            if end in window:
-                break
-            tail = window[-len(end) :]
-    return seen
-
-
-async def _timed_replays(
-    d: ScaleDaemon, http: aiohttp.ClientSession, session_id: str, last: int, n: int
-) -> tuple[float, float | None, int]:
-    """(wall seconds, supervisor CPU seconds, events read) of `n` concurrent replays."""
-    before = cpu_s(d.pid)
-    started = time.perf_counter()
-    seen = await asyncio.gather(*(_replay(d, http, session_id, last) for _ in range(n)))
-    wall = time.perf_counter() - started
-    after = cpu_s(d.pid)
-    cpu = None if before is None or after is None else after - before
-    return wall, cpu, sum(seen)
-
-
-async def _inject_ms(
-    d: ScaleDaemon, http: aiohttp.ClientSession, session_id: str, count: int
-) -> list[float]:
-    """inject -> 202, one at a time, 20 ms apart."""
-    found = []
-    for i in range(count):
-        started = time.perf_counter()
-        await d.inject(http, session_id, f"beside the replays {i}")
-        found.append((time.perf_counter() - started) * 1000)
-        await asyncio.sleep(0.02)
-    return found
-
-
 async def replay(root: Path, opts: argparse.Namespace) -> dict[str, Any]:
-    """Figure 5: SSE replay of `--replay-events` events from `Last-Event-ID: 0`, CPU per
-    event and 10 concurrent / 1. Figure 6: another session's inject -> 202 while 10
-    replays run, against the daemon idle."""
-    daemon = ScaleDaemon(root / "replay")
-
-    async def body(d: ScaleDaemon) -> dict[str, Any]:
-        async with d.client(timeout=120) as http:
-            source, other, big = await d.create(http, 3)
-            await d.turn(http, source, "hello")  # the turn the history is copied from
-            await d.turn(http, other, "hello")  # the other session has its worker
-            last = await asyncio.to_thread(
-                scale_seed.history, d.db_path, source, big, opts.replay_events
-            )
-            await _replay(d, http, big, last)  # warm: page cache, connections
-            one = [await _timed_replays(d, http, big, last, 1) for _ in range(opts.reps)]
-            ten = [await _timed_replays(d, http, big, last, REPLAYS) for _ in range(opts.reps)]
-            idle = await _inject_ms(d, http, other, opts.injects)
-            stop = asyncio.Event()
-            replays = [0]
-
-            async def replaying() -> None:
-                while not stop.is_set():
-                    await _replay(d, http, big, last)
-                    replays[0] += 1
-
-            tasks = [asyncio.create_task(replaying()) for _ in range(REPLAYS)]
-            await asyncio.sleep(0.2)
-            client = psutil.Process()
-            before = client.cpu_times()
-            started = time.perf_counter()
-            try:
-                busy = await _inject_ms(d, http, other, opts.injects)
-                after = client.cpu_times()
-                client_percent = (after.user + after.system - before.user - before.system) / (
-                    time.perf_counter() - started
-                )
-            finally:
-                stop.set()
-                for task in tasks:
-                    task.cancel()
-                with contextlib.suppress(Exception):
-                    await asyncio.gather(*tasks, return_exceptions=True)
-
-        def us_per_event(runs: list[tuple[float, float | None, int]]) -> float | None:
-            # Over all repetitions together: CPU time comes in 10 ms ticks.
-            cpu = [c for _, c, _ in runs if c is not None]
-            seen = sum(n for _, c, n in runs if c is not None)
-            return round(sum(cpu) / seen * 1e6, 1) if seen else None
-
-        wall_one = median([w for w, _, _ in one])
-        wall_ten = median([w for w, _, _ in ten])
-        idle_ms, busy_ms = stats_ms(idle), stats_ms(busy)
-        return {
-            "events": last,
-            "replay_1_wall_ms": [round(w * 1000, 1) for w, _, _ in one],
-            "replay_10_wall_ms": [round(w * 1000, 1) for w, _, _ in ten],
-            "supervisor_cpu_us_per_event": {
-                "1": us_per_event(one),
-                "10": us_per_event(ten),
-                "all": us_per_event(one + ten),
-            },
-            "inject_202_ms": {"idle": idle_ms, "during_10_replays": busy_ms},
-            "replays_during_injects": replays[0],
-            "client_cpu_percent_during_injects": round(client_percent * 100, 1),
-            "events_read_per_replay": sorted(
-                {n for _, _, n in one} | {n // REPLAYS for _, _, n in ten}
+    """`bench_replay` on a daemon of its own: figure 5, SSE replay of `--replay-events`
+    events from `Last-Event-ID: 0`, CPU per event and 10 concurrent / 1; figure 6, another
+    session's inject -> 202 while 10 replays run, against the daemon idle. `--reps` runs
+    and inject rounds, `--injects` idle injects in all."""
+    args = argparse.Namespace(
+        events=opts.replay_events,
+        runs=opts.reps,
+        concurrent=REPLAYS,
+        rounds=opts.reps,
+        injects=max(1, opts.injects // opts.reps),
+    )
+    found = await with_daemon(ScaleDaemon(root / "replay"), lambda d: bench_replay.run(d, args))
+    targets = bench_replay.TARGETS
+    return found | {
+        "checks": [
+            check(
+                "5.cpu_us_per_event",
+                found["one_replay"]["supervisor_cpu_us_per_event"],
+                "<=",
+                targets["supervisor_cpu_us_per_event_max"],
+                " us",
             ),
-            "checks": [
-                check("5.cpu_us_per_event", us_per_event(one + ten), "<=", 30.0, " us"),
-                check("5.replay_10_over_1_wall", ratio(wall_ten, wall_one), "<=", 3.0, "x"),
-                check(
-                    "6.inject_p50_during_over_idle",
-                    ratio(busy_ms["p50"], idle_ms["p50"]),
-                    "<=",
-                    2.0,
-                    "x",
-                ),
-            ],
-        }
-
-    found, start_s = await with_daemon(daemon, body)
-    return found | {"daemon_start_s": start_s}
+            check(
+                "5.replay_10_over_1_wall",
+                found["concurrent_replays_one_session"]["ratio_to_one"],
+                "<=",
+                targets["concurrent_to_one_ratio_max"],
+                "x",
+            ),
+            check(
+                "6.inject_p50_during_over_idle",
+                found["inject_latency"]["ratio_p50"],
+                "<=",
+                targets["inject_during_to_idle_ratio_max"],
+                "x",
+            ),
+        ]
+    }
 
 
 # --- 11. replies per second --------------------------------------------------------
@@ -219,8 +122,7 @@ async def throughput(root: Path, opts: argparse.Namespace) -> dict[str, Any]:
         async def body(d: ScaleDaemon) -> dict[str, Any]:
             return await _closed_loop(d, opts.sessions, opts.seconds)
 
-        result, start_s = await with_daemon(daemon, body)
-        found[f"workers_{workers}"] = result | {"daemon_start_s": start_s}
+        result = found[f"workers_{workers}"] = await with_daemon(daemon, body)
         for who, today in TODAY_CPU_MS.items():
             value = result[f"{who}_cpu_ms_per_reply"]
             checks.append(
@@ -244,5 +146,13 @@ async def overhead(root: Path, opts: argparse.Namespace) -> dict[str, Any]:
     injected at once per round; inject -> turn_ended p99 minus the delay."""
     found = await bench_intake.delay_overhead(root / "overhead", opts.sessions, opts.delay_rounds)
     return found | {
-        "checks": [check("overhead_p99_ms", found["overhead_ms"]["p99"], "<=", 50.0, " ms")]
+        "checks": [
+            check(
+                "overhead_p99_ms",
+                found["overhead_ms"]["p99"],
+                "<=",
+                bench_intake.TARGET_OVERHEAD_P99_MS,
+                " ms",
+            )
+        ]
     }

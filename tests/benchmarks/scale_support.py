@@ -1,5 +1,5 @@
 """What the scale figures share: a daemon on a loopback port, its API, its database read
-directly, the CPU time of its processes, and the shape of a judged figure.
+directly, and the shape of a judged figure.
 
 A figure is a dict with its `checks`: each check names a value, its target and whether
 the value meets it. A value that could not be measured (a timeout) is None and does not
@@ -15,15 +15,13 @@ import sqlite3
 import statistics
 import time
 from collections.abc import Awaitable, Callable
-from datetime import datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
 import aiohttp
-import psutil
 
 from supervisor.contract.config import AgentConfig, PoolConfig, RecoveryConfig
-from tests.benchmarks.bench_intake import free_port, stop
+from tests.benchmarks.figures import alive, free_port, log_time, shipped_pool, stop
 from tests.daemon import Daemon
 
 T = TypeVar("T")
@@ -59,11 +57,6 @@ def ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1000, 1)
 
 
-def log_time(stamp: str) -> float:
-    """A daemon log timestamp (local time, milliseconds) as epoch seconds."""
-    return datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S.%f").timestamp()
-
-
 def log_marks(log: str, pattern: str) -> list[tuple[float, re.Match[str]]]:
     """(time, match) of every log line whose text after the timestamp matches `pattern`."""
     found = []
@@ -75,25 +68,6 @@ def log_marks(log: str, pattern: str) -> list[tuple[float, re.Match[str]]]:
         if match is not None:
             found.append((log_time(stamp.group(1)), match))
     return found
-
-
-# --- processes ---------------------------------------------------------------------
-
-
-def cpu_s(pid: int) -> float | None:
-    """User + system CPU seconds of one process (not its children); None once it is gone."""
-    try:
-        times = psutil.Process(pid).cpu_times()
-    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-        return None
-    return float(times.user + times.system)
-
-
-def alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 async def poll(predicate: Callable[[], T], timeout: float, interval: float = POLL_S) -> T | None:
@@ -125,12 +99,7 @@ class ScaleDaemon:
         delay: float = 0.0,
     ) -> None:
         self.port = free_port()
-        self.pool = {
-            "workers": workers,
-            "spare": spare,
-            "heartbeat_interval": SHIPPED_POOL.heartbeat_interval,
-            "hang_timeout": SHIPPED_POOL.hang_timeout,
-        }
+        self.pool = shipped_pool(workers, spare)
         self.daemon = Daemon(
             root,
             http={"listen": f"127.0.0.1:{self.port}", "max_streams_per_principal": STREAMS},
@@ -290,12 +259,13 @@ def stop_all() -> None:
 
 
 async def with_daemon(
-    daemon: ScaleDaemon, body: Callable[[ScaleDaemon], Awaitable[T]]
-) -> tuple[T, float]:
-    """Start `daemon`, run `body` with it, always stop it; (body's value, start seconds)."""
+    daemon: ScaleDaemon, body: Callable[[ScaleDaemon], Awaitable[dict[str, Any]]]
+) -> dict[str, Any]:
+    """Start `daemon`, run `body` with it, always stop it; body's figures with the
+    seconds the start took, `daemon_start_s`."""
     try:
         started = await asyncio.to_thread(daemon.start)
-        return await body(daemon), started
+        return await body(daemon) | {"daemon_start_s": started}
     except BaseException as exc:
         with contextlib.suppress(OSError):
             exc.add_note("\n".join(daemon.run_log().splitlines()[-LOG_TAIL:]))

@@ -19,12 +19,11 @@ from typing import Any
 import aiohttp
 
 from tests.benchmarks import scale_seed
-from tests.benchmarks.figures import stats_ms
+from tests.benchmarks.figures import cpu_s, stats_ms
 from tests.benchmarks.scale_support import (
     GATE_AGENT,
     ScaleDaemon,
     check,
-    cpu_s,
     log_marks,
     median,
     ms,
@@ -89,8 +88,7 @@ async def history(root: Path, opts: argparse.Namespace) -> dict[str, Any]:
             ],
         }
 
-    found, start_s = await with_daemon(daemon, body)
-    return found | {"daemon_start_s": start_s}
+    return await with_daemon(daemon, body)
 
 
 # --- 2. a worker killed with k turns in flight -------------------------------------
@@ -119,8 +117,7 @@ async def kill(root: Path, opts: argparse.Namespace) -> dict[str, Any]:
             "checks": [check(f"k{counts[1]}_over_k1", ratio(many, one), "<=", 3.0, "x")],
         }
 
-    found, start_s = await with_daemon(daemon, body)
-    return found | {"daemon_start_s": start_s}
+    return await with_daemon(daemon, body)
 
 
 async def _kill_round(
@@ -211,8 +208,7 @@ async def backlog(root: Path, opts: argparse.Namespace) -> dict[str, Any]:
                 "errors": errors,
             }
 
-        result, start_s = await with_daemon(daemon, body)
-        found[name] = result | seeded | {"daemon_start_s": start_s}
+        found[name] = await with_daemon(daemon, body) | seeded
     value = ratio(found["waiting"]["median_s"], found["none_waiting"]["median_s"])
     return found | {"checks": [check("waiting_over_none", value, "<=", 2.0, "x")]}
 
@@ -241,8 +237,7 @@ async def arrivals(root: Path, opts: argparse.Namespace) -> dict[str, Any]:
             "checks": [check("first_to_last_assigned_s", value, "<=", 1.0, " s")],
         }
 
-    found, start_s = await with_daemon(daemon, body)
-    return found | {"daemon_start_s": start_s}
+    return await with_daemon(daemon, body)
 
 
 async def _arrival_round(
