@@ -26,7 +26,7 @@ from supervisor.store import (
 )
 from supervisor.store.db import run_write
 from supervisor.store.eventlog import make_request, write_events
-from supervisor.store.models import Event, SchemaVersion, Session
+from supervisor.store.models import Event, Host, SchemaVersion, Session
 from tests.conftest import BACKENDS
 
 pytestmark = pytest.mark.parametrize("db_url", BACKENDS, indirect=True)
@@ -58,13 +58,17 @@ def test_a_version_1_database_is_migrated_and_keeps_its_rows(db_url: str) -> Non
             sid, "user_message", {"text": "kept", "by": "alice"}, writer="intake",
             idempotency_key="k1",
         )  # fmt: skip
+        store.children.record("a-boot-before-hosts", 4242, 1.0, "worker", host="gone")
         migrator = SchemaMigrator.from_database(store.db)
         run_migrations(
             migrator.drop_column("session", "resend_requested_at"),
             migrator.drop_column("intake_key", "digest"),
             migrator.drop_index("session", "session_owner"),
             migrator.drop_index("session", "session_pending_status_updated_at"),
+            migrator.drop_index("child_process", "child_process_host"),
+            migrator.drop_column("child_process", "host"),
         )
+        store.db.drop_tables([Host])
         SchemaVersion.update(version=1).execute()
     with Store(db_url) as store:
         assert (store.schema_before, store.schema_version) == (1, migrations.LATEST)
@@ -73,6 +77,9 @@ def test_a_version_1_database_is_migrated_and_keeps_its_rows(db_url: str) -> Non
         # Version 4 indexed the work query and lease renewal.
         indexes = {index.name for index in store.db.get_indexes("session")}
         assert {"session_owner", "session_pending_status_updated_at"} <= indexes
+        # Version 5 added the host registry and each child's host ("" before it).
+        assert store.hosts.all() == []
+        assert [c.host for c in store.children.of_other_boots("now")] == [""]
         # Version 3 scoped the key to the principal that sent it: a replay still finds it.
         replay = store.events.append(
             sid, "user_message", {"text": "kept"}, writer="intake",

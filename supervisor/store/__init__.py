@@ -28,6 +28,7 @@ from supervisor.store.errors import (
 )
 from supervisor.store.eventlog import EVENT_TYPES, EventLog, EventRecord
 from supervisor.store.events import ReplayedSeq, request_digest, scoped_key
+from supervisor.store.hosts import Host, Hosts, HostTaken, Me
 from supervisor.store.leases import Grant, Granted, Lease, Leases
 from supervisor.store.models import MODELS, SchemaVersion
 from supervisor.store.sessions import KINDS, SessionInfo, Sessions
@@ -46,10 +47,14 @@ __all__ = [
     "EventRecord",
     "Grant",
     "Granted",
+    "Host",
+    "HostTaken",
+    "Hosts",
     "IdempotencyConflict",
     "Lease",
     "LeaseLost",
     "Leases",
+    "Me",
     "ReplayedSeq",
     "SchemaMissing",
     "SchemaTooNew",
@@ -102,6 +107,7 @@ class Store:
         self.leases = Leases(self.db)
         self.boots = Boots(self.db)
         self.children = Children(self.db)
+        self.hosts = Hosts(self.db)
 
     def now(self) -> float:
         """The database clock (epoch seconds): the only clock leases are judged by."""

@@ -38,9 +38,9 @@ class Boots:
     def __init__(self, db: peewee.Database) -> None:
         self._db = db
 
-    def begin(self, host: str, pid: int, version: str) -> str:
-        """Write this boot's row first thing; returns its boot id."""
-        boot_id = uuid.uuid4().hex
+    def begin(self, host: str, pid: int, version: str, boot_id: str | None = None) -> str:
+        """Write this boot's row first thing; returns its boot id (new unless given)."""
+        boot_id = boot_id or uuid.uuid4().hex
         started = db_now(self._db)
         run_write(
             self._db,
@@ -165,6 +165,7 @@ class Child:
     kind: str
     worker: str | None
     name: str
+    host: str = ""
 
 
 class Children:
@@ -183,12 +184,15 @@ class Children:
         pgid: int | None = None,
         worker: str | None = None,
         name: str = "",
+        host: str = "",
     ) -> int:
-        """Register a child right after it started; returns its row id."""
+        """Register a child right after it started, under its daemon's boot and host id;
+        returns its row id."""
         row_id: int = run_write(
             self._db,
             lambda: ChildProcess.insert(
                 boot=boot,
+                host=host,
                 pid=pid,
                 create_time=create_time,
                 pgid=pgid,
@@ -212,15 +216,39 @@ class Children:
         """Children recorded by this boot (their process groups, for the shutdown)."""
         return self._query(ChildProcess.boot == boot)
 
-    def of_other_boots(self, boot: str) -> list[Child]:
-        """Children recorded by earlier boots: candidates for the sweep."""
-        return self._query(ChildProcess.boot != boot)
+    def of_other_boots(
+        self, boot: str, host: str | None = None, aliases: tuple[str, ...] = ()
+    ) -> list[Child]:
+        """Children recorded by earlier boots of `host`: candidates for its sweep.
+
+        Another host's rows are never its business: their pids name processes of another
+        machine. A row recorded before hosts were (host "") is `host`'s when its boot row
+        names `host` or one of `aliases` (the hostname it had then). `host` None: every
+        host's (a database only one host can use: SQLite).
+        """
+        where = ChildProcess.boot != boot
+        if host is not None:
+            legacy = AgentBootLog.select(AgentBootLog.boot_id).where(
+                AgentBootLog.host.in_([host, *aliases])
+            )
+            where &= (ChildProcess.host == host) | (
+                (ChildProcess.host == "") & ChildProcess.boot.in_(legacy)
+            )
+        return self._query(where)
 
     def _query(self, where: Any) -> list[Child]:
         query = ChildProcess.select().where(where).order_by(ChildProcess.id)
         return [
             Child(
-                row.id, row.boot, row.pid, row.create_time, row.pgid, row.kind, row.worker, row.name
+                row.id,
+                row.boot,
+                row.pid,
+                row.create_time,
+                row.pgid,
+                row.kind,
+                row.worker,
+                row.name,
+                row.host,
             )
             for row in query
         ]

@@ -7,10 +7,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import peewee
+from peewee import fn
 
 from supervisor.core.vocabulary import SessionStatus
 from supervisor.store.db import chunks, db_now, now_sql, run_write
 from supervisor.store.errors import LeaseLost, SessionNotFound
+from supervisor.store.models import Host as HostRow
 from supervisor.store.models import Session
 
 
@@ -31,6 +33,7 @@ class Grant:
     session_id: str
     owner: str
     charge: str | None = None  # the turn whose continuation attempt is charged first
+    expect: int | None = None  # the lease token the grant was planned on (compare-and-set)
 
 
 @dataclass(frozen=True)
@@ -38,12 +41,14 @@ class Granted:
     """What came of a `Grant`: the lease, or None; the attempt count if one was charged.
 
     `moved_on`: the turn to charge was no longer the active one (it ended, another
-    began), so neither the attempt nor the lease was taken.
+    began), so neither the attempt nor the lease was taken. `raced`: another daemon took
+    the lease since it was planned, or holds it live.
     """
 
     lease: Lease | None
     attempts: int | None = None
     moved_on: bool = False
+    raced: bool = False
 
 
 class Leases:
@@ -83,10 +88,19 @@ class Leases:
 
         return run_write(self._db, work)
 
-    def grant(self, grants: Sequence[Grant], ttl: float) -> list[Granted]:
-        """Take many leases (force), charging continuation attempts first, in ONE
-        transaction: a batch of assignments, or a dead worker's k sessions, costs one
-        commit, not k. A closed or deleted session gets no lease. Results in order."""
+    def grant(
+        self, grants: Sequence[Grant], ttl: float, host_prefix: str | None = None
+    ) -> list[Granted]:
+        """Take many leases, charging continuation attempts first, in ONE transaction: a
+        batch of assignments, or a dead worker's k sessions, costs one commit, not k. A
+        closed or deleted session gets no lease. Results in order.
+
+        A claim, safe with several daemons on the database: a grant with `expect` takes
+        the lease only if its token is still the one planned on, and with `host_prefix`
+        only if the lease is free, ran out, or is held by this host ("<host>/"); else it
+        is `raced`. Both are conditions of the UPDATE itself, judged on the row as it is
+        when the row lock is held, never on an earlier read.
+        """
         now = now_sql(self._db)
         ids = [g.session_id for g in grants]
 
@@ -101,6 +115,7 @@ class Leases:
             }  # fmt: skip
             taken: dict[str, int | None] = {}  # leased: the attempt count charged, if any
             moved_on: set[str] = set()
+            raced: set[str] = set()
             for g in grants:
                 row = rows.get(g.session_id)
                 if row is None or row.status == SessionStatus.CLOSED:
@@ -113,12 +128,24 @@ class Leases:
                     same = row.attempt_turn_id == g.charge
                     count = (row.attempt_count if same else 0) + 1
                     charge = {"attempt_turn_id": g.charge, "attempt_count": count}
-                Session.update(
+                update = Session.update(
                     owner=g.owner,
                     lease_token=Session.lease_token + 1,
                     lease_expires_at=now + ttl,
                     **charge,
-                ).where(Session.id == g.session_id).execute()
+                ).where(Session.id == g.session_id)
+                if g.expect is not None:
+                    update = update.where(Session.lease_token == g.expect)
+                if host_prefix is not None:
+                    update = update.where(
+                        Session.owner.is_null()
+                        | Session.owner.startswith(host_prefix)
+                        | Session.lease_expires_at.is_null()
+                        | (Session.lease_expires_at < now)
+                    )
+                if update.execute() == 0:
+                    raced.add(g.session_id)
+                    continue
                 taken[g.session_id] = charge.get("attempt_count")
             tokens = {
                 row.id: (int(row.lease_token), float(row.lease_expires_at or 0.0))
@@ -130,7 +157,7 @@ class Leases:
             return [
                 Granted(Lease(g.session_id, g.owner, *tokens[g.session_id]), taken[g.session_id])
                 if g.session_id in taken
-                else Granted(None, moved_on=g.session_id in moved_on)
+                else Granted(None, moved_on=g.session_id in moved_on, raced=g.session_id in raced)
                 for g in grants
             ]
 
@@ -175,15 +202,27 @@ class Leases:
 
         return run_write(self._db, work)
 
-    def renew_owner(self, owner: str, ttl: float) -> int:
-        """Extend every lease `owner` holds, in one statement; returns how many."""
+    def renew_owner(self, owner: str, ttl: float, host: tuple[str, str] | None = None) -> int:
+        """Extend every lease `owner` holds, in one statement; returns how many.
+
+        With `host` (host id, boot id): only while that host's row says the boot is alive
+        and holds the id. A daemon that stopped renewing its host row (hung, paused, cut
+        off) stops its workers' leases too, so the others adopt its sessions; no row for
+        the host at all (a worker run alone) does not stop them.
+        """
         now = now_sql(self._db)
-        return run_write(
-            self._db,
-            lambda: (
-                Session.update(lease_expires_at=now + ttl).where(Session.owner == owner).execute()
-            ),
-        )
+        update = Session.update(lease_expires_at=now + ttl).where(Session.owner == owner)
+        if host is not None:
+            host_id, boot_id = host
+            update = update.where(
+                ~fn.EXISTS(
+                    HostRow.select(HostRow.host_id).where(
+                        (HostRow.host_id == host_id)
+                        & ((HostRow.boot_id != boot_id) | (HostRow.expires_at < now))
+                    )
+                )
+            )
+        return run_write(self._db, update.execute)
 
     def holder(self, session_id: str) -> Lease | None:
         """The live lease on the session, or None if it is free or stale."""

@@ -52,8 +52,14 @@ def revoked() -> dict[Any, Any]:
     }
 
 
-def _row(session_id: str) -> Session:
-    row = Session.get_or_none(Session.id == session_id)
+def locked_row(session_id: str) -> Session:
+    """The session row, locked for the open write transaction: on the server databases
+    (`SELECT ... FOR UPDATE`) two daemons that decide on one row take turns, and the second
+    decides on what the first wrote; SQLite's `BEGIN IMMEDIATE` already serializes them."""
+    query = Session.select().where(Session.id == session_id)
+    if Session._meta.database.for_update:
+        query = query.for_update()
+    row = query.first()
     if row is None:
         raise SessionNotFound(session_id)
     return row
@@ -72,7 +78,7 @@ def _turn_ended(row: Session, writer: str, payload: dict[str, Any]) -> list[Appe
 
 def interrupt(db: peewee.Database, session_id: str, by: str) -> int | None:
     """End the turn in flight as `interrupted_by_operator`; its seq, or None if none ran."""
-    row = _row(session_id)
+    row = locked_row(session_id)
     ended = _turn_ended(
         row, Writer.INTAKE, {"outcome": TurnOutcome.INTERRUPTED_BY_OPERATOR, "by": by}
     )
@@ -85,7 +91,7 @@ def interrupt(db: peewee.Database, session_id: str, by: str) -> int | None:
 
 def close(db: peewee.Database, session_id: str, by: str) -> list[Written]:
     """Close the session; the events written, none if it was closed already."""
-    row = _row(session_id)
+    row = locked_row(session_id)
     if row.status == SessionStatus.CLOSED:
         return []
     events = _turn_ended(
@@ -108,7 +114,7 @@ def close(db: peewee.Database, session_id: str, by: str) -> list[Written]:
 
 def release(db: peewee.Database, session_id: str, by: str) -> list[Written]:
     """Lift a quarantine; the events written, none if the session was not quarantined."""
-    row = _row(session_id)
+    row = locked_row(session_id)
     if row.status != SessionStatus.QUARANTINED:
         return []
     poisoned = row.active_turn_id or _last_turn(session_id)

@@ -23,9 +23,17 @@ from playhouse.migrate import migrate as run_migrations
 from supervisor.store.db import backend
 from supervisor.store.errors import SchemaMissing, SchemaTooNew
 from supervisor.store.events import scoped_key
-from supervisor.store.models import MODELS, Event, IntakeKey, SchemaVersion
+from supervisor.store.models import (
+    HOST_ID_LEN,
+    MODELS,
+    BaseModel,
+    Event,
+    Host,
+    IntakeKey,
+    SchemaVersion,
+)
 
-LATEST = 4
+LATEST = 5
 
 
 def _resend_mark(db: peewee.Database) -> None:
@@ -72,11 +80,27 @@ def _work_indexes(db: peewee.Database) -> None:
     )
 
 
+def _hosts(db: peewee.Database) -> None:
+    """5: the host registry (several daemons on one database), and each child's host.
+
+    Children recorded before it get host "": their boot row says whose they were.
+    """
+    create_tables(db, [Host])
+    migrator = SchemaMigrator.from_database(db)
+    run_migrations(
+        migrator.add_column(
+            "child_process", "host", peewee.CharField(max_length=HOST_ID_LEN, default="")
+        ),
+        migrator.add_index("child_process", ("host",), False),
+    )
+
+
 # version -> the step that migrates version-1 to version.
 STEPS: dict[int, Callable[[peewee.Database], None]] = {
     2: _resend_mark,
     3: _scoped_keys,
     4: _work_indexes,
+    5: _hosts,
 }
 
 _LOCK_NAME = "turnkeeper_migrate"
@@ -121,10 +145,10 @@ def migrate(db: peewee.Database) -> tuple[int, int]:
         return before, LATEST
 
 
-def create_tables(db: peewee.Database) -> None:
-    """Every table of the current models; WITHOUT ROWID applies to SQLite alone."""
+def create_tables(db: peewee.Database, models: list[type[BaseModel]] = MODELS) -> None:
+    """The tables of `models` (all of them by default); WITHOUT ROWID is SQLite's alone."""
     sqlite = backend(db) == "sqlite"
-    for model in MODELS:
+    for model in models:
         wanted = model._meta.without_rowid
         model._meta.without_rowid = wanted and sqlite
         try:

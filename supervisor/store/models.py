@@ -12,6 +12,7 @@ import peewee
 from supervisor.store.db import JSON_TEXT
 
 ID_LEN = 64
+HOST_ID_LEN = 40  # a lease owner is "<host_id>/<boot>/<worker>" within ID_LEN
 
 
 class JSONTextField(peewee.TextField):
@@ -147,11 +148,37 @@ class AgentBootLog(BaseModel):
         table_name = "agent_boot_log"
 
 
+class Host(BaseModel):
+    """One daemon on the database, under its `daemon.host_id`, and whether it is alive.
+
+    The row is renewed on the database clock; one whose `expires_at` has passed is a lost
+    host, whose sessions the other daemons adopt. `boot_id` is the daemon holding the id
+    now: a renewal by any other boot fails (a duplicate id, or a host that came back after
+    another daemon took its id over).
+    """
+
+    host_id = peewee.CharField(max_length=HOST_ID_LEN, primary_key=True)
+    boot_id = peewee.CharField(max_length=ID_LEN)
+    hostname = peewee.CharField(max_length=255)
+    machine = peewee.CharField(max_length=ID_LEN, default="")  # /etc/machine-id, if any
+    pid = peewee.IntegerField()
+    pid_started = peewee.DoubleField()  # the daemon's create_time: pid reuse is no match
+    version = peewee.CharField(max_length=32)
+    started_at = peewee.DoubleField()
+    last_seen = peewee.DoubleField()
+    expires_at = peewee.DoubleField()
+    left_at = peewee.DoubleField(null=True)  # a clean stop said goodbye
+
+    class Meta:
+        table_name = "host"
+
+
 class ChildProcess(BaseModel):
     """A live worker or MCP child, identified safely against pid reuse by create_time."""
 
     id = peewee.BigAutoField()
     boot = peewee.CharField(max_length=ID_LEN, index=True)
+    host = peewee.CharField(max_length=HOST_ID_LEN, default="", index=True)  # its daemon's
     pid = peewee.IntegerField()
     create_time = peewee.DoubleField()
     pgid = peewee.IntegerField(null=True)
@@ -171,5 +198,6 @@ MODELS: list[type[BaseModel]] = [
     IntakeKey,
     SessionACL,
     AgentBootLog,
+    Host,
     ChildProcess,
 ]

@@ -232,9 +232,7 @@ class Sessions:
         """
 
         def work() -> bool:
-            row = Session.get_or_none(Session.id == session_id)
-            if row is None:
-                raise SessionNotFound(session_id)
+            row = lifecycle.locked_row(session_id)  # another daemon may judge it too
             if turn_id is not None and row.active_turn_id != turn_id:
                 return False
             events = [

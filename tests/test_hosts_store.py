@@ -1,0 +1,114 @@
+"""The host registry and the claims several daemons make on one database, run alike on
+SQLite, PostgreSQL and MariaDB: one holder per host id, renewal and fencing, leases taken
+only by compare-and-set, and each host's child rows its own."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from supervisor.store import Grant, HostTaken, Me, Store
+from tests.conftest import BACKENDS
+
+pytestmark = pytest.mark.parametrize("db_url", BACKENDS, indirect=True)
+
+TTL = 30.0
+
+
+def me(host: str, boot: str, pid: int = 4242) -> Me:
+    return Me(host, boot, "machine-1", "m" * 32, pid, 1000.0, "test")
+
+
+def test_a_live_host_id_is_refused_to_a_second_daemon_naming_the_first(store: Store) -> None:
+    assert store.hosts.register(me("host-a", "boot-1"), TTL, gone=lambda h: False) is None
+    with pytest.raises(HostTaken) as refused:
+        store.hosts.register(me("host-a", "boot-2", pid=99), TTL, gone=lambda h: False)
+    message = str(refused.value)
+    assert message.startswith("daemon.host_id 'host-a' is held by a live turnkeeper")
+    assert "pid 4242 on machine-1" in message and "boot boot-1" in message
+    # A holder that is gone (a crash on this machine a moment ago) is taken over at once.
+    before = store.hosts.register(me("host-a", "boot-2", pid=99), TTL, gone=lambda h: True)
+    assert before is not None and before.boot_id == "boot-1"
+    [row] = store.hosts.all()
+    assert (row.boot_id, row.pid, row.state) == ("boot-2", 99, "live")
+
+
+def test_a_renewal_says_how_long_the_row_had_run_out_or_that_another_boot_has_it(
+    store: Store,
+) -> None:
+    store.hosts.register(me("host-a", "boot-1"), 0.2, gone=lambda h: False)
+    assert store.hosts.renew("host-a", "boot-1", 0.2) == 0.0
+    time.sleep(0.5)  # paused past its time to live
+    assert [h.state for h in store.hosts.all()] == ["lost"]
+    overdue = store.hosts.renew("host-a", "boot-1", TTL)
+    assert overdue is not None and overdue >= 0.25
+    assert [h.state for h in store.hosts.all()] == ["live"]
+    # A row that ran out is anyone's: a daemon with the same id took it while this one
+    # was away, and this one's next renewal finds itself fenced out.
+    store.hosts.renew("host-a", "boot-1", 0.1)
+    time.sleep(0.3)
+    store.hosts.register(me("host-a", "boot-2"), TTL, gone=lambda h: False)
+    assert store.hosts.renew("host-a", "boot-1", TTL) is None
+    assert store.hosts.renew("host-a", "boot-2", TTL) == 0.0
+
+
+def test_leaving_lets_this_boots_leases_run_out_and_no_one_elses(store: Store) -> None:
+    store.hosts.register(me("host-a", "boot-1"), TTL, gone=lambda h: False)
+    ours = store.sessions.create("admin").id
+    theirs = store.sessions.create("admin").id
+    store.leases.grant(
+        [Grant(ours, "host-a/boot-1/w0.1"), Grant(theirs, "host-b/boot-9/w0.1")], TTL
+    )
+    assert store.hosts.owned() == {"host-a": 1, "host-b": 1}
+    assert store.hosts.leave("host-a", "boot-1", "host-a/boot-1") == 1
+    assert store.leases.holder(ours) is None
+    assert store.leases.holder(theirs) is not None
+    assert [h.state for h in store.hosts.all()] == ["left"]
+
+
+def test_a_grant_is_a_claim_on_the_token_it_was_planned_on(store: Store) -> None:
+    sid = store.sessions.create("admin").id
+    [first] = store.leases.grant([Grant(sid, "host-a/boot-1/w0.1", expect=0)], TTL, "host-a/")
+    assert first.lease is not None and first.lease.token == 1
+    # Another daemon planned on the same read (token 0): it lost the race.
+    [late] = store.leases.grant([Grant(sid, "host-b/boot-2/w0.1", expect=0)], TTL, "host-b/")
+    assert late.lease is None and late.raced
+    # On a fresh read (token 1) it still may not take host-a's live lease...
+    [live] = store.leases.grant([Grant(sid, "host-b/boot-2/w0.1", expect=1)], TTL, "host-b/")
+    assert live.lease is None and live.raced
+    # ...but host-a's own daemon may move it between its workers, and once it ran out,
+    # anyone may take it.
+    [moved] = store.leases.grant([Grant(sid, "host-a/boot-1/w1.1", expect=1)], 0.1, "host-a/")
+    assert moved.lease is not None and moved.lease.token == 2
+    time.sleep(0.3)
+    [adopted] = store.leases.grant([Grant(sid, "host-b/boot-2/w0.1", expect=2)], TTL, "host-b/")
+    assert adopted.lease is not None and adopted.lease.token == 3
+
+
+def test_a_workers_renewal_stops_when_its_hosts_row_runs_out(store: Store) -> None:
+    sid = store.sessions.create("admin").id
+    owner = "host-a/boot-1/w0.1"
+    store.leases.grant([Grant(sid, owner)], TTL)
+    host = ("host-a", "boot-1")
+    assert store.leases.renew_owner(owner, TTL, host) == 1  # no row: a worker run alone
+    store.hosts.register(me("host-a", "boot-1"), 0.2, gone=lambda h: False)
+    assert store.leases.renew_owner(owner, TTL, host) == 1
+    time.sleep(0.4)  # the supervisor stopped renewing the host row (hung, paused)
+    assert store.leases.renew_owner(owner, TTL, host) == 0
+    store.hosts.renew("host-a", "boot-1", TTL)
+    assert store.leases.renew_owner(owner, TTL, host) == 1
+    store.hosts.register(me("host-a", "boot-2"), TTL, gone=lambda h: True)  # taken over
+    assert store.leases.renew_owner(owner, TTL, host) == 0
+
+
+def test_a_hosts_sweep_sees_its_own_children_only(store: Store) -> None:
+    store.boots.begin("old-hostname", 1, "v", boot_id="legacy-boot")
+    legacy = store.children.record("legacy-boot", 11, 1.0, "worker")  # before hosts were
+    mine = store.children.record("boot-1", 12, 1.0, "worker", host="host-a")
+    store.children.record("boot-2", 13, 1.0, "mcp", host="host-b")
+    store.children.record("boot-now", 14, 1.0, "worker", host="host-a")
+    found = store.children.of_other_boots("boot-now", "host-a", ("old-hostname",))
+    assert sorted(c.id for c in found) == sorted([legacy, mine])
+    assert [c.pid for c in store.children.of_other_boots("boot-now", "host-b")] == [13]
+    assert len(store.children.of_other_boots("boot-now")) == 3  # SQLite: one host, all
