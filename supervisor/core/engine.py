@@ -14,8 +14,17 @@ Rules
   (`last_seq` moved on while pending) gets that worker a `Wake`.
 - A session whose owner is gone or stopped renewing its lease is taken from it (`Move`)
   and planned like a free one: the old owner is fenced out by the next lease's token.
-- A live lease of another host is that host's to keep. Nothing is planned while the pool
-  stops, or for a session being assigned right now (`busy`).
+- A lease this daemon granted whose token has since grown was taken by another daemon
+  (this host was paused or cut off, and the others adopted its sessions): the session is
+  taken from its worker (`Move`, `taken`), which is told to stop it; the token already
+  fences out anything it would still write.
+- A live lease of another host is that host's to keep. When it runs out (the host died,
+  or stopped renewing), the session is adopted, spread over the live hosts by rendezvous
+  hashing (`supervisor.core.adoption`): the host the hash picks takes it at once, any
+  other after `ADOPT_GRACE` (in case the one picked is gone too). The grant is a
+  compare-and-set on the token the pass read: of several daemons after one session, one wins.
+  Nothing is planned while the pool stops, or for a session being assigned right now
+  (`busy`).
 - Fairness: user input goes first. Pending sessions (new input, or a queued user message
   that drives an interrupted turn) are planned before the continuation of interrupted
   turns, whatever their age. Each pass has a budget (`Budget`): at most `assign`
@@ -40,6 +49,7 @@ from dataclasses import dataclass, field, fields, replace
 from enum import Enum
 from typing import Any
 
+from supervisor.core.adoption import adopts
 from supervisor.core.recovery import Action, Decision, Trigger
 from supervisor.core.vocabulary import AssignReason
 
@@ -136,6 +146,7 @@ class Move:
     session: str
     worker: str
     renewing: bool  # the worker is alive: log that it stopped renewing
+    taken: bool = False  # another daemon holds a newer lease: tell the worker to stop it
 
 
 @dataclass(frozen=True)
@@ -169,6 +180,11 @@ class Facts:
     budget: Budget = field(default_factory=Budget)
     breaker_tripped: bool = False
     stopping: bool = False
+    live_hosts: tuple[str, ...] = ()  # the daemons on the database that are alive
+
+    @property
+    def host(self) -> str:
+        return self.host_prefix.rstrip("/")
 
 
 def plan(
@@ -183,28 +199,34 @@ def plan(
     wall: float,
     monotonic: float,
     busy: frozenset[str] = frozenset(),
+    tokens: Mapping[str, int] | None = None,
 ) -> list[Command]:
     """One dispatch pass: what to do with each session with work, user input first.
 
     `now` is the database's time (leases), `wall` recovery's (attempts are due by it),
     `monotonic` the pool's (heartbeats);
-    `assigned` maps a session to the worker the pool gave it, `woken` to the `last_seq`
-    its owner was last told of.
+    `assigned` maps a session to the worker the pool gave it, `tokens` to the lease token
+    it granted, `woken` to the `last_seq` its owner was last told of.
     """
     commands: list[Command] = []
     later: list[tuple[SessionView, Trigger | None]] = []  # free sessions, by priority
+    tokens = tokens or {}
     for s in sessions:
         owner_name = assigned.get(s.id)
         owner = workers.get(owner_name) if owner_name is not None else None
         lease_live = s.lease_expires_at is not None and s.lease_expires_at >= now
-        if owner is not None and owner.alive and lease_live:
+        granted = tokens.get(s.id)
+        taken = granted is not None and s.lease_token > granted
+        if owner is not None and owner.alive and lease_live and not taken:
             if s.pending and woken.get(s.id) != s.last_seq:
                 commands.append(Wake(s.id, owner.name, s.last_seq))
             continue
         if owner_name is not None:
-            commands.append(Move(s.id, owner_name, owner is not None and owner.alive))
+            commands.append(Move(s.id, owner_name, owner is not None and owner.alive, taken))
         ours = s.owner is None or s.owner.startswith(facts.host_prefix)
-        if s.id in busy or not (ours or not lease_live) or facts.stopping:
+        if s.id in busy or facts.stopping:
+            continue
+        if not ours and (lease_live or not adopts(s, facts.host, facts.live_hosts, now)):
             continue
         if s.active_turn_id is None:
             later.append((s, None))

@@ -371,14 +371,18 @@ def interruption(
         queued_user_message=row.pending,
         attempts=attempts,
         last_attempt_at=max(started) if started else None,
-        cause=cause_of(tail, trigger, lease_expired and not died),
+        cause=cause_of(tail, trigger, lease_expired and not died, other_host=other_host),
     )
 
 
-def cause_of(tail: TailClass, trigger: Trigger, lease_expired: bool) -> str:
+def cause_of(
+    tail: TailClass, trigger: Trigger, lease_expired: bool, *, other_host: bool = False
+) -> str:
     """What the continuation note tells as the cause of the interruption."""
     if tail is TailClass.CUT_BY_MAX_TOKENS:
         return "max_tokens"
+    if other_host:
+        return "host_lost"  # its lease was another daemon's, which stopped renewing it
     if trigger is Trigger.WORKER_DEATH:
         return "lease_expired" if lease_expired else "worker_crash"
     return "daemon_restart"

@@ -138,6 +138,7 @@ class Cause(StrEnum):
     DAEMON_RESTART = "daemon_restart"
     HANDOFF = "handoff"
     LEASE_EXPIRED = "lease_expired"
+    HOST_LOST = "host_lost"  # another daemon on the database stopped renewing its leases
     INTERRUPTED = "interrupted"
     MAX_TOKENS = "max_tokens"  # also what its own worker continues a cut answer for
     MODEL_ERROR = "model_error"  # a model call failed with an error that may pass
@@ -160,6 +161,10 @@ _CAUSE_TEXT = {
     Cause.DAEMON_RESTART: "the turnkeeper daemon restarted",
     Cause.HANDOFF: "the session moved to another worker during a rolling restart",
     Cause.LEASE_EXPIRED: "the worker running it stopped responding and lost the session",
+    Cause.HOST_LOST: (
+        "the turnkeeper host running it stopped, or lost the database, and another host "
+        "took the session over"
+    ),
     Cause.INTERRUPTED: "its previous owner stopped",
     Cause.MAX_TOKENS: "the model's answer was cut off by its output token limit",
     Cause.MODEL_ERROR: (
