@@ -14,7 +14,9 @@ import os
 import signal
 import socket
 import time
+import uuid
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from setproctitle import setproctitle
@@ -26,25 +28,29 @@ from supervisor.contract.config import (
     mask_url,
     parse_listen,
     resolve_paths,
+    resolved_host_id,
 )
 from supervisor.contract.logs import log
 from supervisor.contract.origins import source_name
-from supervisor.contract.reaper import become_subreaper, sweep
+from supervisor.contract.reaper import become_subreaper
 from supervisor.http.app import Api
 from supervisor.http.attach import Hub
 from supervisor.http.auth import Tokens
 from supervisor.http.listener import Listener
 from supervisor.http.metrics import Metrics
 from supervisor.notify import Notifier
+from supervisor.pool.membership import Membership
 from supervisor.pool.pool import Pool
 from supervisor.pool.recoverer import Recoverer
+from supervisor.pool.signals import Signals
 from supervisor.preflight import PluginError, StartupError, check_plugins, take_files
-from supervisor.store import Store
+from supervisor.store import HostTaken, SingleHost, Store
 
 CONTROL_SOCKET = "control.sock"
 STOP_REQUEST = "stop-request.json"  # written by `turnkeeper stop --drain`, read at SIGTERM
 REAP_BOUND = 1.5  # beyond kill_grace: SIGKILL and reaping
 READY_TIMEOUT = 60.0
+DB_THREADS = 8  # the supervisor's threads for blocking work, each with a connection
 
 __all__ = ["Daemon", "PluginError", "StartupError"]
 
@@ -55,7 +61,8 @@ class Daemon:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.paths = resolve_paths(config)
-        self.host = socket.gethostname()
+        self.hostname = socket.gethostname()
+        self.host = resolved_host_id(config)
         self.api: Api | None = None
         self.notifier = Notifier.from_environ()  # before any child is started
         self.stop_started = time.monotonic()
@@ -77,6 +84,8 @@ class Daemon:
         """
         setproctitle("turnkeeper: supervisor")
         loop = asyncio.get_running_loop()
+        # Each thread that touches the database keeps a connection: a bounded few.
+        loop.set_default_executor(ThreadPoolExecutor(DB_THREADS, "turnkeeper-db"))
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self._on_stop_signal, signum)
         loop.add_signal_handler(signal.SIGHUP, self._reloads.put_nowait, None)
@@ -88,10 +97,21 @@ class Daemon:
         async with contextlib.AsyncExitStack() as stack:
             store = await asyncio.to_thread(Store, self.paths.db_url, self.config.store.synchronous)
             stack.push_async_callback(self._close_store, store)
-            boot_id = await asyncio.to_thread(
-                store.boots.begin, self.host, os.getpid(), __version__
-            )
+            boot_id = uuid.uuid4().hex
+            # The host id first: a daemon that may not run writes no boot row of that host.
+            membership = Membership(self.config, store, boot_id, self.host)
+            try:
+                await asyncio.to_thread(membership.join)
+            except (HostTaken, SingleHost) as exc:
+                raise PluginError(str(exc)) from exc
+            await asyncio.to_thread(store.boots.begin, self.host, os.getpid(), __version__, boot_id)
             stack.push_async_callback(self._end_boot, store, boot_id)
+            # After the descendants are stopped (the stack unwinds in reverse): then the
+            # other daemons may adopt this one's sessions at once.
+            stack.push_async_callback(
+                self._step, "peer deregistration", 2.0, lambda: asyncio.to_thread(membership.leave)
+            )
+            self.membership = membership
             pool = await self._start(stack, store, boot_id, tokens)
             ready = await self._until_stop(pool.wait_ready(READY_TIMEOUT))
             if pool.fatal.is_set():
@@ -142,14 +162,23 @@ class Daemon:
         await asyncio.to_thread(self._previous_stop, store, boot_id, metrics)
         await asyncio.to_thread(recovery.evaluate_breaker)
         await asyncio.to_thread(recovery.prune)
-        await self._sweep(store, boot_id)
+        await asyncio.to_thread(self.membership.sweep)
         socket_path = self.paths.runtime_dir / CONTROL_SOCKET
         socket_path.unlink(missing_ok=True)  # stale; we hold its lock
         pool = Pool(self.config, store, boot_id, f"ipc://{socket_path}", recovery, metrics)
         metrics.state.pool = pool.status
         metrics.state.mcp = pool.mcp_states
         metrics.state.sessions = store.sessions.counts
-        self.api = Api(self.config, store, Hub(), tokens, metrics, boot_id=boot_id, pool=pool)
+        self.api = Api(
+            self.config,
+            store,
+            Hub(),
+            tokens,
+            metrics,
+            boot_id=boot_id,
+            pool=pool,
+            host_id=self.host,
+        )
         pool.on_event.append(self.api.publish)
         # Workers start first, so that the stop, in reverse, closes the listener first.
         await pool.start()
@@ -159,6 +188,12 @@ class Daemon:
         )
         for task in pool.tasks:
             self._watch(task)
+        # The host row kept, the other daemons' wakes heard.
+        signals = Signals(store, pool.ownership.woken_elsewhere)
+        hosts, _ = self.membership.serve(pool.ownership, signals)
+        self._watch(hosts)
+        stack.push_async_callback(_cancel_and_wait, hosts)
+        stack.push_async_callback(asyncio.to_thread, signals.stop)
         http = await self._listen(self.api)
         stack.push_async_callback(
             self._step, "http listener", self.config.attach.shutdown_timeout + 1.0, http.cleanup
@@ -345,21 +380,6 @@ class Daemon:
             self.api.ready = False  # /readyz answers 503 from now on
         self.notifier.stopping(self.failure)
         self._failed.set()
-
-    async def _sweep(self, store: Store, boot_id: str) -> None:
-        """Kill processes an earlier boot left running, unless their pid was reused."""
-        rows = await asyncio.to_thread(store.children.of_other_boots, boot_id)
-        if not rows:
-            return
-        report = await asyncio.to_thread(sweep, [(r.pid, r.create_time) for r in rows])
-        await asyncio.to_thread(store.children.forget, [r.id for r in rows])
-        log("recovery").info(
-            "swept {} processes of earlier boots: {} killed, {} gone, {} pid reused",
-            len(rows),
-            len(report.killed),
-            len(report.gone),
-            len(report.reused),
-        )
 
     def _on_stop_signal(self, signum: int) -> None:
         if self._stop.is_set():

@@ -83,3 +83,12 @@ def python_env(**extra: str) -> dict[str, str]:
 
 
 PYTHON = sys.executable
+
+
+def this_host_id() -> str:
+    """The host id a daemon with the default `daemon.host_id` has on this machine."""
+    import socket
+
+    from supervisor.contract.paths import host_id, machine_id
+
+    return host_id("", machine=machine_id(), hostname=socket.gethostname())

@@ -7,7 +7,6 @@ the backlog must stay where it is (no first touch, no charge).
 
 from __future__ import annotations
 
-import socket
 import time
 import uuid
 from collections.abc import Callable
@@ -16,6 +15,7 @@ import pytest
 
 from supervisor.store import Store
 from supervisor.store.models import Session
+from tests.conftest import this_host_id
 from tests.daemon import Daemon, daemons, turn_ended, wait_until
 
 __all__ = ["daemons"]  # the fixture
@@ -26,7 +26,7 @@ BACKLOG = 1_500
 
 def seed_interrupted(store: Store, count: int) -> list[str]:
     """`count` open sessions with a turn in flight, leased by a dead boot of this host."""
-    owner = f"{socket.gethostname()}/deadboot/w0.1"
+    owner = f"{this_host_id()}/deadboot/w0.1"
     now = time.time() - 60
     rows = [
         {

@@ -22,7 +22,7 @@ import pytest
 
 from supervisor.http.auth import digest
 from supervisor.store import Store
-from tests.conftest import PYTHON, REPO, python_env
+from tests.conftest import PYTHON, REPO, python_env, this_host_id
 from tests.daemon import Daemon, daemons, inject, turn_ended, wait_until
 
 __all__ = ["daemons"]  # the fixture
@@ -183,14 +183,14 @@ def test_breaker_status_exits_1_while_tripped(tmp_path: Path) -> None:
     state = tmp_path / "state"
     with store_at(state) as store:
         for _ in range(3):  # three boots of this host that died (never ended)
-            store.boots.begin(socket.gethostname(), DEAD_PID, "test")
+            store.boots.begin(this_host_id(), DEAD_PID, "test")
     tripped = turnkeeper(state, "breaker", "status")
     assert tripped.returncode == 1 and tripped.stdout.startswith("TRIPPED: 3 unclean boots")
     data = turnkeeper(state, "breaker", "status", "--json")
     assert data.returncode == 1
     shape = json.loads(data.stdout)
     assert shape["tripped"] is True and shape["unclean_boots"] == 3 and shape["threshold"] == 3
-    assert shape["host"] == socket.gethostname() and shape["clears_at"] is not None
+    assert shape["host"] == this_host_id() and shape["clears_at"] is not None
     assert turnkeeper(state, "breaker", "reset").returncode == 0
     clear = turnkeeper(state, "breaker", "status", "--json")
     assert clear.returncode == 0 and json.loads(clear.stdout)["tripped"] is False
@@ -218,7 +218,7 @@ def on_a_terminal(state: Path, *args: str, **env: str) -> str:
 def test_boots_colours_a_crash_red_on_a_terminal_only(tmp_path: Path) -> None:
     state = tmp_path / "state"
     with store_at(state) as store:
-        store.boots.begin(socket.gethostname(), DEAD_PID, "test")
+        store.boots.begin(this_host_id(), DEAD_PID, "test")
     red = "\x1b[31mcrashed\x1b[0m"
     assert red in on_a_terminal(state, "boots")
     assert "crashed" in on_a_terminal(state, "boots", NO_COLOR="1")

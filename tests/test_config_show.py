@@ -12,7 +12,7 @@ import pytest
 
 from supervisor.contract.config import config_keys
 from supervisor.contract.origins import key_lines
-from tests.conftest import PYTHON, REPO, python_env
+from tests.conftest import PYTHON, REPO, python_env, this_host_id
 
 SECRET = "s3cr3t-pw"
 
@@ -103,7 +103,11 @@ def test_values_in_use_are_shown_resolved_and_masked(tmp_path: Path) -> None:
     shown = json.loads(result.stdout)
     state = tmp_path / ".local" / "state" / "turnkeeper"
     assert shown["file"] is None
-    assert shown["config"]["daemon"] == {"state_dir": str(state), "runtime_dir": str(state / "run")}
+    assert shown["config"]["daemon"] == {
+        "state_dir": str(state),
+        "runtime_dir": str(state / "run"),
+        "host_id": this_host_id(),
+    }
     assert shown["config"]["store"]["url"] == f"sqlite:///{state / 'turnkeeper.db'}"
 
     systemd = show(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import subprocess
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from supervisor.cli.doctor import (
 )
 from supervisor.contract.config import Config
 from supervisor.store import Store
-from tests.conftest import PYTHON, REPO, python_env
+from tests.conftest import PYTHON, REPO, python_env, this_host_id
 
 UNIT = (REPO / "systemd" / "turnkeeper.service").read_text()
 SUPERVISORD = (REPO / "etc" / "supervisord" / "turnkeeper.conf").read_text()
@@ -159,7 +158,7 @@ def test_doctor_and_breaker_status_show_a_tripped_breaker_and_reset_clears_it(
     )
     with Store(f"sqlite:///{tmp_path / 'state' / 'turnkeeper.db'}", migrate=False) as store:
         for _ in range(3):  # three boots of this host that died (never ended)
-            store.boots.begin(socket.gethostname(), 999_999_999, "test")
+            store.boots.begin(this_host_id(), 999_999_999, "test")
 
     def run(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from supervisor.store import Grant, HostTaken, Me, Store
+from supervisor.store import Grant, HostTaken, Me, SingleHost, Store
 from tests.conftest import BACKENDS
 
 pytestmark = pytest.mark.parametrize("db_url", BACKENDS, indirect=True)
@@ -112,3 +112,23 @@ def test_a_hosts_sweep_sees_its_own_children_only(store: Store) -> None:
     assert sorted(c.id for c in found) == sorted([legacy, mine])
     assert [c.pid for c in store.children.of_other_boots("boot-now", "host-b")] == [13]
     assert len(store.children.of_other_boots("boot-now")) == 3  # SQLite: one host, all
+
+
+def test_sqlite_serves_one_host(store: Store) -> None:
+    store.hosts.register(me("host-a", "boot-1"), TTL, gone=lambda h: False, single=True)
+    if store.backend != "sqlite":
+        store.hosts.register(me("host-b", "boot-2"), TTL, gone=lambda h: False)
+        return
+    with pytest.raises(SingleHost, match=r"store.url is a SQLite database, which serves one"):
+        store.hosts.register(me("host-b", "boot-2"), TTL, gone=lambda h: False, single=True)
+    # The other daemon is gone (a crash here a moment ago): another id may start.
+    store.hosts.register(me("host-b", "boot-2"), TTL, gone=lambda h: True, single=True)
+
+
+def test_hosts_gone_long_ago_are_forgotten(store: Store) -> None:
+    store.hosts.register(me("host-a", "boot-1"), 0.1, gone=lambda h: False)
+    store.hosts.register(me("host-b", "boot-2"), TTL, gone=lambda h: False)
+    time.sleep(0.3)
+    assert store.hosts.prune(60.0) == 0  # gone, but not for long
+    assert store.hosts.prune(0.1) == 1
+    assert [h.host_id for h in store.hosts.all()] == ["host-b"]

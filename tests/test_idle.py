@@ -16,7 +16,6 @@ import asyncio
 import os
 import re
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -38,6 +37,7 @@ from supervisor.pool.pool import Pool
 from supervisor.pool.recoverer import Recoverer
 from supervisor.store import Store
 from tests.agents import ChaosAgent
+from tests.conftest import this_host_id
 from tests.daemon import Daemon, daemons, wait_until
 from workers.agent import Turn
 
@@ -156,8 +156,8 @@ def test_an_idle_pool_runs_no_round_and_reaps_on_sigchld_with_no_scan(
 ) -> None:
     config = pool_config()
     clock = FakeClock()
-    boot = store.boots.begin(socket.gethostname(), os.getpid(), "test")
-    recovery = Recoverer(config, store, boot, socket.gethostname(), Metrics(), clock=clock)
+    boot = store.boots.begin(this_host_id(), os.getpid(), "test")
+    recovery = Recoverer(config, store, boot, this_host_id(), Metrics(), clock=clock)
     pool = Pool(
         config, store, boot, f"ipc://{tmp_path}/control.sock", recovery, Metrics(), clock=clock
     )

@@ -163,6 +163,7 @@ def test_a_worker_says_ready_only_once_its_mcp_servers_are_up(tmp_path: Path) ->
         address=supervisor.address,
         parent_pid=os.getpid(),
         boot_id="b" * 32,
+        host_id="host",
         db_url=url,
         config=config.model_dump(mode="json", by_alias=True),
         route="0" * 32,

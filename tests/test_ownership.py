@@ -19,7 +19,8 @@ from supervisor.contract.config import Config
 from supervisor.core.engine import Budget
 from supervisor.core.slots import Slot
 from supervisor.http.metrics import Metrics
-from supervisor.pool.ownership import Ownership, WorkerHandle
+from supervisor.pool.handle import WorkerHandle
+from supervisor.pool.ownership import Ownership
 from supervisor.pool.recoverer import Recoverer
 from supervisor.store import Store
 from supervisor.store.models import Session

@@ -14,6 +14,7 @@ import faulthandler
 import os
 import signal
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import zmq
@@ -32,6 +33,8 @@ from workers.mcp_launch import launch_all
 from workers.models import make_model
 from workers.runner import SessionRunner
 from workers.tools import BuiltinTools, Toolbox, Toolboxes
+
+DB_THREADS = 4  # the worker's threads for blocking work (each with its own connection)
 
 
 class _FailingAgent:
@@ -80,6 +83,9 @@ class Worker:
     async def run(self) -> int:
         """Serve until `stop` (or the supervisor's SIGTERM); returns the exit code."""
         loop = asyncio.get_running_loop()
+        # Each thread that touches the database keeps a connection open: a few threads,
+        # not one per core, so several daemons fit a server's max_connections.
+        loop.set_default_executor(ThreadPoolExecutor(DB_THREADS, "turnkeeper-db"))
         loop.add_signal_handler(signal.SIGTERM, self._stop.set)
         loop.add_signal_handler(signal.SIGINT, lambda: None)  # the supervisor decides
         # The MCP servers' processes first: their starts overlap the rest of this one.
@@ -219,6 +225,7 @@ class Worker:
             pgid=pgid,
             worker=self.spec.identity,
             name=name,
+            host=self.spec.host_id,
         )
         self._mcp_rows[pid] = row
 
@@ -278,6 +285,11 @@ class Worker:
         while True:
             await asyncio.sleep(ttl / 3)
             try:
-                await asyncio.to_thread(self.store.leases.renew_owner, self.spec.owner, ttl)
+                await asyncio.to_thread(
+                    self.store.leases.renew_owner,
+                    self.spec.owner,
+                    ttl,
+                    (self.spec.host_id, self.spec.boot_id),
+                )
             except Exception as exc:  # a busy database: the next round tries again
                 self.log.warning("lease renewal failed: {}", exc)

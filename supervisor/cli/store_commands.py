@@ -5,7 +5,6 @@ down: boots, the breaker, autonomous runs; and the `sessions` group of
 from __future__ import annotations
 
 import re
-import socket
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -49,9 +48,9 @@ def boots(ctx: click.Context, limit: int, as_json: bool) -> None:
     STATE is running, crashed (no end recorded and its process is gone: SIGKILL, OOM),
     startup_failed, clean or unclean; unknown for a boot of another host that has no end.
     """
-    from supervisor.cli.common import emit_json, open_store
+    from supervisor.cli.common import emit_json, load, open_store
 
-    host = socket.gethostname()
+    host = resolved_host_id(load(ctx))
     with open_store(ctx, migrate=False) as store:
         rows = store.boots.recent(limit)
         now = store.now()
@@ -63,6 +62,13 @@ def boots(ctx: click.Context, limit: int, as_json: bool) -> None:
         click.echo("no boots recorded")
     else:
         click.echo(_boots_table(judged, now))
+
+
+def resolved_host_id(config: Config) -> str:
+    """This host's id, as its daemon resolves it: boots and the breaker are per host."""
+    from supervisor.contract.config import resolved_host_id as resolve
+
+    return resolve(config)
 
 
 def boot_state(boot: Boot, host: str, running: Callable[[Boot], bool]) -> str:
@@ -269,7 +275,7 @@ def breaker_status(ctx: click.Context, as_json: bool) -> None:
     if as_json:
         emit_json(
             {
-                "host": socket.gethostname(),
+                "host": resolved_host_id(config),
                 "tripped": state.tripped,
                 "unclean_boots": state.unclean_in_window,
                 "threshold": config.recovery.breaker_threshold,
@@ -292,7 +298,7 @@ def breaker_state(store: Store, config: Config) -> BreakerState:
 
     now = store.now()
     try:
-        rows = store.boots.of_host(socket.gethostname(), breaker.prune_before(now))
+        rows = store.boots.of_host(resolved_host_id(config), breaker.prune_before(now))
     except Exception:
         rows = None
     # A boot still running here is the current one, as it judges itself; without one,
@@ -315,9 +321,9 @@ def breaker_reset(ctx: click.Context) -> None:
     A running daemon picks the reset up within seconds and runs the boot scan it held
     back; a new crash loop trips the breaker again.
     """
-    from supervisor.cli.common import fail, open_store, when
+    from supervisor.cli.common import fail, load, open_store, when
 
-    host = socket.gethostname()
+    host = resolved_host_id(load(ctx))
     with open_store(ctx, migrate=False) as store:
         try:
             at = store.boots.reset_breaker(host)

@@ -11,6 +11,7 @@ wrong and where the value came from; the command line turns it into exit code 78
 from __future__ import annotations
 
 import os
+import socket
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -24,6 +25,7 @@ from pydantic import (
 from pydantic.fields import FieldInfo
 from pydantic_core import ErrorDetails
 
+from supervisor.contract import paths
 from supervisor.contract.envvars import Sections, env_warnings, from_environ
 
 # Re-exported: most callers take the paths with the configuration.
@@ -183,10 +185,18 @@ def masked_data(cfg: Config, resolved: Paths | None = None) -> dict[str, Any]:
         data["daemon"]["state_dir"] = str(resolved.state_dir)
         data["daemon"]["runtime_dir"] = str(resolved.runtime_dir)
         data["store"]["url"] = resolved.db_url
+        data["daemon"]["host_id"] = resolved_host_id(cfg)
     for server in data["mcp"]["servers"]:
         server["env"] = dict.fromkeys(server["env"], MASK)
     masked: dict[str, Any] = mask_keys(data)
     return masked
+
+
+def resolved_host_id(cfg: Config) -> str:
+    """`daemon.host_id`, or the default it stands for (the machine id, else the hostname)."""
+    return paths.host_id(
+        cfg.daemon.host_id, machine=paths.machine_id(), hostname=socket.gethostname()
+    )
 
 
 def render_config(cfg: Config) -> str:

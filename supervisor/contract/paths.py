@@ -88,3 +88,27 @@ def make_private_dir(path: Path) -> None:
     missing = [p for p in (path, *path.parents) if not p.exists()]
     for directory in reversed(missing):
         directory.mkdir(mode=0o700, exist_ok=True)
+
+
+MACHINE_ID = Path("/etc/machine-id")
+_NOT_IN_HOST_ID = re.compile(r"[^a-z0-9._-]+")
+
+
+def machine_id(path: Path = MACHINE_ID) -> str:
+    """This machine's id (systemd's /etc/machine-id), or "" where there is none."""
+    try:
+        value = path.read_text(encoding="ascii").strip()
+    except (OSError, UnicodeDecodeError):
+        return ""
+    return value if re.fullmatch(r"[0-9a-f]{32}", value) else ""
+
+
+def host_id(configured: str, *, machine: str, hostname: str) -> str:
+    """The daemon's host id: `daemon.host_id` if set, else the machine id, else the
+    hostname made fit (lowercase letters, digits, '.', '_', '-'; at most 40)."""
+    if configured:
+        return configured
+    if machine:
+        return machine
+    name = _NOT_IN_HOST_ID.sub("-", hostname.lower()).strip("-._")[:40]
+    return name or "localhost"

@@ -40,9 +40,24 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
 
+HOST_ID = re.compile(r"[a-z0-9][a-z0-9._-]{0,39}")
+
+
 class DaemonConfig(_Section):
     state_dir: str = ""
     runtime_dir: str = ""
+    host_id: str = ""  # "": the machine id, else the hostname (`paths.host_id`)
+
+    @field_validator("host_id")
+    @classmethod
+    def _check_host_id(cls, value: str) -> str:
+        if value and not HOST_ID.fullmatch(value):
+            raise PydanticCustomError(
+                "host_id",
+                "must be 1 to 40 lowercase letters, digits, '.', '_' or '-', starting with a "
+                "letter or digit (it names this daemon to the others on the database)",
+            )
+        return value
 
 
 class StoreConfig(_Section):

@@ -19,6 +19,7 @@ class WorkerSpec:
     address: str  # the supervisor's ROUTER
     parent_pid: int
     boot_id: str  # MCP children are recorded under it, for the next boot's sweep
+    host_id: str  # ... and under its daemon's host id: only that host sweeps them
     db_url: str
     config: dict[str, Any]
     route: str = field(repr=False)  # the DEALER's routing identity, fresh and random

@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from supervisor.contract.config import Config
 from supervisor.contract.logs import log
-from supervisor.core import engine
+from supervisor.core import adoption, engine
 from supervisor.core.engine import Assign, Budget, Judge, Move, Next, Wake
-from supervisor.core.slots import Slot
 from supervisor.core.vocabulary import AssignReason
+from supervisor.pool.handle import WorkerHandle
 from supervisor.pool.recoverer import Judged, Recoverer
 from supervisor.store import Grant, SessionInfo, Store
 
@@ -32,6 +32,7 @@ FULL_PASS = 5.0  # seconds between passes that read every session with work
 # (the CLI, another host's API) is found by its index of pending sessions, at no cost
 # when there is none.
 PROBE = 0.25
+ADOPT_SLACK = 0.05  # seconds past another host's lease expiry before the pass that adopts
 
 
 @dataclass(frozen=True)
@@ -42,55 +43,6 @@ class Pick:
     target: WorkerHandle | None
     reason: AssignReason
     judged: Judged | None = None
-
-
-@dataclass(eq=False)
-class WorkerHandle:
-    """The supervisor's view of one worker process."""
-
-    slot: Slot
-    identity: str  # w<slot>.<generation>: its name in logs, status and lease owners
-    process: Any  # multiprocess.Process
-    spare: bool
-    started: float
-    route: bytes = field(default=b"", repr=False)  # its routing identity (plane.py)
-    secret: str = field(default="", repr=False)  # what its hello must carry
-    hello: bool = False  # said a valid hello: its messages are read from now on
-    ready: bool = False
-    last_heartbeat: float = 0.0
-    sessions: set[str] = field(default_factory=set)
-    turns: int = 0  # in flight, as its last heartbeat said
-    turns_served: int = 0  # ended since it started, as its last heartbeat said
-    retiring: bool = False  # replaced by a rolling restart; exits on request
-    stop_requested: bool = False
-    aborted_at: float | None = None
-    child_row: int | None = None
-    mcp: dict[str, str] = field(default_factory=dict)  # its MCP servers' states by name
-    replacing: bool = False  # sent a malformed message: killed, its frames ignored
-    exited: bool = False  # its sentinel fired: gone, whether reaped yet or not
-
-    @property
-    def pid(self) -> int:
-        return int(self.process.pid)
-
-    @property
-    def alive(self) -> bool:
-        return not self.exited and self.process.exitcode is None
-
-    def view(self) -> engine.WorkerView:
-        """What the ownership engine reads of it."""
-        return engine.WorkerView(
-            name=self.identity,
-            ready=self.ready,
-            alive=self.alive,
-            spare=self.spare,
-            sessions=len(self.sessions),
-            last_heartbeat=self.last_heartbeat,
-            retiring=self.retiring,
-            stop_requested=self.stop_requested,
-            aborted=self.aborted_at is not None,
-            replacing=self.replacing,
-        )
 
 
 class Ownership:
@@ -115,6 +67,11 @@ class Ownership:
         self.budget = budget or Budget()
         self.owner_prefix = recovery.owner_prefix  # "<host>/<boot>": this boot's owners
         self.assigned: dict[str, WorkerHandle] = {}
+        self.tokens: dict[str, int] = {}  # the lease token granted with each assignment
+        # The daemons on the database that are alive (`Membership` keeps it), and how to
+        # wake a session's owner on another of them (`Signals`); set by the daemon.
+        self.live_hosts: Callable[[], tuple[str, ...]] = lambda: ()
+        self.announce: Callable[[str], None] | None = None
         self.woken: dict[str, int] = {}
         self.busy: set[str] = set()  # sessions being assigned right now
         self.stopping = False
@@ -128,6 +85,16 @@ class Ownership:
         if owner is not None and owner.alive and self.send(owner, "wake", session=session_id):
             return
         self.wanted.set()
+        if self.announce is not None:  # its owner may be another daemon's worker
+            announce = self.announce
+            task = asyncio.ensure_future(asyncio.to_thread(announce, session_id))
+            task.add_done_callback(_announced)
+
+    def woken_elsewhere(self, session_id: str) -> None:
+        """Another daemon committed input for the session: wake its worker if it is ours."""
+        owner = self.assigned.get(session_id)
+        if owner is not None and owner.alive:
+            self.send(owner, "wake", session=session_id)
 
     def touch(self, session_id: str) -> None:
         """A request touched the session: an interrupted turn of it may go on (lazy resume)."""
@@ -137,6 +104,7 @@ class Ownership:
     def interrupt(self, session_id: str) -> None:
         """The operator ended the session's turn (already in the database): stop it now."""
         owner = self.assigned.pop(session_id, None)
+        self.tokens.pop(session_id, None)
         if owner is not None:
             owner.sessions.discard(session_id)
             self.send(owner, "interrupt", session=session_id)
@@ -148,6 +116,7 @@ class Ownership:
         for session_id in orphans:
             if self.assigned.get(session_id) is worker:
                 del self.assigned[session_id]
+                self.tokens.pop(session_id, None)
         if orphans and not self.stopping:
             self.recovery.died(orphans)
             self.wanted.set()
@@ -157,6 +126,7 @@ class Ownership:
         worker.sessions.discard(session_id)
         if self.assigned.get(session_id) is worker:
             del self.assigned[session_id]
+            self.tokens.pop(session_id, None)
             return True
         return False
 
@@ -185,6 +155,7 @@ class Ownership:
             budget=self.budget,
             breaker_tripped=self.recovery.breaker.tripped,
             stopping=self.stopping,
+            live_hosts=self.live_hosts(),
         )
         commands = engine.plan(
             [engine.SessionView.of(info) for info in sessions],
@@ -197,7 +168,10 @@ class Ownership:
             wall=self.recovery.clock(),
             monotonic=self.clock(),
             busy=frozenset(self.busy),
+            tokens=self.tokens,
         )
+        if full:
+            self._watch_adoptions(sessions, facts, now)
         assigns: list[Pick] = []
         judges: list[tuple[SessionInfo, Judge]] = []
         for command in commands:
@@ -211,7 +185,16 @@ class Ownership:
                     owner = self.assigned.get(info.id)
                     if owner is not None and owner.identity == command.worker:
                         self.let_go(owner, info.id)
-                    if command.renewing:
+                        if command.taken:  # it stops the turn; its writes are fenced
+                            self.send(owner, "interrupt", session=info.id)
+                    if command.taken:
+                        log("pool", session=info.id).warning(
+                            "another daemon took the session from {} (lease token {}): "
+                            "this host was away past lease.stale_after",
+                            command.worker,
+                            info.lease_token,
+                        )
+                    elif command.renewing:
                         log("pool", session=info.id).warning(
                             "{} stopped renewing the lease; moving the session", command.worker
                         )
@@ -230,6 +213,16 @@ class Ownership:
         if spent and full:
             self.full_due = started  # what only a full pass found: the next one is full too
         return spent
+
+    def _watch_adoptions(
+        self, sessions: list[SessionInfo], facts: engine.Facts, now: float
+    ) -> None:
+        """Have a full pass run when the next lease of another host runs out, so a lost
+        host's sessions are adopted then, not at the next `FULL_PASS`."""
+        due = adoption.next_adoption(sessions, facts.host, facts.live_hosts, now)
+        if due is not None:
+            at = self.clock() + max(0.0, due - now) + ADOPT_SLACK
+            self.full_due = min(self.full_due, at)
 
     def _sessions_with_work(
         self, full: bool, attention: set[str]
@@ -307,19 +300,25 @@ class Ownership:
                     p.info.id,
                     f"{self.owner_prefix}/{p.target.identity}",  # type: ignore[union-attr]
                     p.info.active_turn_id if p.judged is not None else None,
+                    expect=p.info.lease_token,  # a claim: no other daemon took it since
                 )
                 for p in picks
             ]
             results = await asyncio.to_thread(
-                self.store.leases.grant, grants, self.config.lease.stale_after
+                self.store.leases.grant,
+                grants,
+                self.config.lease.stale_after,
+                self.recovery.host + "/",
             )
             refunds: list[Pick] = []
             by_worker: dict[WorkerHandle, list[dict[str, Any]]] = {}
             for p, granted in zip(picks, results, strict=True):
                 target = p.target
                 assert target is not None
+                if granted.raced:
+                    log("pool", session=p.info.id).debug("another daemon took it first")
                 if p.judged is not None:
-                    if granted.moved_on:
+                    if granted.moved_on or granted.raced:
                         self.recovery.charge_skipped(p.judged)
                         continue
                     if granted.lease is not None:
@@ -331,6 +330,7 @@ class Ownership:
                 target.sessions.add(p.info.id)
                 target.spare = False
                 self.assigned[p.info.id] = target
+                self.tokens[p.info.id] = granted.lease.token
                 self.woken[p.info.id] = p.info.last_seq
                 self.recovery.assigned(p.info.id)
                 cause = p.judged.decision.cause if p.judged is not None else None
@@ -355,3 +355,9 @@ class Ownership:
             self.busy.difference_update(p.info.id for p in picks)
         for worker, assigned in by_worker.items():
             self.send(worker, "assign", sessions=assigned)
+
+
+def _announced(task: asyncio.Future[None]) -> None:
+    """A wake that could not be sent to the other daemons: their probe finds the input."""
+    if not task.cancelled() and task.exception() is not None:
+        log("pool").warning("could not wake the other daemons: {}", task.exception())

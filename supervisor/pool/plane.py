@@ -18,7 +18,7 @@ import zmq.asyncio
 
 from supervisor.contract import control
 from supervisor.contract.logs import log
-from supervisor.pool.ownership import WorkerHandle
+from supervisor.pool.handle import WorkerHandle
 
 Handle = Callable[[WorkerHandle, control.FromWorker], None]
 Replace = Callable[[WorkerHandle, str], None]

@@ -37,8 +37,9 @@ from supervisor.core.engine import HEARTBEATS_MISSED
 from supervisor.core.slots import Slot, SlotState, all_fatal
 from supervisor.core.vocabulary import AssignReason
 from supervisor.http.metrics import Metrics
+from supervisor.pool.handle import WorkerHandle
 from supervisor.pool.housekeeping import Housekeeper
-from supervisor.pool.ownership import Ownership, WorkerHandle
+from supervisor.pool.ownership import Ownership
 from supervisor.pool.plane import ControlPlane
 from supervisor.pool.processes import (
     check_hangs,
@@ -211,6 +212,7 @@ class Pool:
             address=self.address,
             parent_pid=os.getpid(),
             boot_id=self.boot_id,
+            host_id=self.recovery.host,
             db_url=self.store.url,
             config=self.config.model_dump(mode="json", by_alias=True),
             route=route,
@@ -254,6 +256,7 @@ class Pool:
                 "worker",
                 pgid=None,
                 worker=worker.identity,
+                host=self.recovery.host,
             )
         except (psutil.NoSuchProcess, Exception) as exc:
             self.log.warning("could not record worker {}: {}", worker.identity, exc)

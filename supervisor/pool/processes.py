@@ -15,10 +15,14 @@ import multiprocess.resource_tracker
 from supervisor.contract.config import PoolConfig
 from supervisor.contract.logs import log
 from supervisor.core.slots import Slot
-from supervisor.pool.ownership import WorkerHandle
+from supervisor.pool.handle import WorkerHandle
 
 START_TIMEOUT = 30.0  # a worker that has not said it is ready by then is hung
 ABORT_GRACE = 1.0  # between SIGABRT (traceback) and SIGKILL for a hung worker
+# Heartbeat intervals a worker silent past `pool.hang_timeout` is given to be heard from
+# before it is aborted: the silence may be the supervisor's own (it was stopped).
+CONFIRM_HEARTBEATS = 2
+CONFIRM_MIN = 1.0  # ... and seconds at least: processes thawed one by one
 
 
 def resource_tracker() -> int | None:
@@ -55,9 +59,10 @@ def describe_exit(code: int | None, requested: bool = False) -> str:
 
 
 def check_hangs(workers: Iterable[WorkerHandle], now: float, pool: PoolConfig) -> float:
-    """Abort the workers silent for longer than `pool.hang_timeout`: SIGABRT (its
-    traceback goes to the log), and SIGKILL `ABORT_GRACE` later, again every
-    `ABORT_GRACE` until it is gone. Returns the time of the next check it needs."""
+    """Abort the workers silent for longer than `pool.hang_timeout` and still silent
+    `CONFIRM_HEARTBEATS` intervals after that was first seen: SIGABRT (its traceback goes
+    to the log), and SIGKILL `ABORT_GRACE` later, again every `ABORT_GRACE` until it is
+    gone. Returns the time of the next check it needs."""
     next_check = float("inf")
     for worker in list(workers):
         if not worker.alive or worker.stop_requested:
@@ -70,7 +75,17 @@ def check_hangs(workers: Iterable[WorkerHandle], now: float, pool: PoolConfig) -
             continue
         limit = pool.hang_timeout if worker.ready else max(pool.hang_timeout, START_TIMEOUT)
         silent = now - worker.last_heartbeat
-        if silent > limit:
+        confirm = max(CONFIRM_HEARTBEATS * pool.heartbeat_interval, CONFIRM_MIN)
+        suspected = worker.suspected_at
+        if silent > limit and (suspected is None or suspected < worker.last_heartbeat):
+            # Silent past its limit, as far as the supervisor can tell: but the supervisor
+            # itself may just have been stopped (a paused host, a frozen cgroup) with its
+            # workers, whose heartbeats arrive once they all run again. Look once more.
+            worker.suspected_at = now
+            next_check = min(next_check, now + confirm)
+        elif silent > limit and suspected is not None and now < suspected + confirm:
+            next_check = min(next_check, suspected + confirm)
+        elif silent > limit:
             log("pool").error(
                 "worker {} sent no heartbeat for {:.1f} s: hung; aborting it",
                 worker.identity,

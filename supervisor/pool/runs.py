@@ -16,7 +16,7 @@ from supervisor.core import autonomy
 from supervisor.core.engine import Memory
 from supervisor.core.recovery import Trigger
 from supervisor.http.metrics import Metrics
-from supervisor.store import Store
+from supervisor.store import ReplayedSeq, Store
 
 RUN_TAIL = 20  # events read to find an autonomous run's newest checkpoint
 
@@ -57,13 +57,19 @@ class Resumer:
                         "breaker tripped: autonomous resume suppressed"
                     )
                 continue
-            await asyncio.to_thread(
+            # A claim: the key makes a second resume after this checkpoint (another daemon's
+            # pass at the same time, or a later pass of this one) append nothing.
+            at = next(e.seq for e in reversed(events) if e.type == "checkpoint")
+            seq = await asyncio.to_thread(
                 self.store.events.append,
                 info.id,
                 "user_message",
                 {"text": prompt, "autonomous": True, "resumed": True},
                 writer="supervisor",
+                idempotency_key=f"autonomous-resume:{at}",
             )
+            if isinstance(seq, ReplayedSeq):
+                continue  # resumed already, by this daemon or another
             self.metrics.recovery.labels("resume_run", "daemon_restart", "started").inc()
             log("recovery", session=info.id).info(
                 "autonomous run resumed after {} turns", checkpoint.get("turns", 0)

@@ -28,7 +28,7 @@ from supervisor.store.errors import (
 )
 from supervisor.store.eventlog import EVENT_TYPES, EventLog, EventRecord
 from supervisor.store.events import ReplayedSeq, request_digest, scoped_key
-from supervisor.store.hosts import Host, Hosts, HostTaken, Me
+from supervisor.store.hosts import Host, Hosts, HostTaken, Me, SingleHost
 from supervisor.store.leases import Grant, Granted, Lease, Leases
 from supervisor.store.models import MODELS, SchemaVersion
 from supervisor.store.sessions import KINDS, SessionInfo, Sessions
@@ -62,6 +62,7 @@ __all__ = [
     "SessionInfo",
     "SessionNotFound",
     "Sessions",
+    "SingleHost",
     "StorageUnavailable",
     "Store",
     "StoreBusy",

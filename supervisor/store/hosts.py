@@ -75,17 +75,33 @@ class HostTaken(StoreError):
         self.holder = holder
 
 
+class SingleHost(StoreError):
+    """The database serves one host (SQLite), and another one is live on it."""
+
+    def __init__(self, holder: Host) -> None:
+        super().__init__(
+            f"store.url is a SQLite database, which serves one host, and host "
+            f"{holder.host_id!r} (pid {holder.pid} on {holder.hostname}) is live on it: "
+            "point store.url at PostgreSQL or MariaDB for several daemons on one database"
+        )
+        self.holder = holder
+
+
 class Hosts:
     """Register, renew and read host rows; every time is the database's."""
 
     def __init__(self, db: peewee.Database) -> None:
         self._db = db
 
-    def register(self, me: Me, ttl: float, gone: Callable[[Host], bool]) -> Host | None:
+    def register(
+        self, me: Me, ttl: float, gone: Callable[[Host], bool], *, single: bool = False
+    ) -> Host | None:
         """Hold `me.host_id` for `ttl` s; returns the row it replaced, if any.
 
         A live row of another boot is taken over only if `gone(row)` says its daemon is
-        dead (a crash on this machine a moment ago); otherwise HostTaken names it.
+        dead (a crash on this machine a moment ago); otherwise HostTaken names it. With
+        `single` (SQLite, which serves one host) a live daemon of any other id is refused
+        too (SingleHost).
         """
 
         def work() -> Host | None:
@@ -98,6 +114,11 @@ class Hosts:
             held = before is not None and before.live and before.boot_id != me.boot_id
             if held and before is not None and not gone(before):
                 raise HostTaken(before)
+            if single:
+                others = HostRow.select().where(HostRow.host_id != me.host_id)
+                for other in (_host(r, now) for r in others):
+                    if other.live and not gone(other):
+                        raise SingleHost(other)
             fields = {
                 "boot_id": me.boot_id,
                 "hostname": me.hostname[:255],
@@ -149,12 +170,22 @@ class Hosts:
             expired: int = (
                 Session.update(lease_expires_at=now)
                 .where(
-                    Session.owner.startswith(owner_prefix + "/")
-                    & (Session.lease_expires_at > now)
+                    Session.owner.startswith(owner_prefix + "/") & (Session.lease_expires_at > now)
                 )
                 .execute()
             )
             return expired
+
+        result: int = run_write(self._db, work)
+        return result
+
+    def prune(self, age: float) -> int:
+        """Forget hosts that stopped (left or lost) more than `age` s ago; how many."""
+
+        def work() -> int:
+            before = db_now(self._db) - age
+            deleted: int = HostRow.delete().where(HostRow.expires_at < before).execute()
+            return deleted
 
         result: int = run_write(self._db, work)
         return result

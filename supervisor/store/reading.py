@@ -50,7 +50,12 @@ class EventRows:
         characters (at least one row comes): a page of large events stays bounded, and
         the caller asks for the rest from the last seq it got.
         """
-        cursor = self._db.execute_sql(self._sql, (session_id, after, limit))
+        try:
+            cursor = self._db.execute_sql(self._sql, (session_id, after, limit))
+        except (peewee.InterfaceError, peewee.OperationalError):
+            # A connection the server dropped stays broken: the next read opens another.
+            self._db.close()
+            raise
         size = 0
         try:
             while batch := cursor.fetchmany(FETCH):

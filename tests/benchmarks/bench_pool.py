@@ -60,7 +60,6 @@ import os
 import platform
 import re
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -72,6 +71,7 @@ from typing import Any, TypeVar
 from supervisor.contract.config import AgentConfig
 from supervisor.store import EventRecord, SessionInfo, Store
 from tests.benchmarks.figures import alive, log_time, shipped_pool, stats_ms, wait_for
+from tests.conftest import this_host_id
 from tests.daemon import Daemon, inject
 
 T = TypeVar("T")
@@ -155,7 +155,7 @@ class PoolBench:
         self.kills_by_slot.clear()
         self.last_kill.clear()
         boot_id = _BOOT.findall(self.run_log())[-1]
-        self.owner_prefix = f"{socket.gethostname()}/{boot_id[:8]}/"
+        self.owner_prefix = f"{this_host_id()}/{boot_id[:8]}/"
         self.wait_full_strength()
         self.warm(SESSIONS_PER_KILL * self.workers)
         self.waited["boots"] += time.monotonic() - started

@@ -17,7 +17,6 @@ the schema has today, filled the way the store fills them.
 from __future__ import annotations
 
 import json
-import socket
 import sqlite3
 import time
 import uuid
@@ -26,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from supervisor.store import Store
+from tests.conftest import this_host_id
 
 EARLIER_BOOT = "0ldb00t0"  # the boot part of an interrupted session's lease owner
 INTERRUPTED_AGE_S = 60.0
@@ -108,7 +108,7 @@ def templates(url: str) -> tuple[str, str]:
     Idle: one completed turn, no lease. Interrupted: a user message and the
     `turn_started` of its turn, leased to a worker of an earlier boot of this host.
     """
-    owner = f"{socket.gethostname()}/{EARLIER_BOOT}/w1.1"
+    owner = f"{this_host_id()}/{EARLIER_BOOT}/w1.1"
     with Store(url) as store:
         ids = []
         for completed in (True, False):

@@ -1,0 +1,60 @@
+"""The supervisor's view of one worker process: what the pool, the control plane and
+ownership know of it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from supervisor.core import engine
+from supervisor.core.slots import Slot
+
+
+@dataclass(eq=False)
+class WorkerHandle:
+    """The supervisor's view of one worker process."""
+
+    slot: Slot
+    identity: str  # w<slot>.<generation>: its name in logs, status and lease owners
+    process: Any  # multiprocess.Process
+    spare: bool
+    started: float
+    route: bytes = field(default=b"", repr=False)  # its routing identity (plane.py)
+    secret: str = field(default="", repr=False)  # what its hello must carry
+    hello: bool = False  # said a valid hello: its messages are read from now on
+    ready: bool = False
+    last_heartbeat: float = 0.0
+    sessions: set[str] = field(default_factory=set)
+    turns: int = 0  # in flight, as its last heartbeat said
+    turns_served: int = 0  # ended since it started, as its last heartbeat said
+    retiring: bool = False  # replaced by a rolling restart; exits on request
+    stop_requested: bool = False
+    aborted_at: float | None = None
+    suspected_at: float | None = None  # when its silence was first seen past the limit
+    child_row: int | None = None
+    mcp: dict[str, str] = field(default_factory=dict)  # its MCP servers' states by name
+    replacing: bool = False  # sent a malformed message: killed, its frames ignored
+    exited: bool = False  # its sentinel fired: gone, whether reaped yet or not
+
+    @property
+    def pid(self) -> int:
+        return int(self.process.pid)
+
+    @property
+    def alive(self) -> bool:
+        return not self.exited and self.process.exitcode is None
+
+    def view(self) -> engine.WorkerView:
+        """What the ownership engine reads of it."""
+        return engine.WorkerView(
+            name=self.identity,
+            ready=self.ready,
+            alive=self.alive,
+            spare=self.spare,
+            sessions=len(self.sessions),
+            last_heartbeat=self.last_heartbeat,
+            retiring=self.retiring,
+            stop_requested=self.stop_requested,
+            aborted=self.aborted_at is not None,
+            replacing=self.replacing,
+        )

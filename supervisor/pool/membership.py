@@ -1,0 +1,175 @@
+"""This daemon among the others on the database: its host row, held, renewed, left.
+
+At start the daemon takes its `daemon.host_id` (`join`); a live daemon holding the id
+already makes it refuse to start, naming that one, unless that one is a process of this
+machine that is gone (a crash a moment ago: a restart must not wait for the row to run
+out). While it runs, `run` renews the row every `RENEW` seconds and reads every host's,
+so the pool knows which daemons are alive (adoption is spread over them) and learns at
+once when one is lost. A renewal that finds the row held by another boot means this host
+was taken over while it was away: it stops (exit non-zero), as a second daemon with its
+id must not write beside the first. At a clean stop, `leave` says goodbye and lets this
+boot's leases run out, so the others adopt its interrupted turns without waiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from collections.abc import Callable
+
+import psutil
+
+from supervisor import __version__
+from supervisor.contract import reaper
+from supervisor.contract.config import Config
+from supervisor.contract.logs import log
+from supervisor.contract.paths import machine_id
+from supervisor.pool.ownership import Ownership
+from supervisor.pool.signals import Signals
+from supervisor.store import Host, Me, Store
+
+RENEW = 1.0  # seconds between renewals of the host row (its time to live: lease.stale_after)
+FORGET_AFTER = 86400.0  # a host gone this long leaves the list (as boot rows do)
+
+
+class Fenced(Exception):
+    """Another boot holds this daemon's host id now: this one must stop."""
+
+
+class Membership:
+    """This daemon's host row and its view of the others."""
+
+    def __init__(self, config: Config, store: Store, boot_id: str, host_id: str) -> None:
+        self.store = store
+        self.ttl = config.lease.stale_after
+        self.host_id = host_id
+        self.boot_id = boot_id
+        pid = os.getpid()
+        self.me = Me(
+            host_id=host_id,
+            boot_id=boot_id,
+            hostname=socket.gethostname(),
+            machine=machine_id(),
+            pid=pid,
+            pid_started=psutil.Process(pid).create_time(),
+            version=__version__,
+        )
+        self.live: tuple[str, ...] = (host_id,)  # the live hosts' ids, this one included
+        self.hosts: list[Host] = []
+        self.on_lost: list[Callable[[list[str]], None]] = []  # hosts that stopped renewing
+        self.log = log("hosts")
+
+    def serve(self, ownership: Ownership, signals: Signals) -> tuple[asyncio.Task[None], Signals]:
+        """Start keeping the row (the task returned) and hand the pool the live hosts and
+        the wakes of the other daemons (`signals`, started here where it works)."""
+        ownership.live_hosts = lambda: self.live
+
+        def lost(_: list[str]) -> None:
+            ownership.full_due = 0.0  # a full pass now: their expired leases are adoptable
+            ownership.wanted.set()
+
+        self.on_lost.append(lost)
+        if signals.enabled:
+            signals.start()
+            ownership.announce = signals.announce
+        return asyncio.create_task(self.run(), name="hosts"), signals
+
+    def join(self) -> None:
+        """Take the host id (blocking: run in a thread). HostTaken if a live daemon has it."""
+        single = self.store.backend == "sqlite"
+        before = self.store.hosts.register(self.me, self.ttl, self._gone, single=single)
+        if before is not None and before.live:
+            self.log.warning(
+                "took over host id {} from pid {} (boot {}), which is no longer running",
+                self.host_id,
+                before.pid,
+                before.boot_id[:8],
+            )
+        self.log.info("host id {} (lease.stale_after {:.0f} s)", self.host_id, self.ttl)
+        forgotten = self.store.hosts.prune(FORGET_AFTER)
+        if forgotten:
+            self.log.info("forgot {} hosts gone for more than 24 h", forgotten)
+
+    def _gone(self, holder: Host) -> bool:
+        """Whether the live holder of our id is a process of this machine that is gone."""
+        same = holder.machine == self.me.machine if self.me.machine else False
+        if not same and not (holder.machine or self.me.machine):
+            same = holder.hostname == self.me.hostname
+        if not same:
+            return False
+        try:
+            return abs(psutil.Process(holder.pid).create_time() - holder.pid_started) > 0.01
+        except psutil.NoSuchProcess:
+            return True
+        except psutil.Error:
+            return False
+
+    async def run(self) -> None:
+        """Renew the row and read the others', every `RENEW` s, until cancelled."""
+        lost_before: set[str] | None = None  # None: not read yet (lost long ago: no news)
+        while True:
+            try:
+                overdue = await asyncio.to_thread(
+                    self.store.hosts.renew, self.host_id, self.boot_id, self.ttl
+                )
+                hosts = await asyncio.to_thread(self.store.hosts.all)
+            except Exception as exc:  # the database is away: the next round tries again
+                self.log.warning("cannot renew the host row: {}", exc)
+                await asyncio.sleep(RENEW)
+                continue
+            if overdue is None:
+                raise Fenced(
+                    f"host id {self.host_id} is held by another boot now (this daemon was "
+                    "paused or cut off from the database past lease.stale_after, and another "
+                    "daemon started with its id): stopping"
+                )
+            if overdue > 0:
+                self.log.warning(
+                    "this host was away {:.1f} s past its lease.stale_after (paused, or cut "
+                    "off from the database): sessions the others adopted meanwhile are "
+                    "dropped; their leases fence out whatever this host still had in flight",
+                    overdue,
+                )
+            self.hosts = hosts
+            self.live = tuple(h.host_id for h in hosts if h.live) or (self.host_id,)
+            lost = {h.host_id for h in hosts if not h.live and h.host_id != self.host_id}
+            if lost_before is not None and lost - lost_before:
+                for host in sorted(lost - lost_before):
+                    row = next(h for h in hosts if h.host_id == host)
+                    self.log.warning(
+                        "host {} {} ({:.1f} s since it was last seen): its sessions are "
+                        "adopted as their leases run out",
+                        host,
+                        "left" if row.state == "left" else "stopped renewing",
+                        row.now - row.last_seen,
+                    )
+                for callback in self.on_lost:
+                    callback(sorted(lost - lost_before))
+            lost_before = lost
+            await asyncio.sleep(RENEW)
+
+    def sweep(self) -> None:
+        """Kill processes an earlier boot of this host left running, unless their pid was
+        reused (blocking). SQLite serves one host; on a server database only this host's
+        rows are its business: another host's pids name another machine's processes."""
+        host = None if self.store.backend == "sqlite" else self.host_id
+        children = self.store.children
+        rows = children.of_other_boots(self.boot_id, host, (self.me.hostname,))
+        if not rows:
+            return
+        report = reaper.sweep([(r.pid, r.create_time) for r in rows])
+        children.forget([r.id for r in rows])
+        log("recovery").info(
+            "swept {} processes of earlier boots: {} killed, {} gone, {} pid reused",
+            len(rows),
+            len(report.killed),
+            len(report.gone),
+            len(report.reused),
+        )
+
+    def leave(self) -> None:
+        """A clean stop (blocking): the row says so, this boot's leases run out now."""
+        prefix = f"{self.host_id}/{self.boot_id[:8]}"
+        expired = self.store.hosts.leave(self.host_id, self.boot_id, prefix)
+        self.log.info("left the database's hosts; {} leases handed back", expired)
