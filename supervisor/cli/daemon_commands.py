@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from supervisor.cli import hosts_command
 from supervisor.cli.common import (
     EX_FAILURE,
     colour,
@@ -265,7 +266,8 @@ def interrupt(ctx: click.Context, session_id: str, as_json: bool) -> None:
 @reports_errors
 def status(ctx: click.Context, as_json: bool) -> None:
     """Show the daemon: boot, breaker, worker slots and their MCP servers, restarts,
-    sessions and attach streams (--json: the /v1/status document)."""
+    sessions, attach streams, its host id and the other hosts on the database, if any
+    (--json: the /v1/status document)."""
     with connect(ctx) as client:
         data = client.status()
     if as_json:
@@ -294,7 +296,7 @@ def status_lines(data: dict[str, Any]) -> list[str]:
         f"{sessions.get('quarantined', 0)} quarantined, {sessions.get('closed', 0)} closed",
         f"attach streams {data['attach_streams']}",
     ]
-    return lines
+    return lines + hosts_command.status_lines(data)
 
 
 SLOT_COLOURS = {SlotState.FATAL: "red", SlotState.BACKOFF: "yellow"}

@@ -17,7 +17,13 @@ if "run" not in sys.argv[1:]:
     os.environ.setdefault("PYDANTIC_DISABLE_PLUGINS", "__all__")
 
 from supervisor import __version__
-from supervisor.cli import config_commands, daemon_commands, doctor_command, store_commands
+from supervisor.cli import (
+    config_commands,
+    daemon_commands,
+    doctor_command,
+    hosts_command,
+    store_commands,
+)
 from supervisor.cli.common import (
     CONFIG_HELP,
     accept_config_everywhere,
@@ -267,6 +273,7 @@ def db_migrate(ctx: click.Context, as_json: bool) -> None:
 
 daemon_commands.register(main)
 store_commands.register(main)
+hosts_command.register(main)
 config_commands.register(main)
 doctor_command.register(main)
 accept_config_everywhere(main)  # last: after every command is registered

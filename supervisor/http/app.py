@@ -27,7 +27,7 @@ from supervisor.core.vocabulary import (
     SessionStatus,
     Writer,
 )
-from supervisor.http import answers, attach, auth, openapi, pages
+from supervisor.http import answers, attach, auth, follow, hosts, openapi, pages
 from supervisor.http.answers import MAX_SEQ, RETRY_AFTER, ApiError, answer, read_body, whole
 from supervisor.http.auth import ADMIN, Tokens
 from supervisor.http.lifecycle import Lifecycle, refuse_closed
@@ -99,6 +99,7 @@ class Api:
         *,
         boot_id: str,
         pool: PoolView | None = None,
+        host_id: str = "",
     ) -> None:
         self.config = config
         self.store = store
@@ -106,6 +107,8 @@ class Api:
         self.tokens = tokens
         self.metrics = metrics
         self.boot_id = boot_id
+        self.host_id = host_id  # daemon.host_id as resolved: this daemon on the database
+        metrics.state.host_id, metrics.state.hosts = host_id, lambda: hosts.read(store)
         self.pool = pool
         self.ready = False
         self.stopping = False
@@ -325,6 +328,8 @@ class Api:
                 "(http.max_streams_per_principal); close one first",
                 headers={"Retry-After": RETRY_AFTER},
             )
+        if not self.hub.following:  # for the commits of other hosts, which nobody signals here
+            self.hub.follow(follow.Heads(self.store.db))
         return await attach.stream(
             request, info.id, after, self.hub, self.pages.sse, principal=principal
         )
@@ -351,6 +356,7 @@ class Api:
             self.pool.status() if self.pool is not None else {"slots": [], "restarts": 0}
         )
         breaker = self.pool.breaker() if self.pool is not None else None
+        seen = await asyncio.to_thread(hosts.seen, self.store, self.host_id)
         return answer(
             Status(
                 boot=BootState(id=self.boot_id, ready=self.ready, stopping=self.stopping),
@@ -359,6 +365,7 @@ class Api:
                 worker_restarts=pool["restarts"],
                 sessions=counts,
                 attach_streams=self.hub.streams,
+                **seen,
             )
         )
 

@@ -1,11 +1,16 @@
 """Live attach streams: Server-Sent Events replayed from the database, then live.
 
 The hub signals committed events (their seq and type) to subscribers as they arrive
-(from workers over the control plane, and from intake). A stream subscribes first, then
-replays the log after the client's `Last-Event-ID`, then, at each signal past what it
-sent, reads the new events from the database: a client gets every event once, in order,
-and only ever what was stored, whoever sent the signal. A client too slow to keep up is
-dropped (it reconnects with Last-Event-ID) instead of being buffered without bound.
+(from workers over the control plane, and from intake), and the heads of attached
+sessions it reads from the database, for what other hosts commit (`follow.py`: one query
+every `IDLE_CHECK` seconds for all of them, on a thread, and none while nobody is
+attached). A stream subscribes first, then replays the log after the client's
+`Last-Event-ID`, then, at each signal past what it sent, reads the new events from the
+database: a client gets every event once, in order, and only ever what was stored,
+whoever sent the signal. A read that fails (the database is down) leaves the stream
+open and behind: it reads again every `IDLE_CHECK` seconds until it has caught up. A
+client too slow to keep up is dropped (it reconnects with Last-Event-ID) instead of
+being buffered without bound.
 
 The log is read a page at a time (keyset paging on seq), each page read and encoded on a
 reader thread (`pages.Pages`); the loop writes each page's bytes in one write, and awaits
@@ -22,9 +27,16 @@ from typing import Any
 
 from aiohttp import web
 
+from supervisor.contract.clock import SYSTEM, Clock
+from supervisor.contract.logs import log
+from supervisor.http.follow import READ_ERRORS, Follow, ReadHeads
+
 QUEUE_LIMIT = 1000  # live events buffered per stream before the client counts as too slow
 KEEPALIVE = 15.0  # seconds between keep-alive comments on an idle stream
-IDLE_CHECK = 2.0  # seconds between database checks on an idle stream (writes by others)
+# Seconds between database reads for writes by others (other hosts): of the heads of the
+# attached sessions, and of a stream's log while a read failed. The pool's PROBE.
+IDLE_CHECK = 0.25
+CLIENT_CHECK = 2.0  # seconds between checks that the client of an idle stream is still there
 PAGE = 500  # events per page of a replay
 
 # (session id, after, limit) -> (the SSE bytes of the next events after `after`, at most
@@ -45,14 +57,32 @@ class Subscription:
 class Hub:
     """Committed events by session, for the streams attached to them."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Clock = SYSTEM) -> None:
         self._subs: dict[str, set[Subscription]] = {}
         self._by_principal: dict[str, int] = {}
+        self._clock = clock
+        self._follow = Follow()
+        self._heads: ReadHeads | None = None
+        self._follower: asyncio.Task[None] | None = None
+        self._failing = False  # the last read of the database failed
+        self.log = log("attach")
+
+    @property
+    def following(self) -> bool:
+        """Whether the hub reads the heads of attached sessions (`follow`)."""
+        return self._heads is not None
+
+    def follow(self, heads: ReadHeads) -> None:
+        """From now on, read the heads of attached sessions with `heads`, on a thread."""
+        self._heads = heads
+        self._start()
 
     def subscribe(self, session_id: str, principal: str = "") -> Subscription:
         sub = Subscription(session_id, principal)
         self._subs.setdefault(session_id, set()).add(sub)
         self._by_principal[principal] = self._by_principal.get(principal, 0) + 1
+        self._follow.attach(session_id)
+        self._start()
         return sub
 
     def unsubscribe(self, sub: Subscription) -> None:
@@ -61,6 +91,9 @@ class Hub:
             subs.discard(sub)
             if not subs:
                 del self._subs[sub.session_id]
+                self._follow.detach(sub.session_id)
+                if not self._subs:
+                    self._stop()
             left = self._by_principal.get(sub.principal, 0) - 1
             if left > 0:
                 self._by_principal[sub.principal] = left
@@ -72,7 +105,11 @@ class Hub:
         return self._by_principal.get(principal, 0)
 
     def publish(self, session_id: str, event: dict[str, Any]) -> None:
-        """Hand a committed event (API shape) to every stream on its session."""
+        """Signal a committed event (its seq and type) to every stream on its session."""
+        self._follow.published(session_id, int(event["seq"]))
+        self._signal(session_id, event)
+
+    def _signal(self, session_id: str, event: dict[str, Any]) -> None:
         for sub in list(self._subs.get(session_id, ())):
             try:
                 sub.queue.put_nowait(event)
@@ -89,10 +126,53 @@ class Hub:
                 sub.queue.put_nowait(_CLOSE)
         self._subs.clear()
         self._by_principal.clear()
+        self._follow = Follow()
+        self._stop()
 
     @property
     def streams(self) -> int:
         return sum(len(s) for s in self._subs.values())
+
+    def read_failed(self, exc: BaseException) -> None:
+        """A read of the database failed: logged once until a read succeeds."""
+        if not self._failing:
+            self._failing = True
+            self.log.warning(
+                "attach streams cannot read the database ({}); trying again every {} s",
+                exc,
+                IDLE_CHECK,
+            )
+
+    def read_ok(self) -> None:
+        """A read of the database succeeded."""
+        if self._failing:
+            self._failing = False
+            self.log.info("attach streams read the database again")
+
+    def _start(self) -> None:
+        if self._heads is not None and self._follower is None and self._subs:
+            self._follower = asyncio.get_running_loop().create_task(self._run(self._heads))
+
+    def _stop(self) -> None:
+        if self._follower is not None:
+            self._follower.cancel()
+            self._follower = None
+
+    async def _run(self, heads: ReadHeads) -> None:
+        """Every `IDLE_CHECK` s, read the heads of the attached sessions due and signal news."""
+        while True:
+            await self._clock.sleep(IDLE_CHECK)
+            due = self._follow.due()
+            if not due:
+                continue
+            try:
+                found = await asyncio.to_thread(heads, due)
+            except Exception as exc:  # whatever it was, the next tick tries again
+                self.read_failed(exc)
+                continue
+            self.read_ok()
+            for session_id, head in self._follow.heads(found):
+                self._signal(session_id, {"seq": head, "type": ""})
 
 
 def with_room(queue: asyncio.Queue[dict[str, Any]]) -> None:
@@ -121,18 +201,20 @@ async def stream(
     sub = hub.subscribe(session_id, principal)  # before the replay: nothing falls between
     try:
         await response.prepare(request)
-        last = await _replay(response, session_id, after, read)
+        last, behind = await _replay(response, session_id, after, read, hub)
         quiet_since = time.monotonic()
         while True:
             try:
-                event = await asyncio.wait_for(sub.queue.get(), IDLE_CHECK)
+                wait = IDLE_CHECK if behind else CLIENT_CHECK
+                event = await asyncio.wait_for(sub.queue.get(), wait)
             except TimeoutError:
                 if request.transport is None or request.transport.is_closing():
                     break  # the client left; do not wait for a failed write to notice
-                sent = await _replay(response, session_id, last, read)
-                if sent != last:
-                    last, quiet_since = sent, time.monotonic()
-                elif time.monotonic() - quiet_since >= KEEPALIVE:
+                if behind:  # the last read failed: no signal will come for what it missed
+                    sent, behind = await _replay(response, session_id, last, read, hub)
+                    if sent != last:
+                        last, quiet_since = sent, time.monotonic()
+                if time.monotonic() - quiet_since >= KEEPALIVE:
                     await response.write(b": keep-alive\n\n")
                     quiet_since = time.monotonic()
                 continue
@@ -140,7 +222,7 @@ async def stream(
                 break
             if int(event["seq"]) <= last:
                 continue  # already read with an earlier signal
-            last = await _replay(response, session_id, last, read)
+            last, behind = await _replay(response, session_id, last, read, hub)
             quiet_since = time.monotonic()
     except (ConnectionResetError, asyncio.CancelledError):
         pass
@@ -149,12 +231,20 @@ async def stream(
     return response
 
 
-async def _replay(response: web.StreamResponse, session_id: str, after: int, read: ReadPage) -> int:
-    """Send every stored event after `after`, page by page; returns the last seq sent."""
+async def _replay(
+    response: web.StreamResponse, session_id: str, after: int, read: ReadPage, hub: Hub
+) -> tuple[int, bool]:
+    """Send every stored event after `after`, page by page: (the last seq sent, whether a
+    read failed before the end of the log)."""
     while True:
-        body, last, more = await read(session_id, after, PAGE)
+        try:
+            body, last, more = await read(session_id, after, PAGE)
+        except READ_ERRORS as exc:
+            hub.read_failed(exc)
+            return after, True
+        hub.read_ok()
         if body:
             await response.write(body)  # waits while the client has not drained it
             after = last
         if not more:
-            return after
+            return after, False

@@ -5,7 +5,9 @@ what they do reaches the supervisor over the control plane (every committed even
 in each heartbeat their append latencies since the last one and their MCP servers by
 state), and the pool's and the store's state is read at scrape time. Every label value
 comes from a fixed vocabulary (the control plane's schema checks what workers send), so
-no peer can create a series.
+no peer can create a series; the one exception is `host_id`, which names the daemons on
+the database (operator-set, checked by the configuration; only live ones or those still
+holding leases get a series).
 """
 
 from __future__ import annotations
@@ -25,17 +27,20 @@ from prometheus_client.registry import Collector
 
 from supervisor.contract.control import APPEND_BUCKETS
 from supervisor.core.vocabulary import MCP_REPORTED, SessionCount, SlotState
+from supervisor.http.hosts import STATES as HOST_STATES
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 class _State(Collector):
-    """What is read at scrape time: workers, sessions, MCP servers."""
+    """What is read at scrape time: workers, sessions, MCP servers, hosts."""
 
     def __init__(self) -> None:
         self.pool: Callable[[], dict[str, Any]] = lambda: {"slots": [], "restarts": 0}
         self.sessions: Callable[[], Mapping[str, int]] | None = None
         self.mcp: Callable[[], Mapping[str, int]] = dict
+        self.host_id = ""  # this daemon's daemon.host_id
+        self.hosts: Callable[[], list[dict[str, Any]]] | None = None  # `hosts.read`
 
     def collect(self) -> Iterator[Metric]:
         status = self.pool()
@@ -73,6 +78,39 @@ class _State(Collector):
             for count in SessionCount if by_state is not None else ():
                 sessions.add_metric([count], by_state.get(count, 0))  # type: ignore[union-attr]
             yield sessions
+        yield from self._hosts()
+
+    def _hosts(self) -> Iterator[Metric]:
+        """This daemon's host id, and the hosts on the database: one read per scrape."""
+        if self.host_id:
+            info = GaugeMetricFamily(
+                "turnkeeper_host_info", "This daemon's daemon.host_id.", labels=["host_id"]
+            )
+            info.add_metric([self.host_id], 1)
+            yield info
+        if self.hosts is None:
+            return
+        try:
+            rows = self.hosts()
+        except Exception:
+            rows = None  # a busy database: leave the families empty for this scrape
+        by_state = GaugeMetricFamily(
+            "turnkeeper_hosts", "Daemons on the database, by state.", labels=["state"]
+        )
+        states = [h["state"] for h in rows or ()]
+        for state in HOST_STATES if rows is not None else ():
+            by_state.add_metric([state], states.count(state))
+        yield by_state
+        sessions = GaugeMetricFamily(
+            "turnkeeper_host_sessions",
+            "Sessions each daemon's workers hold a live lease on (live daemons, and any "
+            "other still holding leases).",
+            labels=["host_id"],
+        )
+        for host in rows or ():
+            if host["state"] == "live" or host["sessions"]:
+                sessions.add_metric([host["id"]], host["sessions"])
+        yield sessions
 
 
 class _Deltas(Collector):

@@ -213,6 +213,29 @@ class SlotOut(BaseModel):
     mcp: list[McpServerOut] = Field(description="its MCP servers, in configuration order")
 
 
+class HostSelf(BaseModel):
+    """This daemon on the database."""
+
+    id: str = Field(description="its daemon.host_id (default: the machine id, else the hostname)")
+
+
+class HostOut(BaseModel):
+    """A daemon on the database, as its row in the host registry says (database clock)."""
+
+    id: str
+    hostname: str
+    state: Literal["live", "left", "lost"] = Field(
+        description="live: renewing its row; left: stopped cleanly; lost: stopped renewing "
+        "(the others adopt its sessions once their leases run out)"
+    )
+    last_seen: float = Field(description="its last renewal, database epoch seconds")
+    seen_ago: float = Field(ge=0, description="seconds since then, by the database clock")
+    sessions: int = Field(ge=0, description="sessions its workers hold a live lease on")
+    pid: int
+    version: str
+    boot: str = Field(description="the boot id of the daemon holding the row")
+
+
 class Status(BaseModel):
     """The daemon's state, for the operator."""
 
@@ -222,6 +245,11 @@ class Status(BaseModel):
     worker_restarts: int = Field(ge=0)
     sessions: dict[str, int] = Field(description="by state: open, running, pending, ...")
     attach_streams: int = Field(ge=0)
+    host: HostSelf
+    hosts: list[HostOut] = Field(description="every daemon on this database, by id")
+    hosts_error: str | None = Field(
+        description="why the hosts could not be read (then `hosts` is empty), else null"
+    )
 
 
 class Health(BaseModel):
