@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import sys
+import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -92,3 +94,21 @@ def this_host_id() -> str:
     from supervisor.contract.paths import host_id, machine_id
 
     return host_id("", machine=machine_id(), hostname=socket.gethostname())
+
+
+# Tests that run several daemons on one server database (three daemons and their workers
+# load a 2-core machine on their own) take turns across xdist workers. An exclusive file
+# lock does it: pytest-xdist's `xdist_group` marks are not honoured by the pytest in use.
+CLUSTER_LOCK = Path(tempfile.gettempdir()) / "turnkeeper-tests-cluster.lock"
+CLUSTER_WAIT = 300  # seconds a cluster test may wait for its turn: add it to its timeout
+
+
+@pytest.fixture
+def cluster_turn() -> Iterator[None]:
+    """Hold the machine's one cluster turn for the test (see CLUSTER_LOCK)."""
+    with CLUSTER_LOCK.open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)

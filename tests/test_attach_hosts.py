@@ -40,6 +40,7 @@ from supervisor.http.follow import Follow
 from supervisor.http.pages import sse_body
 from supervisor.store import Store
 from supervisor.store.reading import EventRow
+from tests.conftest import CLUSTER_WAIT
 from tests.daemon import Daemon, daemons, events, turn_ended, wait_until
 from tests.test_replay_gate import sse_events
 
@@ -156,7 +157,8 @@ def settled(store: Store, session_id: str) -> int | None:
     return None if info.pending or info.active_turn_id else info.last_seq
 
 
-@pytest.mark.xdist_group("two-hosts")
+@pytest.mark.usefixtures("cluster_turn")  # one cluster at a time (conftest.CLUSTER_LOCK)
+@pytest.mark.timeout(120 + CLUSTER_WAIT)
 @pytest.mark.parametrize("db_url", ["postgresql", "mysql"], indirect=True)
 def test_a_stream_on_b_shows_what_a_commits_live_gapless_in_order(
     db_url: str, daemons: Callable[..., Daemon], tmp_path: Path
