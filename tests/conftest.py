@@ -8,7 +8,9 @@ import sys
 import tempfile
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import pytest
@@ -23,16 +25,10 @@ def _with_path(url: str, path: str, query: str = "") -> str:
     return urlunsplit((parts.scheme, parts.netloc, path, query, ""))
 
 
-@pytest.fixture
-def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    """A database URL for the backend in `request.param`, private to this test."""
-    kind = getattr(request, "param", "sqlite")
-    if kind == "sqlite":
-        yield f"sqlite:///{tmp_path / 'state' / 'turnkeeper.db'}"
-        return
-    base = os.environ.get(URL_VARS[kind])
-    if not base:
-        pytest.skip(f"{URL_VARS[kind]} is not set; .ci/run sets it to the local {kind} server")
+@contextmanager
+def private_database(kind: str, base: str) -> Iterator[str]:
+    """A schema (PostgreSQL) or database (MySQL) of its own on the server at `base`: its
+    URL, dropped after."""
     name = f"tk_{uuid.uuid4().hex[:12]}"
     if kind == "postgresql":
         import psycopg2
@@ -62,6 +58,20 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
         finally:
             conn.cursor().execute(f"DROP DATABASE {name}")
             conn.close()
+
+
+@pytest.fixture
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """A database URL for the backend in `request.param`, private to this test."""
+    kind = getattr(request, "param", "sqlite")
+    if kind == "sqlite":
+        yield f"sqlite:///{tmp_path / 'state' / 'turnkeeper.db'}"
+        return
+    base = os.environ.get(URL_VARS[kind])
+    if not base:
+        pytest.skip(f"{URL_VARS[kind]} is not set; .ci/run sets it to the local {kind} server")
+    with private_database(kind, base) as url:
+        yield url
 
 
 @pytest.fixture
@@ -97,8 +107,9 @@ def this_host_id() -> str:
 
 
 # Tests that run several daemons on one server database (three daemons and their workers
-# load a 2-core machine on their own) take turns across xdist workers. An exclusive file
-# lock does it: pytest-xdist's `xdist_group` marks are not honoured by the pytest in use.
+# load a 2-core machine on their own) take turns: `xdist_group("cluster")` keeps them on
+# one xdist worker, and an exclusive file lock keeps two test runs on one machine from
+# running clusters at the same time.
 CLUSTER_LOCK = Path(tempfile.gettempdir()) / "turnkeeper-tests-cluster.lock"
 CLUSTER_WAIT = 300  # seconds a cluster test may wait for its turn: add it to its timeout
 
@@ -112,3 +123,24 @@ def cluster_turn() -> Iterator[None]:
             yield
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> Any:
+    """Make `--dist loadgroup` keep an `xdist_group` on one xdist worker again.
+
+    pytest-xdist names a test's group by appending `@group` to `item._nodeid`, which
+    pytest 9.2 no longer reads (the node id comes from `item._id`); the scheduler then
+    sees no groups. Set the id it reads, on the workers where xdist would have.
+    """
+    result = yield
+    if getattr(config.option, "loadgroup", False):
+        try:
+            from _pytest.nodeid import coerce_node_id
+        except ImportError:  # an older pytest reads `_nodeid` itself
+            return result
+        for item in items:
+            groups = sorted({str(m.args[0]) for m in item.iter_markers("xdist_group") if m.args})
+            if groups and "@" not in item.nodeid:
+                item._id = coerce_node_id(f"{item.nodeid}@{'_'.join(groups)}")
+    return result

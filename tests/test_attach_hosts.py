@@ -158,6 +158,7 @@ def settled(store: Store, session_id: str) -> int | None:
 
 
 @pytest.mark.usefixtures("cluster_turn")  # one cluster at a time (conftest.CLUSTER_LOCK)
+@pytest.mark.xdist_group("cluster")
 @pytest.mark.timeout(120 + CLUSTER_WAIT)
 @pytest.mark.parametrize("db_url", ["postgresql", "mysql"], indirect=True)
 def test_a_stream_on_b_shows_what_a_commits_live_gapless_in_order(

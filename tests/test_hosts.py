@@ -33,7 +33,7 @@ from tests.conftest import CLUSTER_WAIT
 from tests.daemon import Daemon, wait_until
 
 # One cluster at a time on the machine (conftest.CLUSTER_LOCK); each timeout has the wait.
-pytestmark = pytest.mark.usefixtures("cluster_turn")
+pytestmark = [pytest.mark.usefixtures("cluster_turn"), pytest.mark.xdist_group("cluster")]
 
 WAIT_S = 60.0  # a bound on waiting for what must happen, not a measure of speed
 # The bound on adoption after a host is lost: its leases run out (STALE_AFTER
