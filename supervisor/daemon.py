@@ -44,7 +44,7 @@ from supervisor.pool.pool import Pool
 from supervisor.pool.recoverer import Recoverer
 from supervisor.pool.signals import Signals
 from supervisor.preflight import PluginError, StartupError, check_plugins, take_files
-from supervisor.store import HostTaken, SingleHost, Store
+from supervisor.store import Store
 
 CONTROL_SOCKET = "control.sock"
 STOP_REQUEST = "stop-request.json"  # written by `turnkeeper stop --drain`, read at SIGTERM
@@ -64,6 +64,7 @@ class Daemon:
         self.hostname = socket.gethostname()
         self.host = resolved_host_id(config)
         self.api: Api | None = None
+        self.membership: Membership | None = None
         self.notifier = Notifier.from_environ()  # before any child is started
         self.stop_started = time.monotonic()
         self.drain_budget = config.shutdown.drain_budget
@@ -99,20 +100,15 @@ class Daemon:
             stack.push_async_callback(self._close_store, store)
             boot_id = uuid.uuid4().hex
             # The host id first: a daemon that may not run writes no boot row of that host.
-            membership = Membership(self.config, store, boot_id, self.host)
-            try:
-                await asyncio.to_thread(membership.join)
-            except (HostTaken, SingleHost) as exc:
-                raise PluginError(str(exc)) from exc
+            self.membership = membership = Membership(self.config, store, boot_id, self.host)
+            await asyncio.to_thread(membership.join)  # HostTaken, SingleHost: exit 78
             await asyncio.to_thread(store.boots.begin, self.host, os.getpid(), __version__, boot_id)
             stack.push_async_callback(self._end_boot, store, boot_id)
-            # After the descendants are stopped (the stack unwinds in reverse): then the
-            # other daemons may adopt this one's sessions at once.
+            # Unwound after the descendants stop: then the others adopt its sessions at once.
             stack.push_async_callback(
                 self._step, "peer deregistration", 2.0, lambda: asyncio.to_thread(membership.leave)
             )
-            self.membership = membership
-            pool = await self._start(stack, store, boot_id, tokens)
+            pool = await self._start(stack, store, membership, tokens)
             ready = await self._until_stop(pool.wait_ready(READY_TIMEOUT))
             if pool.fatal.is_set():
                 raise StartupError("no worker could start: every slot is fatal (see above)")
@@ -154,15 +150,15 @@ class Daemon:
             say.warning("{}", warning)
 
     async def _start(
-        self, stack: contextlib.AsyncExitStack, store: Store, boot_id: str, tokens: Tokens
+        self, stack: contextlib.AsyncExitStack, store: Store, membership: Membership, tokens: Tokens
     ) -> Pool:
         """Everything between the boot row and readiness; each step pushes its undoing."""
-        metrics = Metrics()
+        metrics, boot_id = Metrics(), membership.boot_id
         recovery = Recoverer(self.config, store, boot_id, self.host, metrics)
         await asyncio.to_thread(self._previous_stop, store, boot_id, metrics)
         await asyncio.to_thread(recovery.evaluate_breaker)
         await asyncio.to_thread(recovery.prune)
-        await asyncio.to_thread(self.membership.sweep)
+        await asyncio.to_thread(membership.sweep)
         socket_path = self.paths.runtime_dir / CONTROL_SOCKET
         socket_path.unlink(missing_ok=True)  # stale; we hold its lock
         pool = Pool(self.config, store, boot_id, f"ipc://{socket_path}", recovery, metrics)
@@ -190,7 +186,7 @@ class Daemon:
             self._watch(task)
         # The host row kept, the other daemons' wakes heard.
         signals = Signals(store, pool.ownership.woken_elsewhere)
-        hosts, _ = self.membership.serve(pool.ownership, signals)
+        hosts, _ = membership.serve(pool.ownership, signals)
         self._watch(hosts)
         stack.push_async_callback(_cancel_and_wait, hosts)
         stack.push_async_callback(asyncio.to_thread, signals.stop)
@@ -391,6 +387,8 @@ class Daemon:
         self.drain_budget = self._requested_drain()
         if self.api is not None:
             self.api.stopping = True  # intake refuses from this moment
+        if self.membership is not None:
+            self.membership.adopting = False  # another host's sessions are for the others
         self._stop.set()
 
 

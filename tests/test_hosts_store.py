@@ -132,3 +132,33 @@ def test_hosts_gone_long_ago_are_forgotten(store: Store) -> None:
     assert store.hosts.prune(60.0) == 0  # gone, but not for long
     assert store.hosts.prune(0.1) == 1
     assert [h.host_id for h in store.hosts.all()] == ["host-b"]
+
+
+def test_a_late_judgement_neither_charges_nor_ends_a_turn_another_daemon_moved_on(
+    store: Store,
+) -> None:
+    sid = store.sessions.create("admin").id
+    [first] = store.leases.grant([Grant(sid, "host-a/boot-1/w0.1")], TTL)
+    assert first.lease is not None
+    lease = first.lease
+    store.events.append(sid, "user_message", {"text": "hi"}, writer="intake")
+    store.events.append(sid, "turn_started", {}, turn_id="t1", token=lease.token, writer="worker")
+    judged = store.sessions.get(sid)  # what host-b read and judged: turn t1, token 1
+    assert (judged.active_turn_id, judged.lease_token) == ("t1", 1)
+    # Meanwhile the worker ended t1 (its lease was still good): a charge of t1 is no claim.
+    store.events.append(
+        sid, "turn_ended", {"outcome": "completed"}, turn_id="t1", token=lease.token,
+        writer="worker",
+    )  # fmt: skip
+    [late] = store.leases.grant(
+        [Grant(sid, "host-b/boot-2/w0.1", charge="t1", expect=1)], TTL, "host-b/"
+    )
+    assert late.lease is None and store.sessions.get(sid).attempt_count == 0
+    # And a turn someone leased since it was judged is not ended under its new owner.
+    store.events.append(
+        sid, "turn_started", {}, turn_id="t2", token=lease.token, writer="worker"
+    )  # fmt: skip
+    store.leases.grant([Grant(sid, "host-c/boot-3/w0.1", expect=1)], TTL)  # token 2
+    assert not store.sessions.finalize(sid, "t2", "resend", "stale", token=1)
+    assert store.sessions.get(sid).active_turn_id == "t2"
+    assert store.sessions.finalize(sid, "t2", "resend", "stale", token=2)

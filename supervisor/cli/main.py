@@ -62,13 +62,13 @@ def run(ctx: click.Context) -> None:
 
     from supervisor.contract.logs import log, setup_logging
     from supervisor.daemon import Daemon, PluginError, StartupError  # heavy imports
-    from supervisor.store import BadStoreURL, StoreError
+    from supervisor.store import BadStoreURL, HostTaken, SingleHost, StoreError
 
     cfg = load(ctx)
     setup_logging(cfg.log.level, cfg.log.format)
     try:
         code = asyncio.run(Daemon(cfg).run())
-    except (BadStoreURL, PluginError) as exc:
+    except (BadStoreURL, PluginError, HostTaken, SingleHost) as exc:  # each names its key
         config_error(str(exc))
     except (StartupError, StoreError, OSError) as exc:
         log("daemon").error("cannot start: {}", exc)

@@ -181,6 +181,7 @@ class Facts:
     breaker_tripped: bool = False
     stopping: bool = False
     live_hosts: tuple[str, ...] = ()  # the daemons on the database that are alive
+    adopting: bool = True  # False while this daemon stops: no other host's session
 
     @property
     def host(self) -> str:
@@ -226,7 +227,9 @@ def plan(
         ours = s.owner is None or s.owner.startswith(facts.host_prefix)
         if s.id in busy or facts.stopping:
             continue
-        if not ours and (lease_live or not adopts(s, facts.host, facts.live_hosts, now)):
+        if not ours and (
+            lease_live or not facts.adopting or not adopts(s, facts.host, facts.live_hosts, now)
+        ):
             continue
         if s.active_turn_id is None:
             later.append((s, None))

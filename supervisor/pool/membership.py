@@ -16,7 +16,9 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import psutil
 
@@ -27,7 +29,7 @@ from supervisor.contract.logs import log
 from supervisor.contract.paths import machine_id
 from supervisor.pool.ownership import Ownership
 from supervisor.pool.signals import Signals
-from supervisor.store import Host, Me, Store
+from supervisor.store import Host, HostTaken, Me, SingleHost, Store
 
 RENEW = 1.0  # seconds between renewals of the host row (its time to live: lease.stale_after)
 FORGET_AFTER = 86400.0  # a host gone this long leaves the list (as boot rows do)
@@ -58,12 +60,16 @@ class Membership:
         self.live: tuple[str, ...] = (host_id,)  # the live hosts' ids, this one included
         self.hosts: list[Host] = []
         self.on_lost: list[Callable[[list[str]], None]] = []  # hosts that stopped renewing
+        self.adopting = True  # False once this daemon stops: it takes no other host's session
+        # A thread of its own: the renewal never waits behind the pool's database work.
+        self._renewer = ThreadPoolExecutor(1, "turnkeeper-hosts")
         self.log = log("hosts")
 
     def serve(self, ownership: Ownership, signals: Signals) -> tuple[asyncio.Task[None], Signals]:
         """Start keeping the row (the task returned) and hand the pool the live hosts and
         the wakes of the other daemons (`signals`, started here where it works)."""
         ownership.live_hosts = lambda: self.live
+        ownership.adopting = lambda: self.adopting
 
         def lost(_: list[str]) -> None:
             ownership.full_due = 0.0  # a full pass now: their expired leases are adoptable
@@ -76,9 +82,21 @@ class Membership:
         return asyncio.create_task(self.run(), name="hosts"), signals
 
     def join(self) -> None:
-        """Take the host id (blocking: run in a thread). HostTaken if a live daemon has it."""
+        """Take the host id (blocking: run in a thread). HostTaken if a live daemon has it.
+
+        A holder whose process is gone from this machine but whose row was renewed within
+        `2 * RENEW` is waited for that long and looked at again: a daemon on a clone of
+        this machine (the same machine id and hostname) renews it meanwhile and is refused,
+        where a crash here a moment ago is not.
+        """
         single = self.store.backend == "sqlite"
-        before = self.store.hosts.register(self.me, self.ttl, self._gone, single=single)
+        try:
+            before = self.store.hosts.register(self.me, self.ttl, self._gone, single=single)
+        except (HostTaken, SingleHost) as exc:
+            if not self._here_and_dead(exc.holder):
+                raise
+            time.sleep(max(0.0, 2 * RENEW - (exc.holder.now - exc.holder.last_seen)) + 0.1)
+            before = self.store.hosts.register(self.me, self.ttl, self._gone, single=single)
         if before is not None and before.live:
             self.log.warning(
                 "took over host id {} from pid {} (boot {}), which is no longer running",
@@ -92,11 +110,14 @@ class Membership:
             self.log.info("forgot {} hosts gone for more than 24 h", forgotten)
 
     def _gone(self, holder: Host) -> bool:
-        """Whether the live holder of our id is a process of this machine that is gone."""
-        same = holder.machine == self.me.machine if self.me.machine else False
-        if not same and not (holder.machine or self.me.machine):
-            same = holder.hostname == self.me.hostname
-        if not same:
+        """Whether the live holder of our id is a process of this machine that is gone, and
+        has not renewed its row for `2 * RENEW` (so it is no clone of this machine)."""
+        return self._here_and_dead(holder) and holder.now - holder.last_seen >= 2 * RENEW
+
+    def _here_and_dead(self, holder: Host) -> bool:
+        """Whether the holder's process was one of this machine's and is gone."""
+        same_machine = holder.machine == self.me.machine if self.me.machine else True
+        if not same_machine or holder.hostname != self.me.hostname:
             return False
         try:
             return abs(psutil.Process(holder.pid).create_time() - holder.pid_started) > 0.01
@@ -110,10 +131,11 @@ class Membership:
         lost_before: set[str] | None = None  # None: not read yet (lost long ago: no news)
         while True:
             try:
-                overdue = await asyncio.to_thread(
-                    self.store.hosts.renew, self.host_id, self.boot_id, self.ttl
+                loop = asyncio.get_running_loop()
+                overdue = await loop.run_in_executor(
+                    self._renewer, self.store.hosts.renew, self.host_id, self.boot_id, self.ttl
                 )
-                hosts = await asyncio.to_thread(self.store.hosts.all)
+                hosts = await loop.run_in_executor(self._renewer, self.store.hosts.all)
             except Exception as exc:  # the database is away: the next round tries again
                 self.log.warning("cannot renew the host row: {}", exc)
                 await asyncio.sleep(RENEW)
@@ -171,5 +193,6 @@ class Membership:
     def leave(self) -> None:
         """A clean stop (blocking): the row says so, this boot's leases run out now."""
         prefix = f"{self.host_id}/{self.boot_id[:8]}"
+        self._renewer.shutdown(wait=False)
         expired = self.store.hosts.leave(self.host_id, self.boot_id, prefix)
         self.log.info("left the database's hosts; {} leases handed back", expired)

@@ -71,6 +71,7 @@ class Ownership:
         # The daemons on the database that are alive (`Membership` keeps it), and how to
         # wake a session's owner on another of them (`Signals`); set by the daemon.
         self.live_hosts: Callable[[], tuple[str, ...]] = lambda: ()
+        self.adopting: Callable[[], bool] = lambda: True  # False: stopping, adopts nothing
         self.announce: Callable[[str], None] | None = None
         self.woken: dict[str, int] = {}
         self.busy: set[str] = set()  # sessions being assigned right now
@@ -156,6 +157,7 @@ class Ownership:
             breaker_tripped=self.recovery.breaker.tripped,
             stopping=self.stopping,
             live_hosts=self.live_hosts(),
+            adopting=self.adopting(),
         )
         commands = engine.plan(
             [engine.SessionView.of(info) for info in sessions],
@@ -187,7 +189,7 @@ class Ownership:
                         self.let_go(owner, info.id)
                         if command.taken:  # it stops the turn; its writes are fenced
                             self.send(owner, "interrupt", session=info.id)
-                    if command.taken:
+                    if command.taken and not (info.owner or "").startswith(facts.host_prefix):
                         log("pool", session=info.id).warning(
                             "another daemon took the session from {} (lease token {}): "
                             "this host was away past lease.stale_after",

@@ -366,6 +366,7 @@ class Recoverer:
             told.text,
             told.reason,
             quarantine=d.quarantine,
+            token=info.lease_token,
         )
         self._count(j, told.outcome if done else "skipped")
         level = "ERROR" if d.quarantine else "WARNING"

@@ -136,6 +136,8 @@ class Leases:
                 ).where(Session.id == g.session_id)
                 if g.expect is not None:
                     update = update.where(Session.lease_token == g.expect)
+                if g.charge is not None:  # judged on a read: the turn must still be the one
+                    update = update.where(Session.active_turn_id == g.charge)
                 if host_prefix is not None:
                     update = update.where(
                         Session.owner.is_null()

@@ -222,19 +222,24 @@ class Sessions:
         reason: str,
         *,
         quarantine: bool = False,
+        token: int | None = None,
     ) -> bool:
         """End an interrupted turn with a `notice` for the user, in one transaction.
 
         The turn ends `failed` with `reason` (stale, unsafe_tail, quarantined); the lease is
         revoked so no worker writes to the session any more. With `turn_id`, nothing is
         done (False) unless that turn is still the active one: recovery judged it from a
-        read that may be stale. `quarantine` also stops the session for good.
+        read that may be stale; with `token`, nothing either unless the lease token is still
+        the one read (no daemon leased it since). `quarantine` also stops the session for
+        good.
         """
 
         def work() -> bool:
             row = lifecycle.locked_row(session_id)  # another daemon may judge it too
             if turn_id is not None and row.active_turn_id != turn_id:
                 return False
+            if token is not None and row.lease_token != token:
+                return False  # leased since it was judged: its new owner goes on with it
             events = [
                 make_request(
                     session_id,
