@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from supervisor.store import Grant, HostTaken, Me, SingleHost, Store
+from supervisor.store import Grant, HostTaken, Me, ReplayedSeq, SingleHost, Store
 from tests.conftest import BACKENDS
 
 pytestmark = pytest.mark.parametrize("db_url", BACKENDS, indirect=True)
@@ -162,3 +162,23 @@ def test_a_late_judgement_neither_charges_nor_ends_a_turn_another_daemon_moved_o
     assert not store.sessions.finalize(sid, "t2", "resend", "stale", token=1)
     assert store.sessions.get(sid).active_turn_id == "t2"
     assert store.sessions.finalize(sid, "t2", "resend", "stale", token=2)
+
+
+def test_a_runs_next_prompt_and_a_resume_after_the_same_checkpoint_append_one(
+    store: Store,
+) -> None:
+    """The worker's prompt after a checkpoint and recovery's resume of the run (another
+    daemon's scan at the same moment) share a key: whichever comes second appends nothing."""
+    sid = store.sessions.create("admin").id
+    at = store.events.append(sid, "checkpoint", {"turns": 1, "stop_reason": None}, writer="worker")
+    key = f"autonomous-resume:{at}"
+    first = store.events.append(
+        sid, "user_message", {"text": "go on", "autonomous": True}, writer="worker",
+        idempotency_key=key,
+    )  # fmt: skip
+    second = store.events.append(
+        sid, "user_message", {"text": "go on", "autonomous": True, "resumed": True},
+        writer="supervisor", idempotency_key=key,
+    )  # fmt: skip
+    assert isinstance(second, ReplayedSeq) and second == first
+    assert [e.type for e in store.events.read(sid)] == ["checkpoint", "user_message"]

@@ -247,14 +247,15 @@ class SessionRunner:
         found = autonomy.run_of(events)
         if progress is None or found is None:
             return
-        await self._commit(EventType.CHECKPOINT, progress, None)
+        at = await self._commit(EventType.CHECKPOINT, progress, None)
         if progress["stop_reason"] is not None:
             reason, done = progress["stop_reason"], progress["turns"]
             self.log.info("autonomous run stopped ({}) after {} turns", reason, done)
             return
-        await self._commit(
-            EventType.USER_MESSAGE, {"text": found[0].prompt, "autonomous": True}, None
-        )
+        # Under the key recovery's resume uses (`supervisor.pool.runs`): of this prompt and
+        # a resume after the same checkpoint (another daemon's scan), one is appended.
+        prompt = {"text": found[0].prompt, "autonomous": True}
+        await self._commit(EventType.USER_MESSAGE, prompt, None, key=f"autonomous-resume:{at}")
 
     async def _read(self) -> SessionLog:
         """The session's events: the cached log with the events committed after it, or the
@@ -298,12 +299,15 @@ class SessionRunner:
         ending = await turns.agent_ending(agent, context)
         return await self._continuer.after(turn_id, ending, started, self._run)
 
-    async def _commit(self, type: str, payload: dict[str, Any], turn_id: str | None) -> int:
+    async def _commit(
+        self, type: str, payload: dict[str, Any], turn_id: str | None, key: str | None = None
+    ) -> int:
         now = time.time()
         started = time.perf_counter()
         seq = await self._store.events.append_async(
-            self.session_id, type, payload, token=self._turn_token, turn_id=turn_id, created_at=now
-        )
+            self.session_id, type, payload, token=self._turn_token, turn_id=turn_id,
+            created_at=now, idempotency_key=key,
+        )  # fmt: skip
         self._observe(time.perf_counter() - started)
         # A signal only: whoever reads the event reads it from the database.
         await self._notify("committed", session=self.session_id, seq=seq, event_type=type)
