@@ -186,7 +186,7 @@ class Daemon:
             self._watch(task)
         # The host row kept, the other daemons' wakes heard.
         signals = Signals(store, pool.ownership.woken_elsewhere)
-        hosts, _ = membership.serve(pool.ownership, signals)
+        hosts = membership.serve(pool.ownership, signals)
         self._watch(hosts)
         stack.push_async_callback(_cancel_and_wait, hosts)
         stack.push_async_callback(asyncio.to_thread, signals.stop)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-from collections.abc import Collection, Iterator
+from collections.abc import Collection
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -74,7 +74,8 @@ class Cluster:
     def processes(self, host: str) -> list[psutil.Process]:
         """The daemon of `host` and every process under it (workers, MCP servers)."""
         daemon = self.daemons[host]
-        assert daemon.proc is not None
+        if daemon.proc is None or daemon.proc.poll() is not None:
+            return []
         try:
             top = psutil.Process(daemon.proc.pid)
             return [top, *top.children(recursive=True)]
@@ -103,24 +104,12 @@ class Cluster:
         daemon.proc.wait(10)
 
     def close(self) -> None:
-        for daemon in self.daemons.values():
+        for host, daemon in self.daemons.items():
             with contextlib.suppress(Exception):
-                for proc in self.processes_of(daemon):
-                    with contextlib.suppress(psutil.NoSuchProcess):
-                        proc.send_signal(signal.SIGCONT)
+                self.resume(self.processes(host))  # a paused host is killed awake
             with contextlib.suppress(Exception):
                 daemon.kill_everything()
         self.store.close()
-
-    @staticmethod
-    def processes_of(daemon: Daemon) -> Iterator[psutil.Process]:
-        if daemon.proc is None or daemon.proc.poll() is not None:
-            return iter(())
-        try:
-            top = psutil.Process(daemon.proc.pid)
-            return iter([top, *top.children(recursive=True)])
-        except psutil.NoSuchProcess:
-            return iter(())
 
 
 def _up_or_exited(daemon: Daemon) -> bool:

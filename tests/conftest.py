@@ -99,11 +99,9 @@ PYTHON = sys.executable
 
 def this_host_id() -> str:
     """The host id a daemon with the default `daemon.host_id` has on this machine."""
-    import socket
+    from supervisor.contract.config import Config, resolved_host_id
 
-    from supervisor.contract.paths import host_id, machine_id
-
-    return host_id("", machine=machine_id(), hostname=socket.gethostname())
+    return resolved_host_id(Config())
 
 
 # Tests that run several daemons on one server database (three daemons and their workers

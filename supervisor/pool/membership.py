@@ -58,14 +58,13 @@ class Membership:
             version=__version__,
         )
         self.live: tuple[str, ...] = (host_id,)  # the live hosts' ids, this one included
-        self.hosts: list[Host] = []
         self.on_lost: list[Callable[[list[str]], None]] = []  # hosts that stopped renewing
         self.adopting = True  # False once this daemon stops: it takes no other host's session
         # A thread of its own: the renewal never waits behind the pool's database work.
         self._renewer = ThreadPoolExecutor(1, "turnkeeper-hosts")
         self.log = log("hosts")
 
-    def serve(self, ownership: Ownership, signals: Signals) -> tuple[asyncio.Task[None], Signals]:
+    def serve(self, ownership: Ownership, signals: Signals) -> asyncio.Task[None]:
         """Start keeping the row (the task returned) and hand the pool the live hosts and
         the wakes of the other daemons (`signals`, started here where it works)."""
         ownership.live_hosts = lambda: self.live
@@ -79,7 +78,7 @@ class Membership:
         if signals.enabled:
             signals.start()
             ownership.announce = signals.announce
-        return asyncio.create_task(self.run(), name="hosts"), signals
+        return asyncio.create_task(self.run(), name="hosts")
 
     def join(self) -> None:
         """Take the host id (blocking: run in a thread). HostTaken if a live daemon has it.
@@ -153,7 +152,6 @@ class Membership:
                     "dropped; their leases fence out whatever this host still had in flight",
                     overdue,
                 )
-            self.hosts = hosts
             self.live = tuple(h.host_id for h in hosts if h.live) or (self.host_id,)
             lost = {h.host_id for h in hosts if not h.live and h.host_id != self.host_id}
             if lost_before is not None and lost - lost_before:

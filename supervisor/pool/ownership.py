@@ -82,20 +82,20 @@ class Ownership:
 
     def wake(self, session_id: str) -> None:
         """New input was committed for the session: wake its owner, or find it one now."""
-        owner = self.assigned.get(session_id)
-        if owner is not None and owner.alive and self.send(owner, "wake", session=session_id):
+        if self.woken_elsewhere(session_id):
             return
         self.wanted.set()
-        if self.announce is not None:  # its owner may be another daemon's worker
+        # Its owner may be another daemon's worker (none to tell while this one is alone).
+        if self.announce is not None and len(self.live_hosts()) > 1:
             announce = self.announce
             task = asyncio.ensure_future(asyncio.to_thread(announce, session_id))
             task.add_done_callback(_announced)
 
-    def woken_elsewhere(self, session_id: str) -> None:
-        """Another daemon committed input for the session: wake its worker if it is ours."""
+    def woken_elsewhere(self, session_id: str) -> bool:
+        """Input was committed for the session (by another daemon, or this one): wake its
+        worker if it is ours; True if one was told."""
         owner = self.assigned.get(session_id)
-        if owner is not None and owner.alive:
-            self.send(owner, "wake", session=session_id)
+        return owner is not None and owner.alive and self.send(owner, "wake", session=session_id)
 
     def touch(self, session_id: str) -> None:
         """A request touched the session: an interrupted turn of it may go on (lazy resume)."""

@@ -39,7 +39,7 @@ def channel_of(params: dict[str, Any]) -> str:
 class Signals:
     """The wake channel of one daemon: `announce` sends, a thread listens."""
 
-    def __init__(self, store: Store, on_wake: Callable[[str], None]) -> None:
+    def __init__(self, store: Store, on_wake: Callable[[str], object]) -> None:
         self.store = store
         self.on_wake = on_wake
         self.enabled = store.backend == "postgresql"

@@ -21,8 +21,8 @@ from supervisor.store.models import Session
 
 
 @dataclass(frozen=True)
-class Host:
-    """One daemon on the database, as its row says, judged at `now` (database clock)."""
+class Me:
+    """What a daemon registers of itself."""
 
     host_id: str
     boot_id: str
@@ -31,6 +31,12 @@ class Host:
     pid: int
     pid_started: float
     version: str
+
+
+@dataclass(frozen=True)
+class Host(Me):
+    """One daemon on the database, as its row says, judged at `now` (database clock)."""
+
     started_at: float
     last_seen: float
     expires_at: float
@@ -46,19 +52,6 @@ class Host:
     def state(self) -> str:
         """`live`, `left` (a clean stop) or `lost` (stopped renewing)."""
         return "live" if self.live else "left" if self.left_at is not None else "lost"
-
-
-@dataclass(frozen=True)
-class Me:
-    """What a daemon registers of itself."""
-
-    host_id: str
-    boot_id: str
-    hostname: str
-    machine: str
-    pid: int
-    pid_started: float
-    version: str
 
 
 class HostTaken(StoreError):
