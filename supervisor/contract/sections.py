@@ -191,6 +191,7 @@ class McpConfig(_Section):
 class ShutdownConfig(_Section):
     kill_grace: PositiveSeconds = 3.0
     drain_budget: Seconds = 0.0
+    subagent_drain: Seconds = 5.0
 
 
 class AttachConfig(_Section):
@@ -209,6 +210,15 @@ class RecoveryConfig(_Section):
         5.0,
         30.0,
     )
+
+
+class SubagentsConfig(_Section):
+    max_depth: Annotated[int, Field(ge=0, le=32)] = 2
+    max_children: Annotated[int, Field(ge=0, le=1000)] = 8
+    freshness: PositiveSeconds = 7200.0
+    max_recoveries: Annotated[int, Field(ge=1, le=100)] = 3
+    max_per_boot: Annotated[int, Field(ge=0)] = 10
+    reconcile_interval: PositiveSeconds = 30.0
 
 
 class LogConfig(_Section):
@@ -234,6 +244,7 @@ class Config(_Section):
     shutdown: ShutdownConfig = Field(default_factory=ShutdownConfig)
     attach: AttachConfig = Field(default_factory=AttachConfig)
     recovery: RecoveryConfig = Field(default_factory=RecoveryConfig)
+    subagents: SubagentsConfig = Field(default_factory=SubagentsConfig)
     log: LogConfig = Field(default_factory=LogConfig)
 
     # The file it was read from (None: built-in defaults), set by `load_config`.

@@ -34,6 +34,9 @@ backoff        the wait before a crashed slot's worker or MCP server is started 
 quarantine     stopping a session whose turns keep killing workers; lifted by release.
 MCP server     a tool server a worker runs as its child (`McpState`).
 principal      who a bearer token speaks for; its `Permission` on a session.
+subagent       a session another session's turn started for a task (its `parent`), run
+               like any session, whose outcome goes back to the parent once
+               (`SubagentStatus`); not child session or sub-task.
 """
 
 from __future__ import annotations
@@ -54,10 +57,15 @@ class EventType(StrEnum):
     CHECKPOINT = "checkpoint"  # an autonomous run's progress and budgets
     NOTICE = "notice"  # the daemon tells the user something (quarantine, resend)
     ACL = "acl"  # a principal's permission changed
+    SUBAGENT_SPAWNED = "subagent_spawned"  # a turn started a subagent (a child session)
+    SUBAGENT_RESULT = "subagent_result"  # a subagent's run ended: its outcome, for the parent
 
 
 TURN_EVENTS = frozenset({EventType.TURN_STARTED, EventType.TURN_ENDED, EventType.CONTINUATION})
 """Events that belong to a turn: they need a turn id."""
+
+INPUT_EVENTS = frozenset({EventType.USER_MESSAGE, EventType.SUBAGENT_RESULT})
+"""Events a turn answers: they mark their session pending until a turn reads them."""
 
 
 class Writer(StrEnum):
@@ -102,6 +110,23 @@ class SessionStatus(StrEnum):
     OPEN = "open"
     QUARANTINED = "quarantined"  # its turns kept killing workers; an operator releases it
     CLOSED = "closed"
+
+
+class SubagentStatus(StrEnum):
+    """Where a subagent is (the `subagent` registry); every state but RUNNING is final and
+    was reported to the parent, once, in the transaction that set it."""
+
+    RUNNING = "running"  # its session has work or a turn in flight; no result yet
+    COMPLETED = "completed"  # its run ended with an answer
+    FAILED = "failed"  # its run ended in an error, or could not be continued safely
+    CANCELLED = "cancelled"  # its parent was interrupted (`POST /interrupt`) or closed
+    FINALIZED = "finalized"  # interrupted longer ago than subagents.freshness: not resumed
+    WEDGED = "wedged"  # its turn failed subagents.max_recoveries times: never picked again
+
+    @property
+    def final(self) -> bool:
+        """True for every state but RUNNING."""
+        return self is not SubagentStatus.RUNNING
 
 
 class Permission(StrEnum):

@@ -32,6 +32,7 @@ from supervisor.store.hosts import Host, Hosts, HostTaken, Me, SingleHost
 from supervisor.store.leases import Grant, Granted, Lease, Leases
 from supervisor.store.models import MODELS, SchemaVersion
 from supervisor.store.sessions import KINDS, SessionInfo, Sessions
+from supervisor.store.subagents import Reported, Spawned, SubagentInfo, Subagents
 
 __all__ = [
     "EVENT_TYPES",
@@ -56,6 +57,7 @@ __all__ = [
     "Leases",
     "Me",
     "ReplayedSeq",
+    "Reported",
     "SchemaMissing",
     "SchemaTooNew",
     "SessionClosed",
@@ -63,10 +65,13 @@ __all__ = [
     "SessionNotFound",
     "Sessions",
     "SingleHost",
+    "Spawned",
     "StorageUnavailable",
     "Store",
     "StoreBusy",
     "StoreError",
+    "SubagentInfo",
+    "Subagents",
     "request_digest",
     "scoped_key",
     "sqlite_path",
@@ -109,6 +114,7 @@ class Store:
         self.boots = Boots(self.db)
         self.children = Children(self.db)
         self.hosts = Hosts(self.db)
+        self.subagents = Subagents(self.db)
 
     def now(self) -> float:
         """The database clock (epoch seconds): the only clock leases are judged by."""

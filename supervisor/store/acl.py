@@ -9,6 +9,7 @@ from supervisor.store.db import run_write
 from supervisor.store.errors import SessionNotFound
 from supervisor.store.eventlog import make_request, write_events
 from supervisor.store.models import Session, SessionACL
+from supervisor.store.subagents import descendants
 
 PERMISSIONS = tuple(Permission)  # each includes the ones before it
 
@@ -33,27 +34,31 @@ class Acl:
         return self._change(session_id, principal, None, by)
 
     def _change(self, session_id: str, principal: str, permission: str | None, by: str) -> int:
-        event = make_request(
-            session_id,
-            EventType.ACL,
-            {"principal": principal, "permission": permission, "by": by},
-            writer=Writer.SUPERVISOR,
-        )
+        """The change on the session and on its subagents (they inherit its ACL), each
+        with its `acl` event, in one transaction; the seq of the session's own event."""
+        payload = {"principal": principal, "permission": permission, "by": by}
 
         def work() -> int:
             if not Session.select().where(Session.id == session_id).exists():
                 raise SessionNotFound(session_id)
+            sessions = [session_id, *descendants(session_id)]
             SessionACL.delete().where(
-                (SessionACL.session == session_id) & (SessionACL.principal == principal)
+                SessionACL.session.in_(sessions) & (SessionACL.principal == principal)
             ).execute()
             if permission is not None:
-                SessionACL.insert(
-                    session=session_id, principal=principal, permission=permission
+                SessionACL.insert_many(
+                    [(sid, principal, permission) for sid in sessions],
+                    fields=[SessionACL.session, SessionACL.principal, SessionACL.permission],
                 ).execute()
-            (outcome,) = write_events(self._db, [event])
-            if isinstance(outcome, Exception):
-                raise outcome
-            return outcome
+            events = [
+                make_request(sid, EventType.ACL, payload, writer=Writer.SUPERVISOR)
+                for sid in sessions
+            ]
+            outcomes = write_events(self._db, events)
+            for outcome in outcomes:
+                if isinstance(outcome, Exception):
+                    raise outcome
+            return int(outcomes[0])
 
         return run_write(self._db, work)
 

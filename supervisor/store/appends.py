@@ -19,7 +19,7 @@ from typing import Any
 
 import peewee
 
-from supervisor.core.vocabulary import EventType, SessionStatus
+from supervisor.core.vocabulary import INPUT_EVENTS, EventType, SessionStatus
 from supervisor.store.db import DRIVER_ERRORS
 from supervisor.store.errors import (
     IdempotencyConflict,
@@ -180,7 +180,7 @@ def _from_locked_rows(
                 int(last), int(token), bool(pending), active, turn, int(attempts), resend, status
             )
     keys: list[tuple[str, str, int, str | None]] = []
-    last_user: dict[str, int] = {}  # user messages appended in this batch
+    last_user: dict[str, int] = {}  # user messages (any input) appended in this batch
     for i in todo:
         req = requests[i]
         row = rows.get(req.session_id)
@@ -194,7 +194,7 @@ def _from_locked_rows(
             outcomes[i] = SessionClosed(req.session_id)  # decided under the lock: no race
             continue
         advance(row, req)
-        if req.type == EventType.USER_MESSAGE:
+        if req.type in INPUT_EVENTS:
             last_user[req.session_id] = row.last_seq
         elif req.read_to is not None:
             # The turn read up to `read_to`; a message after that is still waiting for one.
@@ -247,7 +247,8 @@ def _replay(req: AppendRequest, seq: int, digest: str | None) -> Outcome:
 
 
 def _last_user_seq(cursor: Any, sql: Sql, session_id: str) -> int:
-    """The seq of the session's newest user message (0 if none); read under the lock."""
-    cursor.execute(sql.last_user, (session_id, EventType.USER_MESSAGE.value))
+    """The seq of the session's newest input (a user message or a subagent's result; 0 if
+    none); read under the lock."""
+    cursor.execute(sql.last_user, (session_id, *sorted(INPUT_EVENTS)))
     found = cursor.fetchone()
     return int(found[0]) if found else 0

@@ -12,12 +12,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from supervisor.core.vocabulary import TURN_EVENTS, EventType, Writer
+from supervisor.core.vocabulary import INPUT_EVENTS, TURN_EVENTS, EventType, SessionStatus, Writer
 
 EVENT_TYPES = frozenset(EventType)
 WRITERS = frozenset(Writer)
 # The events that change their session row beyond `last_seq` (see `advance`).
-ROW_EVENTS = frozenset({EventType.USER_MESSAGE, EventType.TURN_STARTED, EventType.TURN_ENDED})
+ROW_EVENTS = INPUT_EVENTS | {EventType.TURN_STARTED, EventType.TURN_ENDED}
 
 
 def _encoder() -> Callable[[dict[str, Any]], str]:
@@ -187,6 +187,8 @@ def advance(row: SessionRow, event: AppendRequest) -> None:
     - every event takes the next seq;
     - `user_message` marks the session pending (it needs a turn), and clears a request
       to resend (recovery's mark after it ended a turn it could not continue);
+    - `subagent_result` marks it pending too (its next turn reads the result), unless the
+      session is closed;
     - `turn_started` clears pending, makes its turn active and charges its first attempt
       (`write_events` keeps pending when a user message came after the turn's `read_to`);
     - `turn_ended` clears the active turn and its attempts.
@@ -200,6 +202,8 @@ def advance(row: SessionRow, event: AppendRequest) -> None:
     if event.type == EventType.USER_MESSAGE:
         row.pending = True
         row.resend_requested_at = None
+    elif event.type == EventType.SUBAGENT_RESULT:
+        row.pending = row.pending or row.status != SessionStatus.CLOSED
     elif event.type == EventType.TURN_STARTED:
         row.pending = False
         row.active_turn_id = event.turn_id

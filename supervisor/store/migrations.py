@@ -31,9 +31,10 @@ from supervisor.store.models import (
     Host,
     IntakeKey,
     SchemaVersion,
+    Subagent,
 )
 
-LATEST = 5
+LATEST = 6
 
 
 def _resend_mark(db: peewee.Database) -> None:
@@ -95,12 +96,18 @@ def _hosts(db: peewee.Database) -> None:
     )
 
 
+def _subagents(db: peewee.Database) -> None:
+    """6: the subagent registry."""
+    create_tables(db, [Subagent])
+
+
 # version -> the step that migrates version-1 to version.
 STEPS: dict[int, Callable[[peewee.Database], None]] = {
     2: _resend_mark,
     3: _scoped_keys,
     4: _work_indexes,
     5: _hosts,
+    6: _subagents,
 }
 
 _LOCK_NAME = "turnkeeper_migrate"

@@ -173,6 +173,36 @@ class Host(BaseModel):
         table_name = "host"
 
 
+class Subagent(BaseModel):
+    """The registry of subagents: one row per child session a turn started, and where it is.
+
+    Written with the parent's `subagent_spawned` and the child session, in one transaction;
+    its final state is set with the parent's `subagent_result`, in one transaction, once
+    (`SubagentStatus`). A daemon reconciling it holds a claim (`claimed_by`, its host and
+    boot, until `claim_expires_at` by the database clock); a claim not renewed is free again.
+    """
+
+    id = peewee.CharField(max_length=ID_LEN, primary_key=True)  # the child session's id
+    parent = peewee.CharField(max_length=ID_LEN)
+    depth = peewee.IntegerField()  # 1 for a child of a top session, 2 for a grandchild ...
+    task = peewee.TextField()
+    title = peewee.CharField(max_length=200, default="")
+    agent = peewee.CharField(max_length=200, default="")
+    status = peewee.CharField(max_length=16, default="running", index=True)
+    call_id = peewee.CharField(max_length=200, null=True)  # the tool call that spawned it
+    spawned_seq = peewee.BigIntegerField()  # the parent's `subagent_spawned`
+    result_seq = peewee.BigIntegerField(null=True)  # the parent's `subagent_result`
+    summary = peewee.TextField(default="")  # the result, or why there is none (shortened)
+    created_at = peewee.DoubleField()
+    ended_at = peewee.DoubleField(null=True)
+    claimed_by = peewee.CharField(max_length=ID_LEN, null=True)  # "<host>/<boot8>"
+    claim_expires_at = peewee.DoubleField(null=True)
+
+    class Meta:
+        table_name = "subagent"
+        indexes = ((("parent", "status"), False),)
+
+
 class ChildProcess(BaseModel):
     """A live worker or MCP child, identified safely against pid reuse by create_time."""
 
@@ -199,5 +229,6 @@ MODELS: list[type[BaseModel]] = [
     SessionACL,
     AgentBootLog,
     Host,
+    Subagent,
     ChildProcess,
 ]

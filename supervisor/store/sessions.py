@@ -22,7 +22,7 @@ from supervisor.core.vocabulary import (
     TurnOutcome,
     Writer,
 )
-from supervisor.store import lifecycle
+from supervisor.store import lifecycle, subagents
 from supervisor.store.db import chunks, run_write
 from supervisor.store.errors import SessionClosed, SessionNotFound
 from supervisor.store.eventlog import make_request, write_events
@@ -316,11 +316,19 @@ class Sessions:
         )
 
     def interrupt(self, session_id: str, by: str) -> int | None:
-        """End the turn in flight as `interrupted_by_operator`, for good (see lifecycle.py).
+        """End the turn in flight as `interrupted_by_operator`, for good (see lifecycle.py),
+        and cancel the session's running subagents, in one transaction.
 
         Returns the `turn_ended` seq, or None if no turn was running.
         """
-        return run_write(self._db, lambda: lifecycle.interrupt(self._db, session_id, by))
+        why = f"its parent was interrupted by {by}"
+
+        def work() -> int | None:
+            seq = lifecycle.interrupt(self._db, session_id, by)
+            subagents.cancel_within(self._db, session_id, by, why)
+            return seq
+
+        return run_write(self._db, work)
 
     def close(self, session_id: str, by: str) -> list[lifecycle.Written]:
         """Close the session: its turn in flight ends as an interrupt would end it, and it
@@ -329,7 +337,15 @@ class Sessions:
         Returns the events written (seq, type): none if it was closed already, for
         closing is idempotent.
         """
-        return run_write(self._db, lambda: lifecycle.close(self._db, session_id, by))
+        why = f"its parent was closed by {by}"
+
+        def work() -> list[lifecycle.Written]:
+            written = lifecycle.close(self._db, session_id, by)
+            if written:
+                subagents.cancel_within(self._db, session_id, by, why)
+            return written
+
+        return run_write(self._db, work)
 
     def request_turn(self, session_id: str) -> None:
         """Mark the session as needing a turn with no new message (a wake).

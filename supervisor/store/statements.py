@@ -73,7 +73,7 @@ class Sql:
         self.read_after = f"{read} AND seq > {p} ORDER BY seq LIMIT {p}"
         self.read_last = f"{read} ORDER BY seq DESC LIMIT {p}"
         self.last_user = (
-            f"SELECT seq FROM {q[0]}event{q[1]} WHERE session_id = {p} AND type = {p} "
+            f"SELECT seq FROM {q[0]}event{q[1]} WHERE session_id = {p} AND type IN ({p}, {p}) "
             "ORDER BY seq DESC LIMIT 1"
         )
 

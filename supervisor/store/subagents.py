@@ -1,0 +1,517 @@
+"""The subagent registry: spawn a child session, report its outcome to its parent once,
+cancel a parent's children, and the claims of the daemons that reconcile them.
+
+The rules are `supervisor.core.subagents`'s. Every write here is one transaction: a
+spawn writes the parent's `subagent_spawned`, the child session (its ACL copied from the
+parent's, its task as its first user message) and the registry row together; a report
+writes the row's final state and the parent's `subagent_result` together, and only while
+the row is `running`, so a child is reported once whatever crashes in between.
+
+Rows are locked parent session first, then registry row, then child session, everywhere,
+so that two daemons (or a report and a cancel) take turns instead of deadlocking.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import peewee
+
+from supervisor.core import subagents as rules
+from supervisor.core.vocabulary import (
+    EventType,
+    SessionKind,
+    SessionStatus,
+    SubagentStatus,
+    TurnOutcome,
+    Writer,
+)
+from supervisor.store import lifecycle
+from supervisor.store.db import db_now, run_write
+from supervisor.store.errors import LeaseLost, SessionNotFound
+from supervisor.store.eventlog import EventRecord, make_request
+from supervisor.store.models import Event, Session, SessionACL, Subagent
+
+OUTCOME_EVENTS = 50  # a child's latest events read for its outcome: its last turn's end
+
+
+@dataclass(frozen=True)
+class SubagentInfo:
+    """A registry row as the rest of turnkeeper sees it."""
+
+    id: str
+    parent: str
+    depth: int
+    task: str
+    title: str
+    agent: str
+    status: str
+    call_id: str | None
+    spawned_seq: int
+    result_seq: int | None
+    summary: str
+    created_at: float
+    ended_at: float | None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The API shape of a subagent."""
+        return {
+            "id": self.id,
+            "parent": self.parent,
+            "depth": self.depth,
+            "task": self.task,
+            "title": self.title,
+            "agent": self.agent,
+            "status": self.status,
+            "created_at": self.created_at,
+            "ended_at": self.ended_at,
+            "result": self.summary if self.status != SubagentStatus.RUNNING else None,
+        }
+
+
+def _info(row: Subagent) -> SubagentInfo:
+    return SubagentInfo(
+        id=row.id,
+        parent=row.parent,
+        depth=int(row.depth),
+        task=row.task,
+        title=row.title,
+        agent=row.agent,
+        status=row.status,
+        call_id=row.call_id,
+        spawned_seq=int(row.spawned_seq),
+        result_seq=None if row.result_seq is None else int(row.result_seq),
+        summary=row.summary,
+        created_at=row.created_at,
+        ended_at=row.ended_at,
+    )
+
+
+@dataclass(frozen=True)
+class Spawned:
+    """A child started (or found: the same tool call spawned it before)."""
+
+    child: SubagentInfo
+    spawned_seq: int  # the parent's `subagent_spawned`
+    task_seq: int  # the child's first user message
+    new: bool  # False: an earlier spawn by the same call, returned again
+
+
+@dataclass(frozen=True)
+class Reported:
+    """A child's outcome committed to its parent."""
+
+    child: str
+    parent: str
+    status: SubagentStatus
+    seq: int  # the parent's `subagent_result`
+    woke: bool  # the result marks the parent pending (not a cancellation)
+
+
+class Subagents:
+    """The registry of subagents."""
+
+    def __init__(self, db: peewee.Database) -> None:
+        self._db = db
+
+    # --- spawn ----------------------------------------------------------------------
+
+    def spawn(
+        self,
+        parent_id: str,
+        task: str,
+        *,
+        token: int,
+        turn_id: str | None,
+        max_depth: int,
+        max_children: int,
+        title: str = "",
+        agent: str | None = None,
+        call_id: str | None = None,
+    ) -> Spawned:
+        """Start a child session for `task`, as the parent's turn holding `token`.
+
+        LeaseLost if the token is not the parent's; `rules.Refused` (saying why) past the
+        limits; ValueError for a bad task. With `call_id`, a second spawn by the same tool
+        call returns the first child instead of starting another.
+        """
+        task = rules.check_task(task)
+        title = (title or " ".join(task.split())[:80])[:200]
+
+        def work() -> Spawned:
+            parent = lifecycle.locked_row(parent_id)
+            if parent.lease_token != token:
+                raise LeaseLost(parent_id, token, parent.lease_token)
+            if call_id is not None:
+                earlier = Subagent.get_or_none(
+                    (Subagent.parent == parent_id) & (Subagent.call_id == call_id)
+                )
+                if earlier is not None:
+                    return Spawned(_info(earlier), int(earlier.spawned_seq), 1, False)
+            if parent.status != SessionStatus.OPEN:
+                raise rules.Refused(f"this session is {parent.status}: it starts no subagent")
+            depth = self._depth(parent_id)
+            running = (
+                Subagent.select()
+                .where((Subagent.parent == parent_id) & (Subagent.status == SubagentStatus.RUNNING))
+                .count()
+            )
+            why = rules.refusal(depth, running, max_depth=max_depth, max_children=max_children)
+            if why is not None:
+                raise rules.Refused(why)
+            child_id = uuid.uuid4().hex
+            now = time.time()
+            child_agent = parent.agent if agent is None else agent
+            Session.insert(
+                id=child_id,
+                kind=SessionKind.SUBAGENT,
+                parent=parent_id,
+                title=title,
+                agent=child_agent,
+                created_at=now,
+                updated_at=now,
+            ).execute()
+            acl = SessionACL.select(SessionACL.principal, SessionACL.permission).where(
+                SessionACL.session == parent_id
+            )
+            rows = [(child_id, principal, permission) for principal, permission in acl.tuples()]
+            if rows:
+                SessionACL.insert_many(
+                    rows, fields=[SessionACL.session, SessionACL.principal, SessionACL.permission]
+                ).execute()
+            spawned = {
+                "subagent": child_id,
+                "task": task,
+                "title": title,
+                "agent": child_agent,
+                "depth": depth + 1,
+                "call_id": call_id,
+            }
+            first = {"text": task, "subagent_of": parent_id}
+            spawned_seq, task_seq = lifecycle.append_all(
+                self._db,
+                [
+                    make_request(
+                        parent_id, EventType.SUBAGENT_SPAWNED, spawned, token=token, turn_id=turn_id
+                    ),
+                    make_request(child_id, EventType.USER_MESSAGE, first),
+                ],
+            )
+            Subagent.insert(
+                id=child_id,
+                parent=parent_id,
+                depth=depth + 1,
+                task=task,
+                title=title,
+                agent=child_agent,
+                status=SubagentStatus.RUNNING,
+                call_id=call_id,
+                spawned_seq=spawned_seq,
+                created_at=now,
+            ).execute()
+            row = Subagent.get(Subagent.id == child_id)
+            return Spawned(_info(row), spawned_seq, task_seq, True)
+
+        result: Spawned = run_write(self._db, work)
+        return result
+
+    @staticmethod
+    def _depth(session_id: str) -> int:
+        """How deep the session is: 0 for a top session, its registry row's depth else."""
+        depth = Subagent.select(Subagent.depth).where(Subagent.id == session_id).scalar()
+        return int(depth or 0)
+
+    # --- reading --------------------------------------------------------------------
+
+    def get(self, child_id: str) -> SubagentInfo | None:
+        """The registry row of a child, or None."""
+        row = Subagent.get_or_none(Subagent.id == child_id)
+        return None if row is None else _info(row)
+
+    def children(self, parent_id: str, limit: int = 1000) -> list[SubagentInfo]:
+        """The children of a session, oldest first."""
+        query = (
+            Subagent.select()
+            .where(Subagent.parent == parent_id)
+            .order_by(Subagent.created_at, Subagent.id)
+            .limit(limit)
+        )
+        return [_info(row) for row in query]
+
+    def counts(self) -> dict[str, int]:
+        """Subagents by status (every status, 0 included)."""
+        counts = {status.value: 0 for status in SubagentStatus}
+        query = Subagent.select(Subagent.status, peewee.fn.COUNT(Subagent.id)).group_by(
+            Subagent.status
+        )
+        for status, number in query.tuples():
+            counts[str(status)] = int(number)
+        return counts
+
+    def running(self, limit: int = 1000) -> list[SubagentInfo]:
+        """Running rows, oldest first."""
+        query = (
+            Subagent.select()
+            .where(Subagent.status == SubagentStatus.RUNNING)
+            .order_by(Subagent.created_at, Subagent.id)
+            .limit(limit)
+        )
+        return [_info(row) for row in query]
+
+    # --- claims ---------------------------------------------------------------------
+
+    def claim(self, owner: str, ttl: float, limit: int = 500) -> list[SubagentInfo]:
+        """Claim running rows for `owner` ("<host>/<boot8>") until `ttl` seconds from now by
+        the database clock: the unclaimed ones, those whose claim ran out, and its own
+        (renewed). On the server databases `FOR UPDATE SKIP LOCKED`: two daemons claiming
+        at once take different rows; SQLite's `BEGIN IMMEDIATE` serializes them."""
+
+        def work() -> list[SubagentInfo]:
+            now = db_now(self._db)
+            query = (
+                Subagent.select()
+                .where(
+                    (Subagent.status == SubagentStatus.RUNNING)
+                    & (
+                        Subagent.claimed_by.is_null()
+                        | (Subagent.claimed_by == owner)
+                        | (Subagent.claim_expires_at < now)
+                    )
+                )
+                .order_by(Subagent.created_at, Subagent.id)
+                .limit(limit)
+            )
+            if self._db.for_update:
+                query = query.for_update("FOR UPDATE SKIP LOCKED")
+            rows = list(query)
+            if rows:
+                Subagent.update(claimed_by=owner, claim_expires_at=now + ttl).where(
+                    Subagent.id.in_([row.id for row in rows])
+                ).execute()
+            return [_info(row) for row in rows]
+
+        result: list[SubagentInfo] = run_write(self._db, work)
+        return result
+
+    def release_claims(self, owner: str) -> int:
+        """Give up `owner`'s claims (a clean stop): another daemon may take them at once."""
+        return int(
+            run_write(
+                self._db,
+                lambda: (
+                    Subagent.update(claimed_by=None, claim_expires_at=None)
+                    .where(Subagent.claimed_by == owner)
+                    .execute()
+                ),
+            )
+        )
+
+    # --- the one result -------------------------------------------------------------
+
+    def report(self, child_id: str, writer: str = Writer.SUPERVISOR) -> Reported | None:
+        """If the child's run is over, commit its outcome to its parent; else None.
+
+        None too if it was reported already: its row is no longer `running`.
+        """
+
+        def work() -> Reported | None:
+            row = Subagent.get_or_none(Subagent.id == child_id)
+            if row is None or row.status != SubagentStatus.RUNNING:
+                return None
+            lifecycle.locked_row(row.parent)
+            row = _locked(child_id)
+            if row is None or row.status != SubagentStatus.RUNNING:
+                return None
+            child = _locked_session(child_id)
+            facts = rules.Child(
+                None if child is None else child.status,
+                None if child is None else child.active_turn_id,
+                False if child is None else bool(child.pending),
+            )
+            if rules.reconcile(facts) is not rules.Step.REPORT:
+                return None
+            status, text = rules.outcome(facts.status, _latest(child_id))
+            return finish(self._db, row, child, status, text, writer)
+
+        result: Reported | None = run_write(self._db, work)
+        return result
+
+    def finalize(
+        self,
+        child_id: str,
+        turn_id: str,
+        status: SubagentStatus,
+        reason: str,
+        notice: str,
+        *,
+        token: int | None = None,
+    ) -> Reported | None:
+        """Recovery gives up on a child's interrupted turn: end it with a `notice`, and
+        report `status` to the parent, in one transaction.
+
+        Nothing is done (None) unless `turn_id` is still the child's active turn and, with
+        `token`, its lease token is still that one (recovery judged a read that may be old).
+        """
+
+        def work() -> Reported | None:
+            row = Subagent.get_or_none(Subagent.id == child_id)
+            if row is None or row.status != SubagentStatus.RUNNING:
+                return None
+            lifecycle.locked_row(row.parent)
+            row = _locked(child_id)
+            child = _locked_session(child_id)
+            if row is None or row.status != SubagentStatus.RUNNING or child is None:
+                return None
+            if child.active_turn_id != turn_id or token not in (None, child.lease_token):
+                return None
+            lifecycle.append_all(
+                self._db,
+                [
+                    make_request(
+                        child_id,
+                        EventType.NOTICE,
+                        {"text": notice, "reason": reason},
+                        turn_id=turn_id,
+                        writer=Writer.SUPERVISOR,
+                    ),
+                    make_request(
+                        child_id,
+                        EventType.TURN_ENDED,
+                        {"outcome": TurnOutcome.FAILED, "reason": reason},
+                        turn_id=turn_id,
+                        writer=Writer.SUPERVISOR,
+                    ),
+                ],
+            )
+            return finish(self._db, row, child, status, notice, Writer.SUPERVISOR)
+
+        result: Reported | None = run_write(self._db, work)
+        return result
+
+    def descendants(self, session_id: str) -> list[str]:
+        """Every child of the session, their children, and so on."""
+        return descendants(session_id)
+
+
+def finish(
+    db: peewee.Database,
+    row: Subagent,
+    child: Session | None,
+    status: SubagentStatus,
+    text: str,
+    writer: str,
+) -> Reported:
+    """Inside the open transaction, the rows locked: the row's final state, the
+    parent's `subagent_result`, and the child session closed for good."""
+    parent = Session.get(Session.id == row.parent)
+    payload = {
+        "subagent": row.id,
+        "status": status.value,
+        "text": text[: rules.RESULT_MAX],
+        "title": row.title,
+        "task": row.task[:200],
+    }
+    (seq,) = lifecycle.append_all(
+        db, [make_request(row.parent, EventType.SUBAGENT_RESULT, payload, writer=writer)]
+    )
+    woke = status is not SubagentStatus.CANCELLED
+    if not woke:  # a cancellation is history for the parent's next turn, not a turn
+        Session.update(pending=parent.pending).where(Session.id == row.parent).execute()
+    Subagent.update(
+        status=status,
+        ended_at=time.time(),
+        summary=" ".join(text.split())[: rules.SUMMARY_MAX],
+        result_seq=seq,
+        claimed_by=None,
+        claim_expires_at=None,
+    ).where(Subagent.id == row.id).execute()
+    if child is not None:
+        changes = lifecycle.revoked() | {
+            Session.status: SessionStatus.CLOSED,
+            Session.pending: False,
+        }
+        Session.update(changes).where(Session.id == row.id).execute()
+    return Reported(row.id, row.parent, status, seq, woke)
+
+
+# --- cancel ---------------------------------------------------------------------
+
+
+def cancel_within(db: peewee.Database, parent_id: str, by: str, why: str) -> list[Reported]:
+    """Inside the caller's open transaction (the parent row locked): cancel the
+    parent's running children, theirs first; each is reported `cancelled` once.
+
+    Their turns in flight end `interrupted_by_operator` and their leases are revoked:
+    the workers running them can commit nothing more (the caller stops them).
+    """
+    reported: list[Reported] = []
+    ids = [
+        row.id
+        for row in Subagent.select(Subagent.id).where(
+            (Subagent.parent == parent_id) & (Subagent.status == SubagentStatus.RUNNING)
+        )
+    ]
+    for child_id in sorted(ids):
+        row = _locked(child_id)
+        if row is None or row.status != SubagentStatus.RUNNING:
+            continue
+        child = _locked_session(child_id)
+        reported += cancel_within(db, child_id, by, "its parent was cancelled")
+        if child is not None and child.active_turn_id:
+            lifecycle.interrupt(db, child_id, by)
+            child = Session.get(Session.id == child_id)
+        reported.append(finish(db, row, child, SubagentStatus.CANCELLED, why, Writer.SUPERVISOR))
+    return reported
+
+
+def descendants(session_id: str) -> list[str]:
+    """Every subagent of the session, theirs, and so on (`subagents.max_depth` levels)."""
+    found: list[str] = []
+    level = [session_id]
+    while level:
+        level = [row.id for row in Subagent.select(Subagent.id).where(Subagent.parent.in_(level))]
+        found += level
+    return found
+
+
+def _locked(child_id: str) -> Subagent | None:
+    """The registry row, locked for the open transaction on the server databases."""
+    query = Subagent.select().where(Subagent.id == child_id)
+    if Subagent._meta.database.for_update:
+        query = query.for_update()
+    row: Subagent | None = query.first()
+    return row
+
+
+def _locked_session(session_id: str) -> Session | None:
+    try:
+        return lifecycle.locked_row(session_id)
+    except SessionNotFound:
+        return None
+
+
+def _latest(session_id: str) -> list[EventRecord]:
+    """The session's latest events, oldest first."""
+    query = (
+        Event.select()
+        .where(Event.session_id == session_id)
+        .order_by(Event.seq.desc())
+        .limit(OUTCOME_EVENTS)
+    )
+    rows = [
+        EventRecord(
+            session_id=e.session_id,
+            seq=int(e.seq),
+            type=e.type,
+            turn_id=e.turn_id,
+            payload=json.loads(e.payload),
+            created_at=e.created_at,
+            writer=e.writer,
+        )
+        for e in query
+    ]
+    return rows[::-1]
