@@ -36,7 +36,12 @@ NOW = 100_000.0
 ON = RecoveryConfig()
 OFF = RecoveryConfig(auto_continue=False)
 ATTENDED = (Trigger.FIRST_TOUCH, Trigger.USER_MESSAGE, Trigger.WORKER_DEATH)
-UNATTENDED = (Trigger.BOOT_SCAN, Trigger.RETRY_TIMER, Trigger.AUTONOMOUS_RESUME)
+UNATTENDED = (
+    Trigger.BOOT_SCAN,
+    Trigger.RETRY_TIMER,
+    Trigger.AUTONOMOUS_RESUME,
+    Trigger.SUBAGENT_RESUME,
+)
 # A fresh interruption that would be continued: our lease expired mid-turn 10 s ago.
 BASE = Interruption(
     active_turn_id="turn-1",

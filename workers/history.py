@@ -16,15 +16,19 @@ from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any
 
+from supervisor.core.subagents import result_text
 from supervisor.core.tail import Resume as Tail
 from supervisor.core.tail import resume_from
-from supervisor.core.vocabulary import EventType
+from supervisor.core.vocabulary import INPUT_EVENTS, EventType
 from supervisor.store import EventRecord
 from workers.models import Message, ToolCall
+from workers.spawning import started
 
 # The event types read here, as module names: looking up an enum member costs more than
 # comparing it, and these comparisons run for every event of a log.
 _USER, _MODEL = EventType.USER_MESSAGE, EventType.MODEL_RESPONSE
+_SUBAGENT, _SPAWNED = EventType.SUBAGENT_RESULT, EventType.SUBAGENT_SPAWNED
+_INPUT = INPUT_EVENTS  # a user message, or a subagent's result: what a turn answers
 _CALL, _RESULT = EventType.TOOL_CALL, EventType.TOOL_RESULT
 _CONTINUATION = EventType.CONTINUATION
 _STARTED, _ENDED = EventType.TURN_STARTED, EventType.TURN_ENDED
@@ -47,6 +51,8 @@ def message_of(event: EventRecord) -> Message | None:
         return Message("tool", str(payload.get("content", "")), tool_call_id=payload.get("call_id"))
     if event.type == _CONTINUATION:
         return Message("user", str(payload.get("text", "")), note=True)
+    if event.type == _SUBAGENT:
+        return Message("user", result_text(payload))
     return None
 
 
@@ -100,7 +106,7 @@ class _Placement:
         found = message_of(event)
         if found is None:
             return
-        turn = self.unread.get(event.seq) if event.type == _USER else None
+        turn = self.unread.get(event.seq) if event.type in _INPUT else None
         if turn is not None:
             self.waiting.setdefault(turn, []).append(found)
             return
@@ -254,7 +260,7 @@ def read_by(turn_id: str, events: Sequence[EventRecord]) -> list[EventRecord]:
     )
     if not isinstance(read_to, int):
         return list(events)
-    return [e for e in events if not (e.type == _USER and e.seq > read_to)]
+    return [e for e in events if not (e.type in _INPUT and e.seq > read_to)]
 
 
 def _unread_by(events: Sequence[EventRecord]) -> dict[int, str]:
@@ -271,7 +277,7 @@ def _unread_by(events: Sequence[EventRecord]) -> dict[int, str]:
     reads = [read_to for read_to, _, _ in spans]
     unread: dict[int, str] = {}
     for event in events:
-        if event.type == _USER and (i := bisect_left(reads, event.seq)):
+        if event.type in _INPUT and (i := bisect_left(reads, event.seq)):
             _, end, turn = spans[i - 1]
             if event.seq < end:
                 unread[event.seq] = turn
@@ -285,9 +291,19 @@ class MissingResult:
     call_id: str
     name: str
     started: bool  # a `tool_call` event says it began running
+    spawned: str | None = None  # the subagent the call started (its `subagent_spawned`)
 
     def payload(self) -> dict[str, Any]:
-        """The synthetic error result that repairs the history."""
+        """The synthetic result that repairs the history: an error, or what the call did
+        when the log says (a spawn is committed whole, with the call's id)."""
+        if self.spawned is not None:
+            return {
+                "call_id": self.call_id,
+                "name": self.name,
+                "content": started(self.spawned),
+                "is_error": False,
+                "repaired": True,
+            }
         return {
             "call_id": self.call_id,
             "name": self.name,
@@ -312,6 +328,7 @@ class Calls:
         self._open: dict[str, str] = {}  # call id -> tool name, in the order first asked
         self._started: set[str] = set()
         self._answered: set[str] = set()
+        self._spawned: dict[str, str] = {}  # call id -> the subagent it started
 
     def add(self, event: EventRecord) -> None:
         """Take in the next event of the log."""
@@ -321,6 +338,8 @@ class Calls:
                     self._open[call.id] = call.name
         elif event.type == _CALL:
             self._started.add(str(event.payload.get("call_id")))
+        elif event.type == _SPAWNED and event.payload.get("call_id"):
+            self._spawned[str(event.payload["call_id"])] = str(event.payload.get("subagent"))
         elif event.type == _RESULT:
             call_id = str(event.payload.get("call_id"))
             # An answered call is never missing again, whatever comes later.
@@ -331,7 +350,7 @@ class Calls:
     def missing(self) -> list[MissingResult]:
         """The calls asked for so far that have no result, in the order asked."""
         return [
-            MissingResult(call_id, name, call_id in self._started)
+            MissingResult(call_id, name, call_id in self._started, self._spawned.get(call_id))
             for call_id, name in self._open.items()
         ]
 

@@ -32,6 +32,8 @@ from workers.cache import HistoryCache
 from workers.mcp_launch import launch_all
 from workers.models import make_model
 from workers.runner import SessionRunner
+from workers.spawning import TOOL as SPAWN_TOOL
+from workers.spawning import Limits
 from workers.tools import BuiltinTools, Toolbox, Toolboxes
 
 DB_THREADS = 4  # the worker's threads for blocking work (each with its own connection)
@@ -105,11 +107,17 @@ class Worker:
                 self.config.mcp.servers,
                 on_start=self._mcp_started,
                 on_exit=self._mcp_exited,
-                reserved=[spec.name for spec in builtin.specs()],
+                reserved=[*(spec.name for spec in builtin.specs()), SPAWN_TOOL],
                 launched=launched,
             )
             boxes.append(self.mcp)
         self.toolbox = Toolboxes(*boxes)
+        agents = self.config.agent
+        self._limits = Limits(
+            self.config.subagents.max_depth,
+            self.config.subagents.max_children,
+            tuple(agents.allowed_classes()),
+        )
         self.zmq = zmq.asyncio.Context()
         self.socket = self.zmq.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.IDENTITY, self.spec.route.encode())
@@ -203,6 +211,7 @@ class Worker:
                 notify=self.send,
                 history=self.history,
                 attempt_delays=self._attempt_delays(),
+                subagents=self._limits,
             )
             self.runners[a.session] = runner
             runner.start()

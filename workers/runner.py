@@ -31,13 +31,14 @@ from supervisor.core import autonomy, engine
 from supervisor.core.continuation import attempts_charged
 from supervisor.core.engine import SessionView, Step
 from supervisor.core.recovery import ATTEMPT_DELAYS
-from supervisor.core.vocabulary import AssignReason, EventType
+from supervisor.core.vocabulary import AssignReason, EventType, SessionKind, Writer
 from supervisor.store import Lease, LeaseLost, StorageUnavailable, Store
 from workers import turns
 from workers.agent import Agent
 from workers.cache import HistoryCache, SessionLog
 from workers.continuation import Continuer
 from workers.models import Message, Model
+from workers.spawning import Limits, Spawner
 from workers.tools import Toolbox
 
 Notify = Callable[..., Awaitable[None]]
@@ -46,6 +47,10 @@ STORAGE_RETRY = (1.0, 30.0)  # first and longest wait before trying a failed wri
 # What a database that takes no writes raises: our own error, or the driver's.
 STORAGE_ERRORS = (StorageUnavailable, peewee.OperationalError, peewee.InterfaceError)
 READ_LIMIT = 1_000_000  # events in one read: a session's whole log
+
+
+class Reported(Exception):
+    """The session was a subagent whose outcome went to its parent: it runs no more."""
 
 
 class SessionRunner:
@@ -67,6 +72,7 @@ class SessionRunner:
         observe: Callable[[float], None] = lambda seconds: None,
         served: Callable[[], None] = lambda: None,
         attempt_delays: tuple[float, ...] = ATTEMPT_DELAYS,
+        subagents: Limits | None = None,
         clock: Clock = SYSTEM,
     ) -> None:
         self.session_id = session_id
@@ -92,6 +98,10 @@ class SessionRunner:
         self.task: asyncio.Task[None] | None = None
         self.log = logger.bind(subsystem="worker", session=session_id)
         self._clock = clock
+        self._spawner = Spawner(
+            session_id, store, lambda: self._turn_token, notify, subagents or Limits()
+        )
+        self._ended = False  # a turn ended since the runner last found the session idle
         self._continuer = Continuer(
             session_id,
             store=store,
@@ -166,6 +176,9 @@ class SessionRunner:
                 delay = STORAGE_RETRY[0]
         except turns.TurnReleased:
             pass
+        except Reported:
+            await self._notify("lease_lost", session=self.session_id)  # it runs no more
+            return
         except LeaseLost as exc:
             self.log.warning("fenced out: {}", exc)
             await self._notify("lease_lost", session=self.session_id)
@@ -195,6 +208,8 @@ class SessionRunner:
             if step is Step.LEASE_LOST:
                 raise LeaseLost(self.session_id, self.token, info.lease_token)
             if step is Step.IDLE:
+                if info.kind == SessionKind.SUBAGENT and self._ended:
+                    await self._report()
                 return
             self._agent_name = info.agent
             # The turn writes with the token it started under: a newer assignment arriving
@@ -234,11 +249,33 @@ class SessionRunner:
             finally:
                 self.in_turn = False
             self._served()
+            self._ended = True
             # Whatever comes next is a fresh turn or another continuation of ours.
             self.reason, self.cause = "new", None
             self.log.bind(turn=turn_id).debug("turn {} ended {}", turn_id, outcome)
             if info.kind == "autonomous":
                 await self._checkpoint()
+
+    async def _report(self) -> None:
+        """A subagent's run is over: its outcome goes to its parent (the store decides,
+        under its locks, whether it is over; the reconciler reports it if this worker dies
+        first). Reported: the child session is closed and this runner ends."""
+        self._ended = False
+        reported = await asyncio.to_thread(
+            self._store.subagents.report, self.session_id, Writer.WORKER
+        )
+        if reported is None:
+            return
+        self.log.info(
+            "subagent {}: reported {} to {}", reported.child, reported.status, reported.parent
+        )
+        await self._notify(
+            "committed",
+            session=reported.parent,
+            seq=reported.seq,
+            event_type=EventType.SUBAGENT_RESULT,
+        )
+        raise Reported
 
     async def _checkpoint(self) -> None:
         """An autonomous run: record its counters; while no budget is spent, go on."""
@@ -294,6 +331,7 @@ class SessionRunner:
             self._toolbox,
             self._commit,
             self.released,
+            self._spawner,
         )
         started = self._clock.time()
         ending = await turns.agent_ending(agent, context)

@@ -26,6 +26,9 @@ from workers.agent import OUTCOMES, Agent
 from workers.cache import log_of
 from workers.history import Tail
 from workers.models import Message, Model, ModelError, ModelResponse, ToolCall, ToolSpec
+from workers.spawning import SPEC as SPAWN_SPEC
+from workers.spawning import TOOL as SPAWN_TOOL
+from workers.spawning import Spawner, SpawnRefused
 from workers.tools import Toolbox, ToolOutcome
 
 Commit = Callable[[str, dict[str, Any], str | None], Awaitable[int]]
@@ -49,6 +52,7 @@ class TurnContext:
         toolbox: Toolbox,
         commit: Commit,
         released: asyncio.Event,
+        spawner: Spawner | None = None,
     ) -> None:
         self.session_id = session_id
         self.turn_id = turn_id
@@ -57,6 +61,7 @@ class TurnContext:
         self._toolbox = toolbox
         self._commit = commit
         self._released = released
+        self._spawner = spawner if spawner is not None and spawner.limits.enabled else None
 
     @property
     def messages(self) -> list[Message]:
@@ -65,8 +70,9 @@ class TurnContext:
 
     @property
     def tools(self) -> list[ToolSpec]:
-        """The tools on offer."""
-        return self._toolbox.specs()
+        """The tools on offer (`spawn_subagent` among them while subagents may be started)."""
+        specs = self._toolbox.specs()
+        return [*specs, SPAWN_SPEC] if self._spawner is not None else specs
 
     def _boundary(self) -> None:
         if self._released.is_set():
@@ -115,7 +121,10 @@ class TurnContext:
             self.turn_id,
         )
         try:
-            outcome = await self._toolbox.call(call.name, call.arguments)
+            if call.name == SPAWN_TOOL and self._spawner is not None:
+                outcome = await self._spawner.call(call.arguments, self.turn_id, call.id)
+            else:
+                outcome = await self._toolbox.call(call.name, call.arguments)
         except (asyncio.CancelledError, TurnReleased, LeaseLost, StorageUnavailable):
             raise
         except BaseException as exc:  # a tool bug (SystemExit included) must not end the worker
@@ -137,6 +146,20 @@ class TurnContext:
     async def notice(self, text: str) -> None:
         """Commit a `notice` for the user."""
         await self._commit(EventType.NOTICE, {"text": text}, self.turn_id)
+
+    async def spawn_subagent(
+        self, task: str, *, agent: str | None = None, title: str | None = None
+    ) -> str:
+        """Start a subagent for `task`; its session id (see `workers.spawning`).
+
+        Its result arrives in this session as a `subagent_result`, which the session's
+        next turn reads. SpawnRefused when the limits do not allow it, or subagents are
+        off; `agent` must be one the operator allows (`agent.allowed`).
+        """
+        self._boundary()
+        if self._spawner is None:
+            raise SpawnRefused("subagents are off here (subagents.max_depth or max_children is 0)")
+        return await self._spawner.spawn(task, self.turn_id, agent=agent, title=title)
 
 
 def _describe(exc: BaseException) -> str:

@@ -51,7 +51,7 @@ from typing import Any
 
 from supervisor.core.adoption import adopts
 from supervisor.core.recovery import Action, Decision, Trigger
-from supervisor.core.vocabulary import AssignReason
+from supervisor.core.vocabulary import AssignReason, SessionKind
 
 HEARTBEATS_MISSED = 3  # a worker silent for this many intervals gets no new sessions
 
@@ -295,11 +295,15 @@ def scan_targets(
     Left out: no turn in flight; already picked by an earlier pass; another host's (its
     lease decides, and the pool takes it over when that runs out); held by a worker of
     this boot, alive or dead (the pool's call). An autonomous run resumes as such.
+    Subagents have a pass of their own (`Trigger.SUBAGENT_RESUME`, with its own cap): a
+    main scan leaves them out, and theirs takes nothing else.
     """
     targets: list[tuple[SessionView, Trigger]] = []
     for s in sessions:
         m = memory.get(s.id)
         if s.active_turn_id is None or (m is not None and m.picked is not None):
+            continue
+        if (s.kind == SessionKind.SUBAGENT) != (trigger is Trigger.SUBAGENT_RESUME):
             continue
         if s.owner and not s.owner.startswith(facts.host_prefix):
             continue

@@ -52,6 +52,33 @@ def notice(decision: Decision, facts: Interruption, session_id: str) -> Notice:
     )
 
 
+def subagent_notice(decision: Decision, facts: Interruption) -> Notice:
+    """The notice that ends a subagent's turn instead of continuing it; its outcome is
+    the subagent's final status (`supervisor.core.subagents.final_status`)."""
+    cause = _cause_text(facts.cause)
+    if decision.action is Action.FINALIZE_STALE:
+        return Notice(
+            f"This subagent's turn was interrupted ({cause}) at {_when(facts.interrupted_at)}, "
+            "longer ago than subagents.freshness: it was finalized, not resumed.",
+            "finalized",
+            "stale",
+        )
+    if decision.quarantine:
+        return Notice(
+            f"This subagent's turn was interrupted ({cause}) and each of the "
+            f"{facts.attempts} attempts to continue it failed: it is wedged and will not "
+            "be run again.",
+            "wedged",
+            "wedged",
+        )
+    return Notice(
+        f"This subagent's turn was interrupted ({cause}) at a point where going on by "
+        "itself would not be safe: it ended without a result.",
+        "failed",
+        "unsafe_tail",
+    )
+
+
 def _cause_text(cause: str) -> str:
     try:
         return Cause(cause).text

@@ -24,7 +24,8 @@ Rules
   really try: another host's lease, not interrupted, still running, a queued user message.
 - Freshness: an interruption is fresh while `now - interrupted_at <= freshness`; exactly
   `freshness` seconds old is still continued, anything older is finalized with a notice.
-- The breaker stops only unattended triggers (BOOT_SCAN, RETRY_TIMER, AUTONOMOUS_RESUME):
+- The breaker stops only unattended triggers (BOOT_SCAN, RETRY_TIMER, AUTONOMOUS_RESUME,
+  SUBAGENT_RESUME):
   they SKIP (`suppressed`) wherever they would have acted. A user's message and the first
   touch of a session still run, bounded by the attempts.
 - `auto_continue = false`: recovery leaves interrupted turns alone, except that a queued
@@ -81,6 +82,7 @@ class Trigger(Enum):
     BOOT_SCAN = "boot_scan"  # the bounded scan for sessions nobody touches
     RETRY_TIMER = "retry_timer"  # the periodic pass for attempts that failed transiently
     AUTONOMOUS_RESUME = "autonomous_resume"  # an autonomous run resuming by itself
+    SUBAGENT_RESUME = "subagent_resume"  # the subagents' own pass picked an interrupted child
 
     @property
     def unattended(self) -> bool:
@@ -88,7 +90,9 @@ class Trigger(Enum):
         return self in UNATTENDED
 
 
-UNATTENDED = frozenset({Trigger.BOOT_SCAN, Trigger.RETRY_TIMER, Trigger.AUTONOMOUS_RESUME})
+UNATTENDED = frozenset(
+    {Trigger.BOOT_SCAN, Trigger.RETRY_TIMER, Trigger.AUTONOMOUS_RESUME, Trigger.SUBAGENT_RESUME}
+)
 
 
 class Action(Enum):

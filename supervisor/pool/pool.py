@@ -2,16 +2,15 @@
 
 Who owns which session is `Ownership`'s (ownership.py), which carries out the plans of
 `supervisor.core.engine`; the socket the workers talk to is the `ControlPlane`'s
-(plane.py). The pool holds both.
+(plane.py); running subagents are the `Reconciler`'s (subagents.py). The pool holds them.
 
 When a worker dies (its process sentinel fires at once, even for SIGKILL or an OOM kill)
 its sessions go to the hot spare first, and a replacement is started in the dead worker's
 slot, which then becomes the spare. A worker whose event loop stops sending heartbeats is
 hung: it gets SIGABRT (its traceback goes to the log) and, a second later, SIGKILL.
 
-Nothing runs on a tick (housekeeping.py). Children are reaped on SIGCHLD, never by a scan
-of the host's processes: the workers by `_bury`, once their sentinels fire; anything else
-(orphans adopted as the subreaper) by `reap_orphans`.
+Nothing runs on a tick (housekeeping.py). Children are reaped on SIGCHLD: the workers by
+`_bury`, once their sentinels fire; orphans adopted as the subreaper by `reap_orphans`.
 """
 
 from __future__ import annotations
@@ -35,7 +34,7 @@ from supervisor.contract.reaper import descendants, reap_orphans, terminate
 from supervisor.contract.spawn import WorkerSpec
 from supervisor.core.engine import HEARTBEATS_MISSED
 from supervisor.core.slots import Slot, SlotState, all_fatal
-from supervisor.core.vocabulary import AssignReason
+from supervisor.core.vocabulary import INPUT_EVENTS, AssignReason
 from supervisor.http.metrics import Metrics
 from supervisor.pool.handle import WorkerHandle
 from supervisor.pool.housekeeping import Housekeeper
@@ -50,11 +49,13 @@ from supervisor.pool.processes import (
     stop_resource_tracker,
 )
 from supervisor.pool.recoverer import Recoverer
+from supervisor.pool.rolling import RollingRestart
+from supervisor.pool.subagents import Reconciler
 from supervisor.store import Store
 from workers.entry import run_worker
 
 
-class Pool:
+class Pool(RollingRestart):
     """The worker processes; who owns what (`ownership`) and how they talk (`plane`)."""
 
     def __init__(
@@ -95,6 +96,7 @@ class Pool:
         self.tasks: list[asyncio.Task[None]] = []  # run until stop; the daemon watches them
         self._pending: set[asyncio.Task[Any]] = set()  # background work; awaited by stop
         self._wanted = self.ownership.wanted
+        self.subagents = Reconciler(config, store, recovery, self.wake, metrics, clock=clock)
         self.housekeeper = Housekeeper(
             self._tend, self.ownership.dispatch, self.ownership.next_pass_in, self._wanted, clock
         )
@@ -127,6 +129,7 @@ class Pool:
         self.tasks = [
             asyncio.create_task(self.plane.receive(), name="pool-receive"),
             asyncio.create_task(self.housekeeper.run(), name="pool-housekeeping"),
+            asyncio.create_task(self.subagents.run(), name="pool-subagents"),
         ]
 
     async def wait_ready(self, timeout: float) -> bool:
@@ -156,6 +159,7 @@ class Pool:
         for task in self.tasks:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
+        await self.subagents.release()
         # From here on `terminate` reaps every child itself.
         asyncio.get_running_loop().remove_signal_handler(signal.SIGCHLD)
         for worker in self.workers.values():
@@ -270,6 +274,7 @@ class Pool:
         self.burying.add(worker.pid)
         self.plane.bury(worker)
         self.ownership.orphaned(worker)
+        self.subagents.stir()  # a child it ran may have ended without reporting
         if worker.child_row is not None:
             self._background(asyncio.to_thread(self.store.children.forget, [worker.child_row]))
         self._background(self._bury(worker))
@@ -363,6 +368,8 @@ class Pool:
                 # Only a signal: what reaches readers is read from the database.
                 for callback in self.on_event:
                     callback(message.session, {"seq": message.seq, "type": message.event_type})
+                if message.event_type in INPUT_EVENTS:  # a subagent's task, or its result
+                    self.wake(message.session)
             case control.Released() | control.LeaseLost():
                 owned = self.ownership.let_go(worker, message.session)
                 if owned and message.type == "released" and not self.stopping:
@@ -370,31 +377,3 @@ class Pool:
                     self._background(handoff)
                 elif owned:
                     self._wanted.set()  # fenced out: the session may need another owner
-
-    # --- rolling restart ------------------------------------------------------------
-
-    async def rolling_restart(self, timeout: float = 60.0) -> None:
-        """Replace every worker: new one first, sessions handed over at event boundaries."""
-        self.log.info("rolling restart of {} workers", len(self.current))
-        for slot in self.slots:
-            old = self.current.get(slot.index)
-            if old is None or self.stopping:
-                continue
-            old.retiring = True
-            slot.exited(self.clock(), requested=True)
-            self._spawn(slot)
-            new = self.current[slot.index]
-            deadline = self.clock() + timeout
-            while not new.ready and new.alive and self.clock() < deadline:
-                await self.timer.sleep(0.05)
-            for session_id in list(old.sessions):
-                self.plane.send(old, "release", session=session_id)
-            while old.sessions and old.alive and self.clock() < deadline:
-                await self.timer.sleep(0.05)
-            old.stop_requested = True
-            self.plane.send(old, "stop")
-            while old.alive and self.clock() < deadline:
-                await self.timer.sleep(0.05)
-            if old.alive:
-                send_signal(old.pid, signal.SIGKILL)
-        self.log.info("rolling restart done")

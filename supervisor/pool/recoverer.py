@@ -21,25 +21,25 @@ Who triggers what:
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import time
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, replace
 from typing import Any
 
 from supervisor.contract.clock import SYSTEM, Clock
 from supervisor.contract.config import Config
 from supervisor.contract.logs import log
-from supervisor.core import breaker, engine, recovery
+from supervisor.core import breaker, engine, recovery, subagents
 from supervisor.core.engine import Memory, SessionView
 from supervisor.core.notices import notice
 from supervisor.core.recovery import Action, Decision, Interruption, Trigger
+from supervisor.core.vocabulary import SessionKind
 from supervisor.http.metrics import Metrics
+from supervisor.pool.breaker_keeping import NOT_EVALUATED, BreakerKeeping
 from supervisor.pool.runs import Resumer
 from supervisor.store import EventRecord, SessionInfo, Store
 
 BREAKER_CHECK = 2.0  # seconds between readings of the boot log
 TAIL_EVENTS = 200  # events read to classify a turn's tail
-NOT_EVALUATED = "not evaluated yet"
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ class Judged:
     trigger: Trigger
 
 
-class Recoverer:
+class Recoverer(BreakerKeeping):
     """Carries out recovery decisions for one boot of the daemon."""
 
     def __init__(
@@ -66,6 +66,15 @@ class Recoverer:
     ) -> None:
         self.config = config
         self.settings = config.recovery
+        sub = config.subagents  # children are judged on their own freshness and attempts
+        self.child_settings = subagents.Settings(
+            config.recovery.auto_continue,
+            config.recovery.attempt_delays,
+            sub.freshness,
+            sub.max_recoveries,
+        )
+        # Set by the pool: gives up on a child's turn (`supervisor.pool.subagents`).
+        self.give_up: Callable[[SessionInfo, Judged], Awaitable[None]] | None = None
         self.store = store
         self.boot_id = boot_id
         self.host = host
@@ -88,59 +97,6 @@ class Recoverer:
         self.runs = Resumer(store, metrics, self.clock, self._memory, self.wanted)
         self._tasks: list[asyncio.Task[None]] = []
         self.log = log("recovery")
-
-    # --- the breaker ----------------------------------------------------------------
-
-    def evaluate_breaker(self) -> breaker.BreakerState:
-        """Read this host's boot log and judge the breaker (blocking; run in a thread)."""
-        s = self.settings
-        now = time.time()
-        try:
-            now = self.store.now()
-            rows = self.store.boots.of_host(self.host, breaker.prune_before(now))
-        except Exception as exc:
-            self.log.error("cannot read the boot log: {}", exc)
-            rows = None
-        state = breaker.judge_rows(
-            rows,
-            now,
-            s.breaker_threshold,
-            s.breaker_window,
-            is_current=lambda row: row.boot_id == self.boot_id,
-        )
-        previous, self.breaker = self.breaker, state
-        first = previous.reason == NOT_EVALUATED
-        if first or state.tripped != previous.tripped or state.fails_open != previous.fails_open:
-            level = "WARNING" if state.tripped or state.fails_open else "INFO"
-            self.log.log(
-                level, "breaker {}: {}", "TRIPPED" if state.tripped else "clear", state.reason
-            )
-            for memory in self.memory.values():
-                memory.quiet = None
-            with contextlib.suppress(Exception):
-                self.store.boots.set_breaker(self.boot_id, self.breaker_dict())
-        self.metrics.breaker_tripped.set(1 if state.tripped else 0)
-        return state
-
-    def breaker_dict(self) -> dict[str, Any]:
-        """The breaker for `/v1/status` and the boot row."""
-        b = self.breaker
-        return {
-            "tripped": b.tripped,
-            "unclean_boots": b.unclean_in_window,
-            "threshold": self.settings.breaker_threshold,
-            "window": self.settings.breaker_window,
-            "clears_at": b.clears_at,
-            "fails_open": b.fails_open,
-            "reason": b.reason,
-        }
-
-    def prune(self) -> None:
-        """Delete boot rows older than the retention (24 h)."""
-        with contextlib.suppress(Exception):
-            pruned = self.store.boots.prune(breaker.prune_before(self.store.now()))
-            if pruned:
-                self.log.info("pruned {} boot rows older than 24 h", pruned)
 
     # --- background work ------------------------------------------------------------
 
@@ -173,15 +129,18 @@ class Recoverer:
 
     # --- the guarded pass -----------------------------------------------------------
 
-    async def scan(self, trigger: Trigger) -> None:
-        """Judge every interrupted session nobody is running; continue the oldest few."""
+    async def scan(self, trigger: Trigger, only: Collection[str] | None = None) -> None:
+        """Judge every interrupted session nobody is running (or of `only`); continue the
+        oldest few. Subagents' turns are `Trigger.SUBAGENT_RESUME`'s alone."""
         try:
-            await self._scan(trigger)
+            await self._scan(trigger, only)
         except Exception:
             self.log.exception("{} failed; the retry timer tries again", trigger.value)
 
-    async def _scan(self, trigger: Trigger) -> None:
-        sessions = await asyncio.to_thread(self.store.sessions.with_work)
+    async def _scan(self, trigger: Trigger, only: Collection[str] | None) -> None:
+        read = self.store.sessions.with_work if only is None else self.store.sessions.some
+        sessions = await asyncio.to_thread(read, *(() if only is None else (only,)))
+        children = trigger is Trigger.SUBAGENT_RESUME
         rows = {info.id: info for info in sessions}
         facts = engine.Facts(
             self.owner_prefix, self.host + "/", self.config.pool.heartbeat_interval
@@ -192,9 +151,10 @@ class Recoverer:
             for view, own in engine.scan_targets(views, self.memory, facts, trigger)
         ]
         judged = list(zip([i for i, _ in targets], await self.judge_all(targets), strict=True))
-        held = await self.runs.resume(trigger, self.breaker.tripped)
+        held = 0 if children else await self.runs.resume(trigger, self.breaker.tripped)
         continuing = [(i.id, j.facts.interrupted_at) for i, j in judged if j.decision.charged]
-        plan = recovery.boot_scan_plan(continuing, self.settings.max_per_boot)
+        cap = self.config.subagents.max_per_boot if children else self.settings.max_per_boot
+        plan = recovery.boot_scan_plan(continuing, cap)
         suppressed = sum(1 for _, j in judged if j.decision.suppressed)
         if trigger is Trigger.BOOT_SCAN and not suppressed and not held:
             self.scanned = True
@@ -224,7 +184,7 @@ class Recoverer:
         left = len(continuing) - len(plan)
         # The boot scan always says what it found; a timer that finds nothing is quiet.
         idle = trigger is not Trigger.BOOT_SCAN and not judged and not held
-        self.log.log(
+        (log("subagents") if children else self.log).log(
             "DEBUG" if idle else "INFO",
             "{}: {} interrupted sessions, {} to continue{}{}",
             trigger.value,
@@ -289,7 +249,8 @@ class Recoverer:
         judged = []
         for (info, trigger), events in zip(items, tails, strict=True):
             facts = self.facts(info, events, trigger, now)
-            decision = recovery.decide(facts, trigger, now, self.breaker.tripped, self.settings)
+            settings = self.child_settings if info.kind == SessionKind.SUBAGENT else self.settings
+            decision = recovery.decide(facts, trigger, now, self.breaker.tripped, settings)
             judged.append(Judged(decision, facts, trigger))
         return judged
 
@@ -321,6 +282,8 @@ class Recoverer:
         self.memory[info.id] = engine.charged(memory, info.active_turn_id, self.clock())
         self.metrics.recovery_age.observe(max(0.0, self.clock() - j.facts.interrupted_at))
         self._count(j, "started")
+        if info.kind == SessionKind.SUBAGENT:
+            self.metrics.subagent_recovery.labels("resume").inc()
         self._log(info, j).info("{}", j.decision.reason)
 
     async def refund(self, info: SessionInfo, j: Judged) -> None:
@@ -357,6 +320,10 @@ class Recoverer:
                 self._count(j, "scheduled")
                 self._log(info, j).info("{}", d.reason)
             return
+        if info.kind == SessionKind.SUBAGENT and self.give_up is not None:
+            await self.give_up(info, j)  # the child ends, and its parent is told
+            memory.due, memory.picked = None, None
+            return
         told = notice(d, f, info.id)
         assert info.active_turn_id is not None
         done = await asyncio.to_thread(
@@ -384,7 +351,7 @@ class Recoverer:
 
     def _log(self, info: SessionInfo, j: Judged) -> Any:
         return log(
-            "recovery",
+            "subagents" if info.kind == SessionKind.SUBAGENT else "recovery",
             session=info.id,
             action=j.decision.action.value,
             trigger=j.trigger.value,

@@ -9,7 +9,7 @@ from supervisor.store.db import run_write
 from supervisor.store.errors import SessionNotFound
 from supervisor.store.eventlog import make_request, write_events
 from supervisor.store.models import Session, SessionACL
-from supervisor.store.subagents import descendants
+from supervisor.store.subagent_rows import descendants
 
 PERMISSIONS = tuple(Permission)  # each includes the ones before it
 
@@ -54,11 +54,12 @@ class Acl:
                 make_request(sid, EventType.ACL, payload, writer=Writer.SUPERVISOR)
                 for sid in sessions
             ]
-            outcomes = write_events(self._db, events)
-            for outcome in outcomes:
+            seqs = []
+            for outcome in write_events(self._db, events):
                 if isinstance(outcome, Exception):
                     raise outcome
-            return int(outcomes[0])
+                seqs.append(outcome)
+            return seqs[0]
 
         return run_write(self._db, work)
 

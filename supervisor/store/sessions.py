@@ -22,7 +22,7 @@ from supervisor.core.vocabulary import (
     TurnOutcome,
     Writer,
 )
-from supervisor.store import lifecycle, subagents
+from supervisor.store import lifecycle, subagent_rows
 from supervisor.store.db import chunks, run_write
 from supervisor.store.errors import SessionClosed, SessionNotFound
 from supervisor.store.eventlog import make_request, write_events
@@ -191,6 +191,12 @@ class Sessions:
             rows += [_info(row) for row in query]
         return rows
 
+    def many(self, session_ids: Collection[str]) -> dict[str, SessionInfo]:
+        """These sessions, whatever their state, by id (those that exist)."""
+        parts = chunks(list(session_ids))
+        rows = (row for part in parts for row in Session.select().where(Session.id.in_(part)))
+        return {row.id: _info(row) for row in rows}
+
     def idle_autonomous(self, limit: int = 1000) -> list[SessionInfo]:
         """Open autonomous sessions with no turn in flight and no input waiting."""
         query = (
@@ -325,7 +331,7 @@ class Sessions:
 
         def work() -> int | None:
             seq = lifecycle.interrupt(self._db, session_id, by)
-            subagents.cancel_within(self._db, session_id, by, why)
+            subagent_rows.cancel_within(self._db, session_id, by, why)
             return seq
 
         return run_write(self._db, work)
@@ -342,7 +348,7 @@ class Sessions:
         def work() -> list[lifecycle.Written]:
             written = lifecycle.close(self._db, session_id, by)
             if written:
-                subagents.cancel_within(self._db, session_id, by, why)
+                subagent_rows.cancel_within(self._db, session_id, by, why)
             return written
 
         return run_write(self._db, work)

@@ -13,11 +13,8 @@ so that two daemons (or a report and a cancel) take turns instead of deadlocking
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
-from dataclasses import dataclass
-from typing import Any
 
 import peewee
 
@@ -32,84 +29,23 @@ from supervisor.core.vocabulary import (
 )
 from supervisor.store import lifecycle
 from supervisor.store.db import db_now, run_write
-from supervisor.store.errors import LeaseLost, SessionNotFound
-from supervisor.store.eventlog import EventRecord, make_request
-from supervisor.store.models import Event, Session, SessionACL, Subagent
+from supervisor.store.errors import LeaseLost
+from supervisor.store.eventlog import make_request
+from supervisor.store.models import Session, SessionACL, Subagent
+from supervisor.store.subagent_rows import (
+    Reported,
+    Spawned,
+    SubagentInfo,
+    cancel_within,
+    descendants,
+    finish,
+    info_of,
+    latest,
+    locked,
+    locked_session,
+)
 
-OUTCOME_EVENTS = 50  # a child's latest events read for its outcome: its last turn's end
-
-
-@dataclass(frozen=True)
-class SubagentInfo:
-    """A registry row as the rest of turnkeeper sees it."""
-
-    id: str
-    parent: str
-    depth: int
-    task: str
-    title: str
-    agent: str
-    status: str
-    call_id: str | None
-    spawned_seq: int
-    result_seq: int | None
-    summary: str
-    created_at: float
-    ended_at: float | None
-
-    def to_dict(self) -> dict[str, Any]:
-        """The API shape of a subagent."""
-        return {
-            "id": self.id,
-            "parent": self.parent,
-            "depth": self.depth,
-            "task": self.task,
-            "title": self.title,
-            "agent": self.agent,
-            "status": self.status,
-            "created_at": self.created_at,
-            "ended_at": self.ended_at,
-            "result": self.summary if self.status != SubagentStatus.RUNNING else None,
-        }
-
-
-def _info(row: Subagent) -> SubagentInfo:
-    return SubagentInfo(
-        id=row.id,
-        parent=row.parent,
-        depth=int(row.depth),
-        task=row.task,
-        title=row.title,
-        agent=row.agent,
-        status=row.status,
-        call_id=row.call_id,
-        spawned_seq=int(row.spawned_seq),
-        result_seq=None if row.result_seq is None else int(row.result_seq),
-        summary=row.summary,
-        created_at=row.created_at,
-        ended_at=row.ended_at,
-    )
-
-
-@dataclass(frozen=True)
-class Spawned:
-    """A child started (or found: the same tool call spawned it before)."""
-
-    child: SubagentInfo
-    spawned_seq: int  # the parent's `subagent_spawned`
-    task_seq: int  # the child's first user message
-    new: bool  # False: an earlier spawn by the same call, returned again
-
-
-@dataclass(frozen=True)
-class Reported:
-    """A child's outcome committed to its parent."""
-
-    child: str
-    parent: str
-    status: SubagentStatus
-    seq: int  # the parent's `subagent_result`
-    woke: bool  # the result marks the parent pending (not a cancellation)
+__all__ = ["Reported", "Spawned", "SubagentInfo", "Subagents", "cancel_within", "descendants"]
 
 
 class Subagents:
@@ -151,7 +87,7 @@ class Subagents:
                     (Subagent.parent == parent_id) & (Subagent.call_id == call_id)
                 )
                 if earlier is not None:
-                    return Spawned(_info(earlier), int(earlier.spawned_seq), 1, False)
+                    return Spawned(info_of(earlier), int(earlier.spawned_seq), 1, False)
             if parent.status != SessionStatus.OPEN:
                 raise rules.Refused(f"this session is {parent.status}: it starts no subagent")
             depth = self._depth(parent_id)
@@ -178,7 +114,8 @@ class Subagents:
             acl = SessionACL.select(SessionACL.principal, SessionACL.permission).where(
                 SessionACL.session == parent_id
             )
-            rows = [(child_id, principal, permission) for principal, permission in acl.tuples()]
+            found: list[tuple[str, str]] = list(acl.tuples())  # type: ignore[arg-type]
+            rows = [(child_id, principal, permission) for principal, permission in found]
             if rows:
                 SessionACL.insert_many(
                     rows, fields=[SessionACL.session, SessionACL.principal, SessionACL.permission]
@@ -214,7 +151,7 @@ class Subagents:
                 created_at=now,
             ).execute()
             row = Subagent.get(Subagent.id == child_id)
-            return Spawned(_info(row), spawned_seq, task_seq, True)
+            return Spawned(info_of(row), spawned_seq, task_seq, True)
 
         result: Spawned = run_write(self._db, work)
         return result
@@ -230,7 +167,7 @@ class Subagents:
     def get(self, child_id: str) -> SubagentInfo | None:
         """The registry row of a child, or None."""
         row = Subagent.get_or_none(Subagent.id == child_id)
-        return None if row is None else _info(row)
+        return None if row is None else info_of(row)
 
     def children(self, parent_id: str, limit: int = 1000) -> list[SubagentInfo]:
         """The children of a session, oldest first."""
@@ -240,7 +177,7 @@ class Subagents:
             .order_by(Subagent.created_at, Subagent.id)
             .limit(limit)
         )
-        return [_info(row) for row in query]
+        return [info_of(row) for row in query]
 
     def counts(self) -> dict[str, int]:
         """Subagents by status (every status, 0 included)."""
@@ -248,7 +185,8 @@ class Subagents:
         query = Subagent.select(Subagent.status, peewee.fn.COUNT(Subagent.id)).group_by(
             Subagent.status
         )
-        for status, number in query.tuples():
+        found: list[tuple[str, int]] = list(query.tuples())  # type: ignore[arg-type]
+        for status, number in found:
             counts[str(status)] = int(number)
         return counts
 
@@ -260,39 +198,43 @@ class Subagents:
             .order_by(Subagent.created_at, Subagent.id)
             .limit(limit)
         )
-        return [_info(row) for row in query]
+        return [info_of(row) for row in query]
 
     # --- claims ---------------------------------------------------------------------
 
-    def claim(self, owner: str, ttl: float, limit: int = 500) -> list[SubagentInfo]:
+    def claim(
+        self, owner: str, ttl: float, limit: int = 500, mine: str | None = None
+    ) -> list[SubagentInfo]:
         """Claim running rows for `owner` ("<host>/<boot8>") until `ttl` seconds from now by
         the database clock: the unclaimed ones, those whose claim ran out, and its own
-        (renewed). On the server databases `FOR UPDATE SKIP LOCKED`: two daemons claiming
-        at once take different rows; SQLite's `BEGIN IMMEDIATE` serializes them."""
+        (renewed); with `mine` ("<host>/"), also those of this host's earlier boots (one
+        daemon holds a host id at a time: they are dead). On the server databases
+        `FOR UPDATE SKIP LOCKED`: two daemons claiming at once take different rows;
+        SQLite's `BEGIN IMMEDIATE` serializes them."""
 
         def work() -> list[SubagentInfo]:
             now = db_now(self._db)
+            free = (
+                Subagent.claimed_by.is_null()
+                | (Subagent.claimed_by == owner)
+                | (Subagent.claim_expires_at < now)
+            )
+            if mine:
+                free |= peewee.fn.SUBSTR(Subagent.claimed_by, 1, len(mine)) == mine
             query = (
                 Subagent.select()
-                .where(
-                    (Subagent.status == SubagentStatus.RUNNING)
-                    & (
-                        Subagent.claimed_by.is_null()
-                        | (Subagent.claimed_by == owner)
-                        | (Subagent.claim_expires_at < now)
-                    )
-                )
+                .where((Subagent.status == SubagentStatus.RUNNING) & free)
                 .order_by(Subagent.created_at, Subagent.id)
                 .limit(limit)
             )
             if self._db.for_update:
-                query = query.for_update("FOR UPDATE SKIP LOCKED")
+                query = query.for_update(skip_locked=True)
             rows = list(query)
             if rows:
                 Subagent.update(claimed_by=owner, claim_expires_at=now + ttl).where(
                     Subagent.id.in_([row.id for row in rows])
                 ).execute()
-            return [_info(row) for row in rows]
+            return [info_of(row) for row in rows]
 
         result: list[SubagentInfo] = run_write(self._db, work)
         return result
@@ -323,10 +265,10 @@ class Subagents:
             if row is None or row.status != SubagentStatus.RUNNING:
                 return None
             lifecycle.locked_row(row.parent)
-            row = _locked(child_id)
+            row = locked(child_id)
             if row is None or row.status != SubagentStatus.RUNNING:
                 return None
-            child = _locked_session(child_id)
+            child = locked_session(child_id)
             facts = rules.Child(
                 None if child is None else child.status,
                 None if child is None else child.active_turn_id,
@@ -334,7 +276,7 @@ class Subagents:
             )
             if rules.reconcile(facts) is not rules.Step.REPORT:
                 return None
-            status, text = rules.outcome(facts.status, _latest(child_id))
+            status, text = rules.outcome(facts.status, latest(child_id))
             return finish(self._db, row, child, status, text, writer)
 
         result: Reported | None = run_write(self._db, work)
@@ -362,8 +304,8 @@ class Subagents:
             if row is None or row.status != SubagentStatus.RUNNING:
                 return None
             lifecycle.locked_row(row.parent)
-            row = _locked(child_id)
-            child = _locked_session(child_id)
+            row = locked(child_id)
+            child = locked_session(child_id)
             if row is None or row.status != SubagentStatus.RUNNING or child is None:
                 return None
             if child.active_turn_id != turn_id or token not in (None, child.lease_token):
@@ -395,123 +337,3 @@ class Subagents:
     def descendants(self, session_id: str) -> list[str]:
         """Every child of the session, their children, and so on."""
         return descendants(session_id)
-
-
-def finish(
-    db: peewee.Database,
-    row: Subagent,
-    child: Session | None,
-    status: SubagentStatus,
-    text: str,
-    writer: str,
-) -> Reported:
-    """Inside the open transaction, the rows locked: the row's final state, the
-    parent's `subagent_result`, and the child session closed for good."""
-    parent = Session.get(Session.id == row.parent)
-    payload = {
-        "subagent": row.id,
-        "status": status.value,
-        "text": text[: rules.RESULT_MAX],
-        "title": row.title,
-        "task": row.task[:200],
-    }
-    (seq,) = lifecycle.append_all(
-        db, [make_request(row.parent, EventType.SUBAGENT_RESULT, payload, writer=writer)]
-    )
-    woke = status is not SubagentStatus.CANCELLED
-    if not woke:  # a cancellation is history for the parent's next turn, not a turn
-        Session.update(pending=parent.pending).where(Session.id == row.parent).execute()
-    Subagent.update(
-        status=status,
-        ended_at=time.time(),
-        summary=" ".join(text.split())[: rules.SUMMARY_MAX],
-        result_seq=seq,
-        claimed_by=None,
-        claim_expires_at=None,
-    ).where(Subagent.id == row.id).execute()
-    if child is not None:
-        changes = lifecycle.revoked() | {
-            Session.status: SessionStatus.CLOSED,
-            Session.pending: False,
-        }
-        Session.update(changes).where(Session.id == row.id).execute()
-    return Reported(row.id, row.parent, status, seq, woke)
-
-
-# --- cancel ---------------------------------------------------------------------
-
-
-def cancel_within(db: peewee.Database, parent_id: str, by: str, why: str) -> list[Reported]:
-    """Inside the caller's open transaction (the parent row locked): cancel the
-    parent's running children, theirs first; each is reported `cancelled` once.
-
-    Their turns in flight end `interrupted_by_operator` and their leases are revoked:
-    the workers running them can commit nothing more (the caller stops them).
-    """
-    reported: list[Reported] = []
-    ids = [
-        row.id
-        for row in Subagent.select(Subagent.id).where(
-            (Subagent.parent == parent_id) & (Subagent.status == SubagentStatus.RUNNING)
-        )
-    ]
-    for child_id in sorted(ids):
-        row = _locked(child_id)
-        if row is None or row.status != SubagentStatus.RUNNING:
-            continue
-        child = _locked_session(child_id)
-        reported += cancel_within(db, child_id, by, "its parent was cancelled")
-        if child is not None and child.active_turn_id:
-            lifecycle.interrupt(db, child_id, by)
-            child = Session.get(Session.id == child_id)
-        reported.append(finish(db, row, child, SubagentStatus.CANCELLED, why, Writer.SUPERVISOR))
-    return reported
-
-
-def descendants(session_id: str) -> list[str]:
-    """Every subagent of the session, theirs, and so on (`subagents.max_depth` levels)."""
-    found: list[str] = []
-    level = [session_id]
-    while level:
-        level = [row.id for row in Subagent.select(Subagent.id).where(Subagent.parent.in_(level))]
-        found += level
-    return found
-
-
-def _locked(child_id: str) -> Subagent | None:
-    """The registry row, locked for the open transaction on the server databases."""
-    query = Subagent.select().where(Subagent.id == child_id)
-    if Subagent._meta.database.for_update:
-        query = query.for_update()
-    row: Subagent | None = query.first()
-    return row
-
-
-def _locked_session(session_id: str) -> Session | None:
-    try:
-        return lifecycle.locked_row(session_id)
-    except SessionNotFound:
-        return None
-
-
-def _latest(session_id: str) -> list[EventRecord]:
-    """The session's latest events, oldest first."""
-    query = (
-        Event.select()
-        .where(Event.session_id == session_id)
-        .order_by(Event.seq.desc())
-        .limit(OUTCOME_EVENTS)
-    )
-    rows = [
-        EventRecord(
-            session_id=e.session_id,
-            seq=int(e.seq),
-            type=e.type,
-            turn_id=e.turn_id,
-            payload=json.loads(e.payload),
-            created_at=e.created_at,
-            writer=e.writer,
-        )
-        for e in query
-    ]
-    return rows[::-1]

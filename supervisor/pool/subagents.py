@@ -1,0 +1,145 @@
+"""The subagents' reconciler: every running child this daemon claims moves on by a rule.
+
+The rules are `supervisor.core.subagents`'s. A pass runs at boot, after a worker died
+(a child it ran may have ended without reporting), and every `subagents.reconcile_interval`:
+
+1. claim the running registry rows no live daemon holds (`FOR UPDATE SKIP LOCKED` on the
+   server databases; this host's earlier boots' claims are taken at once, they are dead);
+2. report the children whose run is over (their worker ended the turn and died before it
+   reported; closed; quarantined) to their parents, once;
+3. hand the interrupted ones to recovery's subagent pass (`Trigger.SUBAGENT_RESUME`):
+   continued with their original task and a truthful note on recovery's attempts, or,
+   through `give_up`, finalized (older than `subagents.freshness`), wedged (attempts
+   spent) or failed (an unsafe tail), the parent told in the same transaction.
+
+Each decision is logged under subsystem `subagents` and counted in
+`turnkeeper_subagent_recovery_total{action}`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+
+from supervisor.contract.clock import SYSTEM, Clock, sleep_unless
+from supervisor.contract.config import Config
+from supervisor.contract.logs import log
+from supervisor.core import subagents as rules
+from supervisor.core.notices import subagent_notice
+from supervisor.core.recovery import Action, Trigger
+from supervisor.core.vocabulary import SubagentStatus
+from supervisor.http.metrics import Metrics
+from supervisor.pool.recoverer import Judged, Recoverer
+from supervisor.store import Reported, SessionInfo, Store
+
+CLAIM_BATCH = 500  # rows claimed in one pass; the next pass takes the rest
+
+
+class Reconciler:
+    """Claims, reports and resumes this daemon's share of the running subagents."""
+
+    def __init__(
+        self,
+        config: Config,
+        store: Store,
+        recovery: Recoverer,
+        wake: Callable[[str], None],
+        metrics: Metrics,
+        *,
+        clock: Clock = SYSTEM,
+    ) -> None:
+        self.config = config
+        self.store = store
+        self.recovery = recovery
+        self.wake = wake  # the pool's: new input for a session (a parent's result)
+        self.metrics = metrics
+        self.clock = clock
+        self.owner = recovery.owner_prefix  # "<host>/<boot8>"
+        # A claim outlives a few passes; a daemon that stops renewing it loses it.
+        self.ttl = max(3 * config.subagents.reconcile_interval, config.lease.stale_after)
+        self.stirred = asyncio.Event()
+        self.log = log("subagents")
+        recovery.give_up = self.give_up
+
+    def stir(self) -> None:
+        """Look again soon: a worker died, a child it ran may be over."""
+        self.stirred.set()
+
+    async def run(self) -> None:
+        """Pass at once, then on every stir and every `reconcile_interval`."""
+        while True:
+            self.stirred.clear()
+            try:
+                await self.reconcile()
+            except Exception:
+                self.log.exception("the subagent pass failed; the next one tries again")
+            interval = self.config.subagents.reconcile_interval
+            await sleep_unless(self.clock, interval, self.stirred)
+
+    async def release(self) -> None:
+        """A clean stop: give the claims up, so another daemon reconciles them at once."""
+        with contextlib.suppress(Exception):
+            await asyncio.to_thread(self.store.subagents.release_claims, self.owner)
+
+    async def reconcile(self) -> None:
+        """One pass over the claimed rows (see the module docstring)."""
+        host = self.owner.split("/", 1)[0] + "/"
+        rows = await asyncio.to_thread(
+            self.store.subagents.claim, self.owner, self.ttl, CLAIM_BATCH, host
+        )
+        if not rows:
+            return
+        sessions = await asyncio.to_thread(self.store.sessions.many, [r.id for r in rows])
+        interrupted: list[str] = []
+        for row in rows:
+            info = sessions.get(row.id)
+            facts = rules.Child(
+                None if info is None else info.status,
+                None if info is None else info.active_turn_id,
+                False if info is None else info.pending,
+            )
+            step = rules.reconcile(facts)
+            if step is rules.Step.REPORT:
+                reported = await asyncio.to_thread(self.store.subagents.report, row.id)
+                if reported is not None:
+                    self._told(reported, "report", "its run was over, not yet reported")
+            elif step is rules.Step.RECOVER:
+                interrupted.append(row.id)
+        if interrupted:
+            await self.recovery.scan(Trigger.SUBAGENT_RESUME, interrupted)
+
+    async def give_up(self, info: SessionInfo, j: Judged) -> None:
+        """Recovery will not continue this child's turn: end it and tell the parent."""
+        d, f = j.decision, j.facts
+        told = subagent_notice(d, f)
+        status = rules.final_status(d.quarantine, d.action is Action.FINALIZE_STALE)
+        assert info.active_turn_id is not None
+        reported = await asyncio.to_thread(
+            self.store.subagents.finalize,
+            info.id,
+            info.active_turn_id,
+            status,
+            told.reason,
+            told.text,
+            token=info.lease_token,
+        )
+        if reported is None:
+            self.log.bind(session=info.id).info("{} (turn moved on)", d.reason)
+            return
+        self._told(reported, told.outcome, d.reason)
+
+    def _told(self, reported: Reported, action: str, why: str) -> None:
+        """A child's result was committed to its parent: wake the parent, log, count."""
+        if reported.woke:
+            self.wake(reported.parent)
+        self.metrics.subagent_recovery.labels(action).inc()
+        level = "INFO" if reported.status == SubagentStatus.COMPLETED else "WARNING"
+        self.log.bind(session=reported.child).log(
+            level,
+            "subagent {} {} ({}): reported to {}",
+            reported.child,
+            reported.status.value,
+            why,
+            reported.parent,
+        )

@@ -1,0 +1,140 @@
+"""Subagents from inside a turn: the `spawn_subagent` tool and what `turn.spawn_subagent` does.
+
+A spawn is one transaction of the store (`supervisor.store.subagents`): the parent's
+`subagent_spawned`, the child session and its task, written with the parent turn's lease
+token, so a turn fenced out spawns nothing. The limits (`subagents.max_depth`,
+`subagents.max_children`) are checked in that transaction; past them the tool returns an
+error result the model reads. A tool call that spawned a child before a crash spawns no
+second one when its turn is continued and the call is made again: the call id is kept
+with the child.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from supervisor.core.subagents import Refused
+from supervisor.core.vocabulary import EventType
+from supervisor.store import Store
+from workers.models import ToolSpec
+from workers.tools import ToolOutcome
+
+TOOL = "spawn_subagent"
+SPEC = ToolSpec(
+    TOOL,
+    "Hand a sub-task to a subagent: a new session of its own that works on `task` while "
+    "this conversation goes on. Its result arrives here as a message once it is done.",
+    {
+        "type": "object",
+        "properties": {
+            "task": {"type": "string", "description": "what the subagent should do"},
+            "title": {"type": "string", "description": "a short name for it (optional)"},
+        },
+        "required": ["task"],
+    },
+)
+Notify = Callable[..., Awaitable[None]]
+
+
+class SpawnRefused(Exception):
+    """`turn.spawn_subagent` was refused: the limits, or a task that is not one."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """`subagents.max_depth` and `subagents.max_children`, and the agent classes a child
+    may name (`agent.allowed`; empty: any name, checked when its turn builds the agent)."""
+
+    max_depth: int = 2
+    max_children: int = 8
+    agents: tuple[str, ...] = ()
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_depth > 0 and self.max_children > 0
+
+
+class Spawner:
+    """Spawns the subagents of one session's turns, with the lease token they write with."""
+
+    def __init__(
+        self,
+        session_id: str,
+        store: Store,
+        token: Callable[[], int],
+        notify: Notify,
+        limits: Limits,
+    ) -> None:
+        self.session_id = session_id
+        self._store = store
+        self._token = token
+        self._notify = notify
+        self.limits = limits
+
+    async def spawn(
+        self,
+        task: Any,
+        turn_id: str,
+        *,
+        agent: str | None = None,
+        title: str | None = None,
+        call_id: str | None = None,
+    ) -> str:
+        """Start a child for `task`; its session id. SpawnRefused saying why it may not."""
+        if agent and self.limits.agents and agent not in self.limits.agents:
+            raise SpawnRefused(f"agent {agent!r} is not one the operator allows (agent.allowed)")
+        try:
+            spawned = await asyncio.to_thread(
+                self._store.subagents.spawn,
+                self.session_id,
+                task,
+                token=self._token(),
+                turn_id=turn_id,
+                max_depth=self.limits.max_depth,
+                max_children=self.limits.max_children,
+                title=title or "",
+                agent=agent,
+                call_id=call_id,
+            )
+        except (Refused, ValueError) as exc:
+            raise SpawnRefused(str(exc)) from exc
+        if spawned.new:
+            # Signals only: the supervisor wakes the child (its task is pending input).
+            await self._notify(
+                "committed",
+                session=self.session_id,
+                seq=spawned.spawned_seq,
+                event_type=EventType.SUBAGENT_SPAWNED,
+            )
+            await self._notify(
+                "committed",
+                session=spawned.child.id,
+                seq=spawned.task_seq,
+                event_type=EventType.USER_MESSAGE,
+            )
+        return spawned.child.id
+
+    async def call(self, arguments: dict[str, Any], turn_id: str, call_id: str) -> ToolOutcome:
+        """The `spawn_subagent` tool: an error result the model reads when refused."""
+        title = arguments.get("title")
+        try:
+            child = await self.spawn(
+                arguments.get("task"),
+                turn_id,
+                title=title if isinstance(title, str) else None,
+                call_id=call_id,
+            )
+        except SpawnRefused as exc:
+            return ToolOutcome(f"no subagent started: {exc}", is_error=True)
+        return ToolOutcome(started(child))
+
+
+def started(child: str) -> str:
+    """The tool's result for a child started (also what a repaired call says)."""
+    return (
+        f"started subagent {child}; its result will arrive in this conversation as a "
+        "message when it is done"
+    )
