@@ -260,10 +260,10 @@ class SessionRunner:
         """A subagent's run is over: its outcome goes to its parent (the store decides,
         under its locks, whether it is over; the reconciler reports it if this worker dies
         first). Reported: the child session is closed and this runner ends."""
-        self._ended = False
         reported = await asyncio.to_thread(
             self._store.subagents.report, self.session_id, Writer.WORKER
         )
+        self._ended = False  # not before: a write that failed is tried again
         if reported is None:
             return
         self.log.info(

@@ -13,6 +13,7 @@ so that two daemons (or a report and a cancel) take turns instead of deadlocking
 
 from __future__ import annotations
 
+import hashlib
 import time
 import uuid
 
@@ -45,6 +46,8 @@ from supervisor.store.subagent_rows import (
     locked_session,
 )
 
+CALL_ID_MAX = 200  # the column's width
+
 __all__ = ["Reported", "Spawned", "SubagentInfo", "Subagents", "cancel_within", "descendants"]
 
 
@@ -76,6 +79,8 @@ class Subagents:
         call returns the first child instead of starting another.
         """
         task = rules.check_task(task)
+        if call_id is not None and len(call_id) > CALL_ID_MAX:  # a model's ids are its own
+            call_id = "sha256:" + hashlib.sha256(call_id.encode()).hexdigest()
         title = (title or " ".join(task.split())[:80])[:200]
 
         def work() -> Spawned:
