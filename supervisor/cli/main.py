@@ -23,6 +23,7 @@ from supervisor.cli import (
     doctor_command,
     hosts_command,
     store_commands,
+    subagents_command,
 )
 from supervisor.cli.common import (
     CONFIG_HELP,
@@ -274,6 +275,7 @@ def db_migrate(ctx: click.Context, as_json: bool) -> None:
 daemon_commands.register(main)
 store_commands.register(main)
 hosts_command.register(main)
+subagents_command.register(main)
 config_commands.register(main)
 doctor_command.register(main)
 accept_config_everywhere(main)  # last: after every command is registered

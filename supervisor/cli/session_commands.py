@@ -17,10 +17,10 @@ import click
 
 from supervisor.cli.common import connect, daemon_pid, json_option, load, reports_errors, when
 from supervisor.contract.config import resolve_paths
-from supervisor.core.vocabulary import SessionCount, SessionStatus
+from supervisor.core.vocabulary import SessionCount, SessionStatus, SubagentStatus
 
 if TYPE_CHECKING:
-    from supervisor.store import EventRecord, SessionInfo, Store
+    from supervisor.store import EventRecord, SessionInfo, Store, SubagentInfo
 
 DEFAULT_TAIL = 20  # events `sessions show` prints when told neither --tail nor --after
 POLL_INTERVAL = 0.2  # seconds between two reads of the log by `sessions show --follow`
@@ -118,8 +118,10 @@ def sessions_show(
 ) -> None:
     """Show one session and its events, readably: by default the newest 20.
 
-    With both --after and --tail: the newest N of the events after that seq. With
-    --follow --json: one event a line (JSON Lines), the session itself not printed.
+    Before the events: the session's parent, if it is a subagent, and the subagents it
+    spawned, theirs indented below each. With both --after and --tail: the newest N of
+    the events after that seq. With --follow --json: one event a line (JSON Lines), the
+    session itself not printed.
     """
     from supervisor.cli.common import emit_json, fail, open_store
     from supervisor.store import SessionNotFound
@@ -134,10 +136,12 @@ def sessions_show(
         start = _start(info.last_seq, tail, after)
         events = _read_all(store, session_id, start, limit=tail)
         omitted = start - (after or 0)
+        tree = subagent_tree(store, session_id)
         if as_json and not follow:
             emit_json(
                 {
                     "session": {**session_json(info), "acl": store.acl.entries(session_id)},
+                    "subagents": [child.to_dict() for _, child in tree],
                     "events": [e.to_dict() for e in events],
                     "omitted": omitted,
                 }
@@ -145,7 +149,7 @@ def sessions_show(
             return
         show = _json_line if as_json else _line_printer(full)
         if not as_json:
-            _header(info, store.acl.entries(session_id), omitted)
+            _header(info, store.acl.entries(session_id), omitted, _tree_lines(store, info, tree))
         for event in events:
             show(event)
         if follow:
@@ -184,9 +188,40 @@ def _follow(store: Store, session_id: str, after: int, show: Callable[[EventReco
         return
 
 
-def _header(info: SessionInfo, acl: dict[str, str], omitted: int) -> None:
-    """The session's row, one labelled line per fact, as `systemctl status` does; then
-    how many earlier events the listing leaves out."""
+def subagent_tree(store: Store, session_id: str) -> list[tuple[int, SubagentInfo]]:
+    """The session's subagents and theirs, depth first, oldest first among siblings, each
+    with its level below the session (1: a child)."""
+    found: list[tuple[int, SubagentInfo]] = []
+
+    def visit(parent_id: str, level: int) -> None:
+        for child in store.subagents.children(parent_id):
+            found.append((level, child))
+            visit(child.id, level + 1)
+
+    visit(session_id, 1)
+    return found
+
+
+def _tree_lines(store: Store, info: SessionInfo, tree: list[tuple[int, SubagentInfo]]) -> list[str]:
+    """The session's parent, if it is a subagent, and its own subagents, indented by level."""
+    lines: list[str] = []
+    if info.parent:
+        me = store.subagents.get(info.id)
+        role = "" if me is None else f"  (subagent at depth {me.depth}, {me.status})"
+        lines.append(f"parent   {info.parent}{role}")
+    if tree:
+        running = sum(child.status == SubagentStatus.RUNNING for _, child in tree)
+        lines.append(f"subagents {len(tree)} ({running} running)")
+    width = _columns()
+    for level, child in tree:
+        title = " ".join((child.title or child.task).split())
+        lines.append(clip(f"{'  ' * level}- {child.id}  {child.status:<9}  {title}", width))
+    return lines
+
+
+def _header(info: SessionInfo, acl: dict[str, str], omitted: int, tree: list[str]) -> None:
+    """The session's row, one labelled line per fact, as `systemctl status` does; its
+    parent and subagents; then how many earlier events the listing leaves out."""
     click.echo(f"session  {info.id}  ({info.kind}, {state_of(info)})")
     if info.title:
         click.echo(f"title    {info.title}")
@@ -201,6 +236,8 @@ def _header(info: SessionInfo, acl: dict[str, str], omitted: int) -> None:
             f"asked the user to resend {when(info.resend_requested_at)} "
             "(recovery could not continue a turn)"
         )
+    for line in tree:
+        click.echo(line)
     if omitted:
         click.echo(
             f"({omitted} earlier event{'' if omitted == 1 else 's'} not shown: "

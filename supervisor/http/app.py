@@ -27,7 +27,7 @@ from supervisor.core.vocabulary import (
     SessionStatus,
     Writer,
 )
-from supervisor.http import answers, attach, auth, follow, hosts, openapi, pages
+from supervisor.http import answers, attach, auth, follow, hosts, openapi, pages, subagents
 from supervisor.http.answers import MAX_SEQ, RETRY_AFTER, ApiError, answer, read_body, whole
 from supervisor.http.auth import ADMIN, Tokens
 from supervisor.http.lifecycle import Lifecycle, refuse_closed
@@ -137,6 +137,7 @@ class Api:
         r.add_get("/v1/sessions/{id}/events", self.events)
         r.add_get("/v1/sessions/{id}/attach", self.attach)
         r.add_put("/v1/sessions/{id}/acl", self.acl)
+        r.add_get("/v1/sessions/{id}/subagents", subagents.route(self.store, self._session))
         r.add_get("/v1/status", self.status)
         r.add_get("/healthz", self.healthz)
         r.add_get("/readyz", self.readyz)

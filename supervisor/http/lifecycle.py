@@ -9,6 +9,10 @@ the session's attach streams for what was written.
 - `DELETE /v1/sessions/{id}` (admin): the session is closed; again is 200 again.
 - `POST /v1/sessions/{id}/release` (write): a quarantine is lifted; the poisoned turn is
   ended `failed` and never retried.
+
+An interrupt and a close cancel the session's running subagents too, theirs as well, in
+the same transaction (their turns ended, their leases revoked); the route then stops the
+workers running them.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
-from supervisor.core.vocabulary import EventType, Permission, SessionStatus
+from supervisor.core.vocabulary import EventType, Permission, SessionKind, SessionStatus
 from supervisor.http.answers import ApiError, answer
 from supervisor.http.schemas import Closed, Interrupted, Released
 from supervisor.store import SessionClosed, SessionInfo, Store
@@ -64,6 +68,8 @@ class Lifecycle:
         if seq is not None:
             self._publish(info.id, [(seq, EventType.TURN_ENDED)])
             self._stop_worker(info.id)
+        await self._stop_subagents(info.id)  # cancelled even when the session was idle
+        await self._report_if_subagent(info)
         return answer(Interrupted(interrupted=seq is not None, seq=seq))
 
     async def close(self, request: web.Request) -> web.Response:
@@ -72,6 +78,8 @@ class Lifecycle:
         if written:
             self._publish(info.id, written)
             self._stop_worker(info.id)  # its turn, or its idle runner: it runs nothing more
+            await self._stop_subagents(info.id)
+            await self._report_if_subagent(info)
         return answer(Closed(id=info.id))
 
     async def release(self, request: web.Request) -> web.Response:
@@ -90,6 +98,26 @@ class Lifecycle:
     def _stop_worker(self, session_id: str) -> None:
         if self.pool is not None:
             self.pool.interrupt(session_id)
+
+    async def _stop_subagents(self, session_id: str) -> None:
+        """Stop the workers of the session's subagents, which the store cancelled.
+
+        Only a signal: their leases were revoked with the cancellation, so a worker that
+        misses it commits nothing more anyway. A child that had ended already runs nothing,
+        and the signal is a no-op for it.
+        """
+        if self.pool is None:
+            return
+        for child_id in await asyncio.to_thread(self.store.subagents.descendants, session_id):
+            self.pool.interrupt(child_id)
+
+    async def _report_if_subagent(self, info: SessionInfo) -> None:
+        """A subagent interrupted or closed itself is over: its parent is told now (once;
+        the reconciler would tell it at its next pass otherwise)."""
+        if info.kind == SessionKind.SUBAGENT:
+            done = await asyncio.to_thread(self.store.subagents.report, info.id)
+            if done is not None:
+                self._publish(done.parent, [(done.seq, EventType.SUBAGENT_RESULT)])
 
     def _publish(self, session_id: str, written: list[tuple[int, EventType]]) -> None:
         """Count and signal what the store wrote for this route."""

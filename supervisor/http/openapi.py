@@ -31,6 +31,7 @@ from supervisor.http.schemas import (
     SessionList,
     SessionOut,
     Status,
+    SubagentList,
     Woken,
 )
 
@@ -118,6 +119,11 @@ PATHS: list[tuple[str, str, str, str, list[Any], str | None, dict[int, Answer], 
     ("put", "/v1/sessions/{id}/acl", "setAcl", "Grant or revoke a principal's access.",
      [SESSION_ID], "AclChange", {200: (AclEntries, "Every principal's access now.")},
      "400 401 403 404 413 422", AUTH),
+    ("get", "/v1/sessions/{id}/subagents", "listSubagents",
+     "The subagents the session's turns spawned (its children; each child lists its own), "
+     "with their status and, once they ended, the start of their result.",
+     [SESSION_ID, LIMIT], None, {200: (SubagentList, "Oldest first.")}, "401 404 422",
+     AUTH),
     ("get", "/v1/status", "status",
      "Boot, worker slots, sessions by state, the hosts on the database (admin only).",
      [], None, {200: (Status, "The daemon's state.")}, "401 403", AUTH),

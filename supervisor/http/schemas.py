@@ -18,6 +18,7 @@ from supervisor.core.vocabulary import (
     SessionKind,
     SessionStatus,
     SlotState,
+    SubagentStatus,
 )
 
 MAX_TEXT = 100_000  # characters of a message, a goal or a prompt
@@ -183,6 +184,31 @@ class AclEntries(BaseModel):
     acl: dict[str, Permission]
 
 
+class SubagentOut(BaseModel):
+    """A subagent: a child session one of the parent's turns spawned for a task."""
+
+    id: str = Field(pattern=SESSION_ID_PATTERN, description="the child session's id")
+    parent: str = Field(pattern=SESSION_ID_PATTERN)
+    depth: int = Field(ge=1, description="1 for a child of a top session, 2 for its child, ...")
+    task: str
+    title: str
+    agent: str
+    status: SubagentStatus = Field(
+        description="running until its result was reported to the parent, then final"
+    )
+    created_at: float
+    ended_at: float | None
+    result: str | None = Field(
+        description="the start of its answer or of why it ended; null while running"
+    )
+
+
+class SubagentList(BaseModel):
+    """The session's subagents (its children, not theirs), oldest first."""
+
+    subagents: list[SubagentOut]
+
+
 class BootState(BaseModel):
     """This boot of the daemon."""
 
@@ -277,6 +303,7 @@ ANSWERS: tuple[type[BaseModel], ...] = (
     Closed,
     Released,
     AclEntries,
+    SubagentList,
     Status,
     Health,
     Readiness,

@@ -96,7 +96,7 @@ class Pool(RollingRestart):
         self.tasks: list[asyncio.Task[None]] = []  # run until stop; the daemon watches them
         self._pending: set[asyncio.Task[Any]] = set()  # background work; awaited by stop
         self._wanted = self.ownership.wanted
-        self.subagents = Reconciler(config, store, recovery, self.wake, metrics, clock=clock)
+        self.subagents = Reconciler(config, store, recovery, self.committed, metrics, clock=clock)
         self.housekeeper = Housekeeper(
             self._tend, self.ownership.dispatch, self.ownership.next_pass_in, self._wanted, clock
         )
@@ -106,6 +106,14 @@ class Pool(RollingRestart):
     def wake(self, session_id: str) -> None:
         """New input was committed for the session: wake its owner, or find it one."""
         self.ownership.wake(session_id)
+
+    def committed(self, session_id: str, seq: int, event_type: str, wake: bool = True) -> None:
+        """An event was committed (only a signal: readers read it from the database); new
+        input (a subagent's task, or its result) wakes its session's owner."""
+        for callback in self.on_event:
+            callback(session_id, {"seq": seq, "type": event_type})
+        if wake and event_type in INPUT_EVENTS:
+            self.wake(session_id)
 
     def touch(self, session_id: str) -> None:
         """A request touched the session: an interrupted turn of it may go on."""
@@ -365,11 +373,7 @@ class Pool(RollingRestart):
                 latency = message.append_latency
                 self.metrics.append_latency.add(latency.counts, latency.sum)
             case control.Committed():
-                # Only a signal: what reaches readers is read from the database.
-                for callback in self.on_event:
-                    callback(message.session, {"seq": message.seq, "type": message.event_type})
-                if message.event_type in INPUT_EVENTS:  # a subagent's task, or its result
-                    self.wake(message.session)
+                self.committed(message.session, message.seq, message.event_type)
             case control.Released() | control.LeaseLost():
                 owned = self.ownership.let_go(worker, message.session)
                 if owned and message.type == "released" and not self.stopping:

@@ -28,7 +28,7 @@ from supervisor.contract.logs import log
 from supervisor.core import subagents as rules
 from supervisor.core.notices import subagent_notice
 from supervisor.core.recovery import Action, Trigger
-from supervisor.core.vocabulary import SubagentStatus
+from supervisor.core.vocabulary import EventType, SubagentStatus
 from supervisor.http.metrics import Metrics
 from supervisor.pool.recoverer import Judged, Recoverer
 from supervisor.store import Reported, SessionInfo, Store
@@ -44,7 +44,7 @@ class Reconciler:
         config: Config,
         store: Store,
         recovery: Recoverer,
-        wake: Callable[[str], None],
+        committed: Callable[[str, int, str, bool], None],
         metrics: Metrics,
         *,
         clock: Clock = SYSTEM,
@@ -52,7 +52,7 @@ class Reconciler:
         self.config = config
         self.store = store
         self.recovery = recovery
-        self.wake = wake  # the pool's: new input for a session (a parent's result)
+        self.committed = committed  # the pool's: signals an event (and wakes for input)
         self.metrics = metrics
         self.clock = clock
         self.owner = recovery.owner_prefix  # "<host>/<boot8>"
@@ -131,8 +131,8 @@ class Reconciler:
 
     def _told(self, reported: Reported, action: str, why: str) -> None:
         """A child's result was committed to its parent: wake the parent, log, count."""
-        if reported.woke:
-            self.wake(reported.parent)
+        # A result wakes the parent; a cancellation is only told to its readers.
+        self.committed(reported.parent, reported.seq, EventType.SUBAGENT_RESULT, reported.woke)
         self.metrics.subagent_recovery.labels(action).inc()
         level = "INFO" if reported.status == SubagentStatus.COMPLETED else "WARNING"
         self.log.bind(session=reported.child).log(

@@ -8,10 +8,14 @@ It answers the most recent user message T (a framework note is not a user messag
   Arguments that are not a JSON object -> `echo: invalid tool arguments: <error>`.
 - `/sleep SECONDS T` -> wait SECONDS, then `echo: T`.
 - `/long T` -> the first half of `echo: T`, finish "length".
+- `/subagent TASK` (the message's first line; every line of that form counts, other lines
+  are left out) -> one `spawn_subagent` call `{"task": TASK}` a line, all in one answer,
+  finish "tool_calls"; once tool messages follow that user message, `echo: ` and their
+  contents in order, joined by "; ". The worker offers the tool; echo does not check.
 
-A malformed command (`/sleep soon`, `/tool` without a name) is echoed whole. An answer
-longer than `max_tokens` words is cut there with finish "length". Tokens are counted as
-whitespace-separated words.
+A malformed command (`/sleep soon`, `/tool` without a name, a `/subagent` line without a
+task) is echoed whole. An answer longer than `max_tokens` words is cut there with finish
+"length". Tokens are counted as whitespace-separated words.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from typing import Any
 from workers.models.base import FinishReason, Message, ModelResponse, ToolCall, ToolSpec
 
 _COMMAND = re.compile(r"/(tool|sleep|long)(?:\s+(.*))?", re.DOTALL)
+_SUBAGENT = re.compile(r"/subagent(?:\s+(.*))?")  # one line of a `/subagent` message
+SPAWN = "spawn_subagent"
 _WORD = re.compile(r"\S+")
 COUNTS_KEPT = 8  # conversations whose word counts are kept: about one per session in use
 
@@ -89,6 +95,8 @@ def _plan(messages: list[Message]) -> _Answer:
     if index is None:
         return _Answer("echo: ")
     text = messages[index].content
+    if _SUBAGENT.fullmatch(text.split("\n", 1)[0].rstrip()):
+        return _subagents(messages, index, text)
     match = _COMMAND.fullmatch(text)
     if match is None:
         return _Answer(f"echo: {text}")
@@ -137,6 +145,25 @@ def _tool(messages: list[Message], index: int, text: str, rest: str) -> _Answer:
     # history rewritten by another agent does not make echo ask for the tool forever.
     answering = next((m for m in results if m.tool_call_id == call.id), results[0])
     return _Answer(f"echo: {answering.content}")
+
+
+def _subagents(messages: list[Message], index: int, text: str) -> _Answer:
+    """One `spawn_subagent` call a `/subagent TASK` line; then the results, all of them."""
+    calls = []
+    for line_number, line in enumerate(text.split("\n")):
+        match = _SUBAGENT.fullmatch(line.rstrip())
+        if match is None:
+            continue
+        task = (match.group(1) or "").strip()
+        if not task:
+            return _Answer(f"echo: {text}")
+        # The line number in the id's key: two lines with the same task are two calls.
+        key = {"task": task, "line": line_number}
+        calls.append(ToolCall(tool_call_id(index, SPAWN, key), SPAWN, {"task": task}))
+    results = [m.content for m in messages[index + 1 :] if m.role == "tool"]
+    if not results:
+        return _Answer("", "tool_calls", calls)
+    return _Answer("echo: " + "; ".join(results))
 
 
 def _sleep(text: str, rest: str) -> _Answer:
