@@ -21,7 +21,7 @@ from typing import Any
 
 from setproctitle import setproctitle
 
-from supervisor import __version__
+from supervisor import __version__, drain
 from supervisor.contract.config import (
     Config,
     ignored_variables,
@@ -165,6 +165,7 @@ class Daemon:
         metrics.state.pool = pool.status
         metrics.state.mcp = pool.mcp_states
         metrics.state.sessions = store.sessions.counts
+        metrics.state.subagents = store.subagents.counts
         self.api = Api(
             self.config,
             store,
@@ -190,6 +191,7 @@ class Daemon:
         self._watch(hosts)
         stack.push_async_callback(_cancel_and_wait, hosts)
         stack.push_async_callback(asyncio.to_thread, signals.stop)
+        stack.push_async_callback(self._subagent_drain_step, pool)  # after the listener's
         http = await self._listen(self.api)
         stack.push_async_callback(
             self._step, "http listener", self.config.attach.shutdown_timeout + 1.0, http.cleanup
@@ -230,7 +232,18 @@ class Daemon:
         budget = self.drain_budget
         if budget > 0 and self.outcome != "startup_failed":
             self.notifier.extend_timeout(budget + 30)
-            await self._step("drain", budget, lambda: self._drain(pool, budget))
+            await self._step("drain", budget, lambda: drain.drain(pool, budget))
+
+    async def _subagent_drain_step(self, pool: Pool) -> None:
+        """After the listener: a subagent's turn in flight may end (capped; drain.py)."""
+        cap = self.config.shutdown.subagent_drain
+        if cap <= 0 or self.outcome == "startup_failed":
+            return
+        running = await drain.subagents_in_flight(pool)
+        if running:
+            await self._step(
+                "subagent drain", cap + 1.0, lambda: drain.subagent_drain(pool, running, cap)
+            )
 
     async def _close_store(self, store: Store) -> None:
         try:
@@ -272,20 +285,6 @@ class Daemon:
         seconds = time.monotonic() - started
         self.step_seconds[name] = seconds
         log("shutdown").info("{} done in {:.2f} s", name, seconds)
-
-    async def _drain(self, pool: Pool, budget: float) -> None:
-        """Let turns in flight finish, up to `budget` (intake already refuses)."""
-        log("shutdown").info("draining: waiting up to {:.0f} s for turns in flight", budget)
-        while True:
-            running = await asyncio.to_thread(self._running_turns, pool)
-            if not running:
-                return
-            await asyncio.sleep(self.config.pool.heartbeat_interval)
-
-    @staticmethod
-    def _running_turns(pool: Pool) -> int:
-        mine = set(pool.assigned)
-        return sum(1 for s in pool.store.sessions.with_work() if s.active_turn_id and s.id in mine)
 
     async def _listen(self, api: Api) -> Listener:
         listener = Listener(api.app(), self.config.http, self.config.attach.shutdown_timeout)

@@ -86,6 +86,21 @@ def test_a_clean_environment_has_no_warning(tmp_path: Path) -> None:
     assert warnings(result.stdout) == []
 
 
+def test_the_teardown_budget_counts_the_subagent_drain(tmp_path: Path) -> None:
+    result = show(tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "#   subagent drain (shutdown.subagent_drain): 5 s" in result.stdout.splitlines()
+    assert "#   total: 15 s" in result.stdout.splitlines()
+    # A longer subagent drain that reaches the shipped unit's TimeoutStopSec is warned about.
+    longer = show(tmp_path, "--json", TURNKEEPER_SHUTDOWN__SUBAGENT_DRAIN="20")
+    assert longer.returncode == 0, longer.stderr
+    shown = json.loads(longer.stdout)
+    assert shown["teardown_budget"] == 30
+    [warning] = shown["warnings"]
+    assert warning.startswith("the shipped unit's TimeoutStopSec is 30 s, not above the")
+    assert "shutdown.subagent_drain" in warning
+
+
 def test_a_misspelt_key_in_the_variable_form_is_an_error_naming_the_nearest(
     tmp_path: Path,
 ) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.cli.budget import teardown_budget
+from supervisor.cli.budget import check_stop_timeout, teardown_budget
 from supervisor.cli.doctor import (
     FAIL,
     PASS,
@@ -49,8 +49,32 @@ def test_bad_timespans(text: str) -> None:
 
 def test_the_budget_adds_up_the_caps() -> None:
     budget = teardown_budget(Config())
-    assert budget.total == 5 + 3 + 2
+    assert budget.total == 5 + 5 + 3 + 2
+    assert budget.lines() == [
+        "http listener (attach.shutdown_timeout): 5 s",
+        "subagent drain (shutdown.subagent_drain): 5 s",
+        "descendants (shutdown.kill_grace): 3 s",
+        "reap, boot row, close: 2 s",
+        "total: 15 s",
+    ]
     assert teardown_budget(Config(), drain=20).total == budget.total + 20
+    # Without the subagent drain its step is gone from the budget, as from the stop.
+    off = Config.model_validate({"shutdown": {"subagent_drain": 0}})
+    assert [name for name, _ in teardown_budget(off).steps] == [
+        "http listener (attach.shutdown_timeout)",
+        "descendants (shutdown.kill_grace)",
+        "reap, boot row, close",
+    ]
+
+
+def test_a_stop_timeout_under_the_budget_names_every_setting_to_lower() -> None:
+    budget = teardown_budget(Config.model_validate({"shutdown": {"subagent_drain": 20}}))
+    assert budget.total == 30
+    problem = check_stop_timeout(budget, 30, "TimeoutStopSec")
+    assert problem is not None and "not above the teardown budget of 30 s" in problem
+    assert "raise it to at least 35 s" in problem
+    assert "shutdown.subagent_drain" in problem and "shutdown.kill_grace" in problem
+    assert check_stop_timeout(budget, 31, "TimeoutStopSec") is None
 
 
 def verdicts(findings: list) -> dict[str, str]:  # type: ignore[type-arg]
@@ -143,6 +167,8 @@ def test_doctor_flags_a_bad_unit_and_exits_1(tmp_path: Path) -> None:
     assert result.returncode == 1
     assert "FAIL  stop timeout" in result.stdout and "FAIL  KillMode" in result.stdout
     assert "fix: set KillMode=mixed" in result.stdout
+    assert "not above the teardown budget of 15 s" in result.stdout
+    assert "shutdown.subagent_drain" in result.stdout
 
 
 def test_doctor_and_breaker_status_show_a_tripped_breaker_and_reset_clears_it(

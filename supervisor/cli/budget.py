@@ -37,6 +37,7 @@ def teardown_budget(config: Config, drain: float | None = None) -> Budget:
     steps = [
         ("drain", drain),
         ("http listener (attach.shutdown_timeout)", config.attach.shutdown_timeout),
+        ("subagent drain (shutdown.subagent_drain)", config.shutdown.subagent_drain),
         ("descendants (shutdown.kill_grace)", config.shutdown.kill_grace),
         ("reap, boot row, close", REAP_AND_CLOSE),
     ]
@@ -50,5 +51,5 @@ def check_stop_timeout(budget: Budget, stop_timeout: float, what: str) -> str | 
     return (
         f"{what} is {stop_timeout:g} s, not above the teardown budget of {budget.total:g} s: "
         f"raise it to at least {int(budget.total) + 5} s, or lower shutdown.kill_grace, "
-        "attach.shutdown_timeout or shutdown.drain_budget"
+        "attach.shutdown_timeout, shutdown.subagent_drain or shutdown.drain_budget"
     )

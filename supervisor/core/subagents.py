@@ -112,8 +112,9 @@ def outcome(session_status: str | None, events: Sequence[StepEvent]) -> tuple[Su
     if result == TurnOutcome.INTERRUPTED_BY_OPERATOR:
         by = ended.payload.get("by")
         return SubagentStatus.CANCELLED, f"its turn was interrupted by {by or 'an operator'}"
-    why = ended.payload.get("error") or ended.payload.get("reason") or result or "unknown"
-    return SubagentStatus.FAILED, f"its turn ended {result}: {why}"[:RESULT_MAX]
+    why = ended.payload.get("error") or ended.payload.get("reason")
+    told = f"its turn ended {result or 'without an outcome'}" + (f": {why}" if why else "")
+    return SubagentStatus.FAILED, told[:RESULT_MAX]
 
 
 def _answer(events: Sequence[StepEvent], turn_id: str | None) -> str:

@@ -13,7 +13,7 @@ holding leases get a series).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -26,18 +26,19 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from supervisor.contract.control import APPEND_BUCKETS
-from supervisor.core.vocabulary import MCP_REPORTED, SessionCount, SlotState
+from supervisor.core.vocabulary import MCP_REPORTED, SessionCount, SlotState, SubagentStatus
 from supervisor.http.hosts import STATES as HOST_STATES
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 class _State(Collector):
-    """What is read at scrape time: workers, sessions, MCP servers, hosts."""
+    """What is read at scrape time: workers, sessions, subagents, MCP servers, hosts."""
 
     def __init__(self) -> None:
         self.pool: Callable[[], dict[str, Any]] = lambda: {"slots": [], "restarts": 0}
         self.sessions: Callable[[], Mapping[str, int]] | None = None
+        self.subagents: Callable[[], Mapping[str, int]] | None = None  # `subagents.counts`
         self.mcp: Callable[[], Mapping[str, int]] = dict
         self.host_id = ""  # this daemon's daemon.host_id
         self.hosts: Callable[[], list[dict[str, Any]]] | None = None  # `hosts.read`
@@ -66,18 +67,21 @@ class _State(Collector):
             mcp.add_metric([mcp_state], states.get(mcp_state, 0))
         yield mcp
         if self.sessions is not None:
-            sessions = GaugeMetricFamily(
+            yield _by_label(
                 "turnkeeper_sessions",
                 "Sessions by state (running and pending are among the open ones).",
-                labels=["state"],
+                "state",
+                SessionCount,
+                self.sessions,
             )
-            try:
-                by_state = self.sessions()
-            except Exception:
-                by_state = None  # a busy database: leave the family empty for this scrape
-            for count in SessionCount if by_state is not None else ():
-                sessions.add_metric([count], by_state.get(count, 0))  # type: ignore[union-attr]
-            yield sessions
+        if self.subagents is not None:
+            yield _by_label(
+                "turnkeeper_subagents",
+                "Subagents by status (running: no result given to the parent yet).",
+                "status",
+                SubagentStatus,
+                self.subagents,
+            )
         yield from self._hosts()
 
     def _hosts(self) -> Iterator[Metric]:
@@ -111,6 +115,24 @@ class _State(Collector):
             if host["state"] == "live" or host["sessions"]:
                 sessions.add_metric([host["id"]], host["sessions"])
         yield sessions
+
+
+def _by_label(
+    name: str,
+    documentation: str,
+    label: str,
+    values: Iterable[str],
+    read: Callable[[], Mapping[str, int]],
+) -> GaugeMetricFamily:
+    """A gauge of counts read from the store, one sample per value (0 included)."""
+    family = GaugeMetricFamily(name, documentation, labels=[label])
+    try:
+        counts = read()
+    except Exception:
+        return family  # a busy database: leave the family empty for this scrape
+    for value in values:
+        family.add_metric([value], counts.get(value, 0))
+    return family
 
 
 class _Deltas(Collector):
@@ -179,6 +201,13 @@ class Metrics:
         self.recovery_refunds = Counter(
             "turnkeeper_session_recovery_refunds",
             "Continuation attempts charged and then given back (no worker took the session).",
+            registry=r,
+        )
+        self.subagent_recovery = Counter(
+            "turnkeeper_subagent_recovery",
+            "The reconciler's steps on running subagents, by action (report, resume, "
+            "finalize, wedge, fail, skip).",
+            ["action"],
             registry=r,
         )
         self.breaker_tripped = Gauge(

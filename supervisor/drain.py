@@ -1,0 +1,89 @@
+"""The waits of a stop for turns in flight on this daemon's workers.
+
+- The drain (`shutdown.drain_budget`, or `turnkeeper stop --drain SECONDS`), first of
+  the stop, intake already refusing: every turn in flight may finish, up to the budget.
+- The subagent drain (`shutdown.subagent_drain`), after the HTTP listener has closed and
+  before the workers are stopped: a subagent's turn in flight gets a few seconds to end,
+  so that its result reaches its parent in this boot rather than after a restart. A
+  child still running then is interrupted with the rest and resumed by recovery after
+  the restart; the log names it. No wait at all when no subagent's turn is in flight.
+
+Each reads the database on a thread, polls at the pool's heartbeat (the subagent drain
+at most every POLL seconds: its cap is short), and waits through `sleep` and `clock`,
+seams a test moves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+from supervisor.contract.logs import log
+from supervisor.core.vocabulary import SessionKind
+
+if TYPE_CHECKING:
+    from supervisor.pool.pool import Pool
+    from supervisor.store.sessions import SessionInfo
+
+POLL = 0.1  # the subagent drain's longest pause between two reads
+FIRST_READ = 2.0  # the read that decides whether a subagent drain is needed, capped
+
+Sleep = Callable[[float], Awaitable[object]]
+
+
+def turns_in_flight(pool: Pool) -> list[SessionInfo]:
+    """The sessions of this daemon's workers with a turn in flight (a database read)."""
+    mine = set(pool.assigned)
+    return [s for s in pool.store.sessions.with_work() if s.active_turn_id and s.id in mine]
+
+
+def subagent_turns(pool: Pool) -> list[str]:
+    """The ids of the subagent sessions among `turns_in_flight`."""
+    return [s.id for s in turns_in_flight(pool) if s.kind == SessionKind.SUBAGENT]
+
+
+async def drain(pool: Pool, budget: float, sleep: Sleep = asyncio.sleep) -> None:
+    """Let turns in flight finish, polled every heartbeat; the caller caps it at `budget`."""
+    log("shutdown").info("draining: waiting up to {:.0f} s for turns in flight", budget)
+    while await asyncio.to_thread(turns_in_flight, pool):
+        await sleep(pool.config.pool.heartbeat_interval)
+
+
+async def subagents_in_flight(pool: Pool) -> list[str]:
+    """The subagent sessions with a turn in flight here; none if the database does not
+    answer within FIRST_READ (the stop goes on without the wait)."""
+    try:
+        return await asyncio.wait_for(asyncio.to_thread(subagent_turns, pool), FIRST_READ)
+    except Exception as exc:  # a database gone or too slow: no drain, the stop goes on
+        log("shutdown").error("subagent drain skipped: reading the turns failed: {!r}", exc)
+        return []
+
+
+async def subagent_drain(
+    pool: Pool,
+    running: list[str],
+    cap: float,
+    *,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Sleep = asyncio.sleep,
+) -> list[str]:
+    """Wait, up to `cap` seconds, while a subagent's turn is in flight here (`running` at
+    first); returns, and logs, the ids still running at the end."""
+    deadline = clock() + cap
+    log("shutdown").info(
+        "subagent drain: waiting up to {:g} s for {} subagent turns in flight", cap, len(running)
+    )
+    pause = min(pool.config.pool.heartbeat_interval, POLL)
+    while running and (left := deadline - clock()) > 0:
+        await sleep(min(pause, left))
+        running = await asyncio.to_thread(subagent_turns, pool)
+    if running:
+        log("shutdown").warning(
+            "subagent drain: {} subagents still running, interrupted with the rest and "
+            "resumed after the restart: {}",
+            len(running),
+            ", ".join(running),
+        )
+    return running

@@ -1,0 +1,151 @@
+"""The rules of a subagent's run (`supervisor.core.subagents`), without a database: the
+limits, the outcome a parent reads, the reconcile table, and recovery's settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from supervisor.core.subagents import (
+    RESULT_MAX,
+    TASK_MAX,
+    Child,
+    Settings,
+    Step,
+    check_task,
+    final_status,
+    outcome,
+    reconcile,
+    refusal,
+    result_text,
+)
+from supervisor.core.vocabulary import SubagentStatus
+
+
+@dataclass(frozen=True)
+class Ev:
+    type: str
+    turn_id: str | None = None
+    payload: dict[str, Any] = field(default_factory=dict)
+
+
+def ended(turn: str, result: str, **payload: Any) -> Ev:
+    return Ev("turn_ended", turn, {"outcome": result, **payload})
+
+
+@pytest.mark.parametrize(
+    ("depth", "running", "max_depth", "max_children", "why"),
+    [
+        (0, 0, 2, 8, None),
+        (1, 7, 2, 8, None),  # a child may spawn, below both limits
+        (2, 0, 2, 8, "at subagent depth 2; subagents.max_depth is 2"),
+        (0, 0, 0, 8, "subagents are turned off here (subagents.max_depth = 0)"),
+        (0, 8, 2, 8, "has 8 subagents running, the limit (subagents.max_children) is 8"),
+        (0, 0, 1, 0, "has 0 subagents running"),
+        (2, 9, 2, 8, "max_depth"),  # depth is judged first
+    ],
+)
+def test_refusal(depth: int, running: int, max_depth: int, max_children: int, why: str) -> None:
+    found = refusal(depth, running, max_depth=max_depth, max_children=max_children)
+    if why is None:
+        assert found is None
+    else:
+        assert found is not None and why in found
+
+
+def test_a_task_is_a_non_empty_string_within_the_limit() -> None:
+    assert check_task("do it") == "do it"
+    for bad in ("", "   \n", None, 3, ["a"]):
+        with pytest.raises(ValueError, match="non-empty string"):
+            check_task(bad)
+    assert check_task("x" * TASK_MAX) == "x" * TASK_MAX
+    with pytest.raises(ValueError, match=f"at most {TASK_MAX}"):
+        check_task("x" * (TASK_MAX + 1))
+
+
+def test_a_completed_run_gives_the_last_answer_of_its_last_turn() -> None:
+    log = [
+        Ev("user_message", None, {"text": "task"}),
+        Ev("turn_started", "t1"),
+        Ev("model_response", "t1", {"text": "thinking"}),
+        Ev("model_response", "t1", {"text": "first answer"}),
+        ended("t1", "completed"),
+        Ev("turn_started", "t2"),
+        Ev("model_response", "t2", {"text": "final answer"}),
+        Ev("notice", "t2", {"text": "unrelated"}),
+        ended("t2", "truncated"),
+    ]
+    assert outcome("open", log) == (SubagentStatus.COMPLETED, "final answer")
+    assert outcome("closed", log[:5]) == (SubagentStatus.COMPLETED, "first answer")
+    # A turn with no answer of its own does not borrow an earlier turn's.
+    silent = [*log[:5], Ev("turn_started", "t2"), ended("t2", "completed")]
+    assert outcome("open", silent) == (SubagentStatus.COMPLETED, "")
+    long = [Ev("model_response", "t", {"text": "y" * (RESULT_MAX + 50)}), ended("t", "completed")]
+    status, text = outcome("open", long)
+    assert status is SubagentStatus.COMPLETED and len(text) == RESULT_MAX
+
+
+@pytest.mark.parametrize(
+    ("status", "log", "expected", "says"),
+    [
+        (None, [], SubagentStatus.FAILED, "no longer exists"),
+        ("quarantined", [ended("t", "completed")], SubagentStatus.WEDGED, "failed every time"),
+        ("closed", [Ev("user_message")], SubagentStatus.CANCELLED, "closed before it ran"),
+        ("open", [Ev("user_message")], SubagentStatus.FAILED, "without running a turn"),
+        ("open", [ended("t", "interrupted_by_operator", by="bob")], SubagentStatus.CANCELLED,
+         "interrupted by bob"),
+        ("open", [ended("t", "interrupted_by_operator")], SubagentStatus.CANCELLED,
+         "interrupted by an operator"),
+        ("open", [ended("t", "failed", error="boom")], SubagentStatus.FAILED,
+         "its turn ended failed: boom"),
+        ("open", [ended("t", "failed", reason="stale")], SubagentStatus.FAILED, "failed: stale"),
+        ("open", [ended("t", "failed")], SubagentStatus.FAILED, "its turn ended failed"),
+    ],
+)  # fmt: skip
+def test_outcomes_that_are_not_an_answer(
+    status: str | None, log: list[Ev], expected: SubagentStatus, says: str
+) -> None:
+    found, text = outcome(status, log)
+    assert found is expected and says in text
+
+
+@pytest.mark.parametrize(
+    ("child", "step"),
+    [
+        (Child(None), Step.REPORT),  # 1: gone
+        (Child("closed", "t1", True), Step.REPORT),  # 2: not open, whatever it holds
+        (Child("quarantined", "t1"), Step.REPORT),
+        (Child("open", "t1"), Step.RECOVER),  # 3: a turn in flight
+        (Child("open", "t1", True), Step.RECOVER),
+        (Child("open", None, True), Step.WAIT),  # 4: pending input
+        (Child("open"), Step.REPORT),  # 5: idle
+    ],
+)
+def test_the_reconcile_table(child: Child, step: Step) -> None:
+    assert reconcile(child) is step
+
+
+def test_what_giving_up_on_a_turn_makes_the_child() -> None:
+    assert final_status(quarantine=True, stale=True) is SubagentStatus.WEDGED
+    assert final_status(quarantine=True, stale=False) is SubagentStatus.WEDGED
+    assert final_status(quarantine=False, stale=True) is SubagentStatus.FINALIZED
+    assert final_status(quarantine=False, stale=False) is SubagentStatus.FAILED
+
+
+def test_settings_repeat_the_last_delay_for_more_attempts() -> None:
+    more = Settings(True, (0.0, 5.0, 30.0), 7200.0, 5)
+    assert (more.auto_continue, more.freshness) == (True, 7200.0)
+    assert more.attempt_delays == (0.0, 5.0, 30.0, 30.0, 30.0)
+    assert Settings(False, (0.0, 5.0, 30.0), 60.0, 2).attempt_delays == (0.0, 5.0)
+    assert Settings(True, (), 60.0, 2).attempt_delays == (0.0, 0.0)
+    assert Settings(True, (1.0,), 60.0, 0).attempt_delays == ()
+
+
+def test_a_result_as_the_parent_reads_it() -> None:
+    payload = {"subagent": "c1", "status": "completed", "text": "42", "title": "files"}
+    assert result_text(payload) == "[subagent c1 (files) completed] 42"
+    assert result_text({"subagent": "c1", "status": "failed", "text": "boom"}) == (
+        "[subagent c1 failed] boom"
+    )
