@@ -53,6 +53,14 @@ class Turn(Protocol):
         """Tell the user something outside the conversation; commits a `notice` event."""
         ...
 
+    async def spawn_subagent(
+        self, task: str, *, agent: str | None = None, title: str | None = None
+    ) -> str:
+        """Start a subagent (a child session) for `task`; its session id. Its result
+        comes back as a `subagent_result` that the session's next turn reads. Raises
+        `workers.spawning.SpawnRefused` past `subagents.max_depth`/`max_children`."""
+        ...
+
 
 @runtime_checkable
 class Agent(Protocol):

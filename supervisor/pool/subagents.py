@@ -127,7 +127,11 @@ class Reconciler:
         if reported is None:
             self.log.bind(session=info.id).info("{} (turn moved on)", d.reason)
             return
-        self._told(reported, told.outcome, d.reason)
+        why = {
+            "stale": "interrupted longer ago than subagents.freshness",
+            "wedged": f"each of its {f.attempts} continuation attempts failed",
+        }.get(told.reason, "not safe to continue by itself")
+        self._told(reported, told.outcome, why)
 
     def _told(self, reported: Reported, action: str, why: str) -> None:
         """A child's result was committed to its parent: wake the parent, log, count."""
