@@ -149,3 +149,27 @@ def test_a_result_as_the_parent_reads_it() -> None:
     assert result_text({"subagent": "c1", "status": "failed", "text": "boom"}) == (
         "[subagent c1 failed] boom"
     )
+
+
+def test_with_auto_continue_off_a_child_recovery_would_continue_is_given_up_on() -> None:
+    """Nobody resumes a child by hand: where only auto_continue = false leaves its turn
+    alone, the child ends (failed) and its parent is told; everything else is recovery's."""
+    from supervisor.core.notices import subagent_notice
+    from supervisor.core.recovery import Action, Interruption, Trigger
+    from supervisor.core.subagents import AUTO_CONTINUE_OFF, decide
+    from supervisor.core.tail import TailClass
+
+    now = 10_000.0
+    fresh = Interruption("turn-1", TailClass.UNANSWERED_USER_MESSAGE, now - 5)
+    on = Settings(True, (0.0, 5.0, 30.0), 7200.0, 3)
+    off = Settings(False, (0.0, 5.0, 30.0), 7200.0, 3)
+    assert decide(fresh, Trigger.SUBAGENT_RESUME, now, False, on).action is Action.CONTINUE
+    given_up = decide(fresh, Trigger.SUBAGENT_RESUME, now, False, off)
+    assert (given_up.action, given_up.reason) == (Action.NOTICE_RESEND, AUTO_CONTINUE_OFF)
+    told = subagent_notice(given_up, fresh)
+    assert (told.outcome, told.reason) == ("failed", "auto_continue_off")
+    assert "auto_continue" in told.text
+    # What recovery skips anyway stays a SKIP: a live lease, a tripped breaker.
+    live = Interruption("turn-1", TailClass.UNANSWERED_USER_MESSAGE, now - 5, lease_live=True)
+    assert decide(live, Trigger.SUBAGENT_RESUME, now, False, off).action is Action.SKIP
+    assert decide(fresh, Trigger.SUBAGENT_RESUME, now, True, off).action is Action.SKIP

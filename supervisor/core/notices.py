@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from supervisor.core.recovery import Action, Decision, Interruption
+from supervisor.core.subagents import AUTO_CONTINUE_OFF
 from supervisor.core.vocabulary import Cause
 
 RESEND = "Please send your message again."
@@ -70,6 +71,13 @@ def subagent_notice(decision: Decision, facts: Interruption) -> Notice:
             "be run again.",
             "wedged",
             "wedged",
+        )
+    if decision.reason == AUTO_CONTINUE_OFF:
+        return Notice(
+            f"This subagent's turn was interrupted ({cause}); recovery.auto_continue is off, "
+            "so it is not resumed: it ended without a result.",
+            "failed",
+            "auto_continue_off",
         )
     return Notice(
         f"This subagent's turn was interrupted ({cause}) at a point where going on by "

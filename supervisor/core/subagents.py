@@ -32,6 +32,9 @@ Rules
   (`subagents.max_per_boot`). What recovery would finalize or quarantine ends the child
   (`final_status`): stale -> `finalized`, attempts spent -> `wedged` (never picked again),
   an unsafe tail -> `failed`.
+- With `recovery.auto_continue` off, an interrupted child that recovery would have
+  continued ends `failed` instead (`decide`): nobody resumes it by hand, and its parent
+  must not wait for it for ever.
 - A cancelled child (its parent interrupted or closed) is reported without waking the
   parent: an operator who stopped it did not ask for another turn.
 """
@@ -43,6 +46,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Protocol
 
+from supervisor.core import recovery
+from supervisor.core.recovery import Action, Decision, Interruption, Trigger
 from supervisor.core.vocabulary import EventType, SessionStatus, SubagentStatus, TurnOutcome
 
 RESULT_MAX = 16_000  # characters of a child's answer given to its parent
@@ -172,6 +177,23 @@ class Settings:
         self.auto_continue = auto_continue
         self.freshness = freshness
         self.attempt_delays = tuple(delays[min(i, len(delays) - 1)] for i in range(attempts))
+
+
+AUTO_CONTINUE_OFF = "auto_continue is off: the subagent is not resumed"
+
+
+def decide(
+    facts: Interruption, trigger: Trigger, now: float, breaker_tripped: bool, settings: Settings
+) -> Decision:
+    """Recovery's decision for a child's turn (`recovery.decide` with `settings`), except
+    that what only `auto_continue = false` leaves alone is given up on (see the rules)."""
+    decision = recovery.decide(facts, trigger, now, breaker_tripped, settings)
+    if decision.action is not Action.SKIP or settings.auto_continue:
+        return decision
+    on = Settings(True, settings.attempt_delays, settings.freshness, len(settings.attempt_delays))
+    if recovery.decide(facts, trigger, now, breaker_tripped, on).action is Action.SKIP:
+        return decision
+    return Decision(Action.NOTICE_RESEND, AUTO_CONTINUE_OFF)
 
 
 def result_text(payload: dict[str, Any]) -> str:

@@ -249,8 +249,12 @@ class Recoverer(BreakerKeeping):
         judged = []
         for (info, trigger), events in zip(items, tails, strict=True):
             facts = self.facts(info, events, trigger, now)
-            settings = self.child_settings if info.kind == SessionKind.SUBAGENT else self.settings
-            decision = recovery.decide(facts, trigger, now, self.breaker.tripped, settings)
+            if info.kind == SessionKind.SUBAGENT:
+                decision = subagents.decide(
+                    facts, trigger, now, self.breaker.tripped, self.child_settings
+                )
+            else:
+                decision = recovery.decide(facts, trigger, now, self.breaker.tripped, self.settings)
             judged.append(Judged(decision, facts, trigger))
         return judged
 

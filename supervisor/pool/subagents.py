@@ -130,6 +130,7 @@ class Reconciler:
         why = {
             "stale": "interrupted longer ago than subagents.freshness",
             "wedged": f"each of its {f.attempts} continuation attempts failed",
+            "auto_continue_off": "recovery.auto_continue is off",
         }.get(told.reason, "not safe to continue by itself")
         self._told(reported, told.outcome, why)
 
