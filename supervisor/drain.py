@@ -72,6 +72,9 @@ async def subagent_drain(
     """Wait, up to `cap` seconds, while a subagent's turn is in flight here (`running` at
     first); returns, and logs, the ids still running at the end."""
     deadline = clock() + cap
+    # Only turns in flight may end: no session is assigned meanwhile (a parent woken by a
+    # result, a child's pending task), to be cut a moment later.
+    pool.ownership.stopping = True
     log("shutdown").info(
         "subagent drain: waiting up to {:g} s for {} subagent turns in flight", cap, len(running)
     )

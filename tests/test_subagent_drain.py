@@ -35,6 +35,7 @@ class FakePool:
         self.assigned = dict.fromkeys(assigned)
         self.config = SimpleNamespace(pool=SimpleNamespace(heartbeat_interval=1.0))
         self.store = SimpleNamespace(sessions=SimpleNamespace(with_work=self._read))
+        self.ownership = SimpleNamespace(stopping=False)
         self.count = 0
 
     def _read(self) -> list[SimpleNamespace]:
@@ -87,6 +88,7 @@ def test_the_drain_ends_as_soon_as_no_subagent_turn_is_in_flight(lines: list[str
         drain.subagent_drain(pool, ["c1", "c2"], 5.0, clock=clock, sleep=clock.sleep)  # type: ignore[arg-type]
     )
     assert left == []
+    assert pool.ownership.stopping  # nothing new is assigned during the drain
     assert clock.slept == [0.1] * 4  # the heartbeat (1 s) is longer than POLL
     assert lines == ["subagent drain: waiting up to 5 s for 2 subagent turns in flight"]
 

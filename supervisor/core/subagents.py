@@ -9,8 +9,9 @@ Rules
 - A spawn is refused (the model reads why, as the tool's error result) when the child
   would be deeper than `subagents.max_depth` (a top session's children are at depth 1),
   or when the parent has `subagents.max_children` children running already.
-- A child's run has ended when its session has no turn in flight and no pending input,
-  or when its session is no longer open. Its outcome (`outcome`) is read from its last
+- A child's run has ended when its session has no turn in flight, no pending input and
+  no subagent of its own running, or when its session is no longer open (its running
+  subagents are then cancelled with it). Its outcome (`outcome`) is read from its last
   `turn_ended` and the final answer of that turn.
 - Every child gets exactly one `subagent_result` in its parent: the result event and the
   registry row's final state are written in one transaction, and only while the row is
@@ -23,7 +24,9 @@ Rules
 | 2  | not open (closed, quarantined)                          | REPORT                  |
 | 3  | a turn in flight                                        | RECOVER (recovery's)    |
 | 4  | pending input, no turn                                  | WAIT (the pool runs it) |
-| 5  | idle                                                    | REPORT                  |
+| 5  | idle, with subagents of its own running                 | WAIT (their results     |
+|    |                                                         | make it pending)        |
+| 6  | idle                                                    | REPORT                  |
 
 - Recovery of a child's interrupted turn is recovery's table (`supervisor.core.recovery`)
   with the subagent settings (`Settings`): `subagents.freshness` and
@@ -84,6 +87,8 @@ def check_task(task: Any) -> str:
         raise ValueError("a subagent needs a task: a non-empty string")
     if len(task) > TASK_MAX:
         raise ValueError(f"a subagent's task is at most {TASK_MAX} characters")
+    if "\x00" in task:
+        raise ValueError("a subagent's task may not contain NUL characters")
     return task
 
 
@@ -145,6 +150,7 @@ class Child:
     status: str | None
     active_turn_id: str | None = None
     pending: bool = False
+    running_children: int = 0  # its own subagents still running
 
 
 def reconcile(child: Child) -> Step:
@@ -153,7 +159,7 @@ def reconcile(child: Child) -> Step:
         return Step.REPORT
     if child.active_turn_id:
         return Step.RECOVER
-    if child.pending:
+    if child.pending or child.running_children:
         return Step.WAIT
     return Step.REPORT
 

@@ -113,11 +113,13 @@ class Lifecycle:
 
     async def _report_if_subagent(self, info: SessionInfo) -> None:
         """A subagent interrupted or closed itself is over: its parent is told now (once;
-        the reconciler would tell it at its next pass otherwise)."""
+        the reconciler would tell it at its next pass otherwise) and runs a turn on it."""
         if info.kind == SessionKind.SUBAGENT:
             done = await asyncio.to_thread(self.store.subagents.report, info.id)
             if done is not None:
                 self._publish(done.parent, [(done.seq, EventType.SUBAGENT_RESULT)])
+                if self.pool is not None:  # its parent hears of it now, as of any result
+                    self.pool.wake(done.parent)
 
     def _publish(self, session_id: str, written: list[tuple[int, EventType]]) -> None:
         """Count and signal what the store wrote for this route."""

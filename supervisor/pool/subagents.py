@@ -99,9 +99,13 @@ class Reconciler:
                 None if info is None else info.active_turn_id,
                 False if info is None else info.pending,
             )
-            step = rules.reconcile(facts)
+            step = rules.reconcile(facts)  # the store judges a report again, under its locks
             if step is rules.Step.REPORT:
-                reported = await asyncio.to_thread(self.store.subagents.report, row.id)
+                try:
+                    reported = await asyncio.to_thread(self.store.subagents.report, row.id)
+                except Exception as exc:  # one bad row must not hold up the others
+                    self.log.bind(session=row.id).error("cannot report subagent: {}", exc)
+                    continue
                 if reported is not None:
                     self._told(reported, "report", "its run was over, not yet reported")
             elif step is rules.Step.RECOVER:

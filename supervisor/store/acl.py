@@ -5,11 +5,10 @@ from __future__ import annotations
 import peewee
 
 from supervisor.core.vocabulary import EventType, Permission, Writer
+from supervisor.store import lifecycle
 from supervisor.store.db import run_write
-from supervisor.store.errors import SessionNotFound
 from supervisor.store.eventlog import make_request, write_events
-from supervisor.store.models import Session, SessionACL
-from supervisor.store.subagent_rows import descendants
+from supervisor.store.models import SessionACL, Subagent
 
 PERMISSIONS = tuple(Permission)  # each includes the ones before it
 
@@ -39,9 +38,16 @@ class Acl:
         payload = {"principal": principal, "permission": permission, "by": by}
 
         def work() -> int:
-            if not Session.select().where(Session.id == session_id).exists():
-                raise SessionNotFound(session_id)
-            sessions = [session_id, *descendants(session_id)]
+            # The rows locked level by level, parent first (as a spawn locks its parent
+            # before it copies the ACL): no child is spawned half-way through the change.
+            lifecycle.locked_row(session_id)
+            sessions, level = [session_id], [session_id]
+            while level := [
+                row.id for row in Subagent.select(Subagent.id).where(Subagent.parent.in_(level))
+            ]:
+                for child in sorted(level):
+                    lifecycle.locked_row(child)
+                sessions += level
             SessionACL.delete().where(
                 SessionACL.session.in_(sessions) & (SessionACL.principal == principal)
             ).execute()

@@ -190,6 +190,7 @@ class Subagent(BaseModel):
     agent = peewee.CharField(max_length=200, default="")
     status = peewee.CharField(max_length=16, default="running", index=True)
     call_id = peewee.CharField(max_length=200, null=True)  # the tool call that spawned it
+    turn_id = peewee.CharField(max_length=ID_LEN, null=True)  # the parent's turn that did
     spawned_seq = peewee.BigIntegerField()  # the parent's `subagent_spawned`
     result_seq = peewee.BigIntegerField(null=True)  # the parent's `subagent_result`
     summary = peewee.TextField(default="")  # the result, or why there is none (shortened)

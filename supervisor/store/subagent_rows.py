@@ -110,9 +110,14 @@ def finish(
     status: SubagentStatus,
     text: str,
     writer: str,
+    *,
+    wake: bool = True,
 ) -> Reported:
     """Inside the open transaction, the rows locked: the row's final state, the
-    parent's `subagent_result`, and the child session closed for good."""
+    parent's `subagent_result`, and the child session closed for good, its own running
+    children cancelled first (their results would go to a session that reads none).
+    `wake`: the result makes the parent pending (not for a cascade of cancellations)."""
+    cancel_within(db, row.id, writer, "its parent ended")
     parent = Session.get(Session.id == row.parent)
     payload = {
         "subagent": row.id,
@@ -124,13 +129,12 @@ def finish(
     (seq,) = lifecycle.append_all(
         db, [make_request(row.parent, EventType.SUBAGENT_RESULT, payload, writer=writer)]
     )
-    woke = status is not SubagentStatus.CANCELLED
-    if not woke:  # a cancellation is history for the parent's next turn, not a turn
+    if not wake:  # a cancellation is history for the parent's next turn, not a turn
         Session.update(pending=parent.pending).where(Session.id == row.parent).execute()
     Subagent.update(
         status=status,
         ended_at=time.time(),
-        summary=" ".join(text.split())[: rules.SUMMARY_MAX],
+        summary=" ".join(text.replace("\x00", "").split())[: rules.SUMMARY_MAX],
         result_seq=seq,
         claimed_by=None,
         claim_expires_at=None,
@@ -141,7 +145,7 @@ def finish(
             Session.pending: False,
         }
         Session.update(changes).where(Session.id == row.id).execute()
-    return Reported(row.id, row.parent, status, seq, woke)
+    return Reported(row.id, row.parent, status, seq, wake)
 
 
 # --- cancel ---------------------------------------------------------------------
@@ -149,7 +153,8 @@ def finish(
 
 def cancel_within(db: peewee.Database, parent_id: str, by: str, why: str) -> list[Reported]:
     """Inside the caller's open transaction (the parent row locked): cancel the
-    parent's running children, theirs first; each is reported `cancelled` once.
+    parent's running children, theirs first; each is reported once, without waking the
+    parent: `cancelled`, or what it came to if its run was over already (not reported yet).
 
     Their turns in flight end `interrupted_by_operator` and their leases are revoked:
     the workers running them can commit nothing more (the caller stops them).
@@ -166,12 +171,31 @@ def cancel_within(db: peewee.Database, parent_id: str, by: str, why: str) -> lis
         if row is None or row.status != SubagentStatus.RUNNING:
             continue
         child = locked_session(child_id)
-        reported += cancel_within(db, child_id, by, "its parent was cancelled")
+        status, text = SubagentStatus.CANCELLED, why
+        facts = rules.Child(
+            None if child is None else child.status,
+            None if child is None else child.active_turn_id,
+            False if child is None else bool(child.pending),
+            running_children(child_id),
+        )
+        over = facts.status == SessionStatus.OPEN and rules.reconcile(facts) is rules.Step.REPORT
+        if over:  # its run had ended, unreported: that is its result
+            status, text = rules.outcome(facts.status, latest(child_id))
         if child is not None and child.active_turn_id:
             lifecycle.interrupt(db, child_id, by)
             child = Session.get(Session.id == child_id)
-        reported.append(finish(db, row, child, SubagentStatus.CANCELLED, why, Writer.SUPERVISOR))
+        done = finish(db, row, child, status, text, Writer.SUPERVISOR, wake=False)
+        reported.append(done)
     return reported
+
+
+def running_children(session_id: str) -> int:
+    """How many subagents of the session are running."""
+    return int(
+        Subagent.select()
+        .where((Subagent.parent == session_id) & (Subagent.status == SubagentStatus.RUNNING))
+        .count()
+    )
 
 
 def descendants(session_id: str) -> list[str]:

@@ -44,6 +44,7 @@ from supervisor.store.subagent_rows import (
     latest,
     locked,
     locked_session,
+    running_children,
 )
 
 CALL_ID_MAX = 200  # the column's width
@@ -76,20 +77,24 @@ class Subagents:
 
         LeaseLost if the token is not the parent's; `rules.Refused` (saying why) past the
         limits; ValueError for a bad task. With `call_id`, a second spawn by the same tool
-        call returns the first child instead of starting another.
+        call of the same turn (a continued turn making the call again) returns the first
+        child instead of starting another.
         """
         task = rules.check_task(task)
-        if call_id is not None and len(call_id) > CALL_ID_MAX:  # a model's ids are its own
-            call_id = "sha256:" + hashlib.sha256(call_id.encode()).hexdigest()
-        title = (title or " ".join(task.split())[:80])[:200]
+        key = call_id  # a model's ids are its own: one too long or with a NUL is hashed
+        if key is not None and (len(key) > CALL_ID_MAX or "\x00" in key):
+            key = "sha256:" + hashlib.sha256(key.encode("utf-8", "replace")).hexdigest()
+        title = (title or " ".join(task.split())[:80]).replace("\x00", "")[:200]
 
         def work() -> Spawned:
             parent = lifecycle.locked_row(parent_id)
             if parent.lease_token != token:
                 raise LeaseLost(parent_id, token, parent.lease_token)
-            if call_id is not None:
+            if key is not None:
                 earlier = Subagent.get_or_none(
-                    (Subagent.parent == parent_id) & (Subagent.call_id == call_id)
+                    (Subagent.parent == parent_id)
+                    & (Subagent.call_id == key)
+                    & (Subagent.turn_id == turn_id)
                 )
                 if earlier is not None:
                     return Spawned(info_of(earlier), int(earlier.spawned_seq), 1, False)
@@ -151,7 +156,8 @@ class Subagents:
                 title=title,
                 agent=child_agent,
                 status=SubagentStatus.RUNNING,
-                call_id=call_id,
+                call_id=key,
+                turn_id=turn_id,
                 spawned_seq=spawned_seq,
                 created_at=now,
             ).execute()
@@ -211,35 +217,41 @@ class Subagents:
         self, owner: str, ttl: float, limit: int = 500, mine: str | None = None
     ) -> list[SubagentInfo]:
         """Claim running rows for `owner` ("<host>/<boot8>") until `ttl` seconds from now by
-        the database clock: the unclaimed ones, those whose claim ran out, and its own
-        (renewed); with `mine` ("<host>/"), also those of this host's earlier boots (one
-        daemon holds a host id at a time: they are dead). On the server databases
-        `FOR UPDATE SKIP LOCKED`: two daemons claiming at once take different rows;
-        SQLite's `BEGIN IMMEDIATE` serializes them."""
+        the database clock, and return every row it holds: its own are renewed, and at
+        most `limit` more are taken, oldest first, of the unclaimed ones, those whose claim
+        ran out and, with `mine` ("<host>/"), those of this host's earlier boots (one
+        daemon holds a host id at a time: they are dead). On the server databases `FOR
+        UPDATE SKIP LOCKED`: two daemons claiming at once take different rows; SQLite's
+        `BEGIN IMMEDIATE` serializes them."""
 
         def work() -> list[SubagentInfo]:
             now = db_now(self._db)
-            free = (
-                Subagent.claimed_by.is_null()
-                | (Subagent.claimed_by == owner)
-                | (Subagent.claim_expires_at < now)
-            )
+            running = Subagent.status == SubagentStatus.RUNNING
+            Subagent.update(claim_expires_at=now + ttl).where(
+                running & (Subagent.claimed_by == owner)
+            ).execute()
+            free = Subagent.claimed_by.is_null() | (Subagent.claim_expires_at < now)
             if mine:
                 free |= peewee.fn.SUBSTR(Subagent.claimed_by, 1, len(mine)) == mine
             query = (
-                Subagent.select()
-                .where((Subagent.status == SubagentStatus.RUNNING) & free)
+                Subagent.select(Subagent.id)
+                .where(
+                    running
+                    & free
+                    & (Subagent.claimed_by.is_null() | (Subagent.claimed_by != owner))
+                )
                 .order_by(Subagent.created_at, Subagent.id)
                 .limit(limit)
             )
             if self._db.for_update:
                 query = query.for_update(skip_locked=True)
-            rows = list(query)
-            if rows:
+            taken = [row.id for row in query]
+            if taken:
                 Subagent.update(claimed_by=owner, claim_expires_at=now + ttl).where(
-                    Subagent.id.in_([row.id for row in rows])
+                    Subagent.id.in_(taken)
                 ).execute()
-            return [info_of(row) for row in rows]
+            held = Subagent.select().where(running & (Subagent.claimed_by == owner))
+            return [info_of(row) for row in held.order_by(Subagent.created_at, Subagent.id)]
 
         result: list[SubagentInfo] = run_write(self._db, work)
         return result
@@ -278,6 +290,7 @@ class Subagents:
                 None if child is None else child.status,
                 None if child is None else child.active_turn_id,
                 False if child is None else bool(child.pending),
+                running_children(child_id),
             )
             if rules.reconcile(facts) is not rules.Step.REPORT:
                 return None
