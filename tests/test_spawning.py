@@ -123,7 +123,9 @@ def test_a_spawn_call_cut_before_its_result_is_repaired_with_what_it_did(store: 
 
 def test_a_result_is_input_for_the_parent_until_a_turn_reads_it(store: Store) -> None:
     sid = parent(store)
-    spawned = store.subagents.spawn(sid, "t", token=TOKEN, turn_id=None, max_depth=2, max_children=8)
+    spawned = store.subagents.spawn(
+        sid, "t", token=TOKEN, turn_id=None, max_depth=2, max_children=8
+    )
     child = spawned.child.id
     store.events.append(child, "turn_started", {"read_to": 1}, turn_id="k")
     store.events.append(child, "model_response", {"text": "42", "tool_calls": []}, turn_id="k")
