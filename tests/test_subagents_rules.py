@@ -173,3 +173,17 @@ def test_with_auto_continue_off_a_child_recovery_would_continue_is_given_up_on()
     live = Interruption("turn-1", TailClass.UNANSWERED_USER_MESSAGE, now - 5, lease_live=True)
     assert decide(live, Trigger.SUBAGENT_RESUME, now, False, off).action is Action.SKIP
     assert decide(fresh, Trigger.SUBAGENT_RESUME, now, True, off).action is Action.SKIP
+
+
+def test_a_child_that_died_again_right_after_its_note_is_continued_within_its_attempts() -> None:
+    from supervisor.core.recovery import Action, Interruption, Trigger
+    from supervisor.core.subagents import decide
+    from supervisor.core.tail import TailClass
+
+    now = 10_000.0
+    settings = Settings(True, (0.0, 0.0, 0.0), 7200.0, 3)
+    note = Interruption("turn-1", TailClass.LAST_IS_CONTINUATION_NOTE, now - 1, attempts=1)
+    assert decide(note, Trigger.WORKER_DEATH, now, False, settings).action is Action.CONTINUE
+    spent = Interruption("turn-1", TailClass.LAST_IS_CONTINUATION_NOTE, now - 1, attempts=3)
+    last = decide(spent, Trigger.WORKER_DEATH, now, False, settings)
+    assert last.action is Action.NOTICE_RESEND and last.quarantine  # wedged

@@ -38,6 +38,10 @@ Rules
 - With `recovery.auto_continue` off, an interrupted child that recovery would have
   continued ends `failed` instead (`decide`): nobody resumes it by hand, and its parent
   must not wait for it for ever.
+- A child's turn whose last event is a continuation note (it died again before its
+  continuation got anywhere) is continued once more (`decide`), where a session's would
+  end with a notice asking the user to resend: there is no user to resend a child's task,
+  and its attempts (`subagents.max_recoveries`) still bound it, then it is `wedged`.
 - A cancelled child (its parent interrupted or closed) is reported without waking the
   parent: an operator who stopped it did not ask for another turn.
 """
@@ -45,12 +49,13 @@ Rules
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any, Protocol
 
 from supervisor.core import recovery
 from supervisor.core.recovery import Action, Decision, Interruption, Trigger
+from supervisor.core.tail import TailClass
 from supervisor.core.vocabulary import EventType, SessionStatus, SubagentStatus, TurnOutcome
 
 RESULT_MAX = 16_000  # characters of a child's answer given to its parent
@@ -192,7 +197,10 @@ def decide(
     facts: Interruption, trigger: Trigger, now: float, breaker_tripped: bool, settings: Settings
 ) -> Decision:
     """Recovery's decision for a child's turn (`recovery.decide` with `settings`), except
-    that what only `auto_continue = false` leaves alone is given up on (see the rules)."""
+    that a note-on-note tail is continued and what only `auto_continue = false` leaves
+    alone is given up on (see the rules)."""
+    if facts.tail is TailClass.LAST_IS_CONTINUATION_NOTE:
+        facts = replace(facts, tail=TailClass.UNANSWERED_USER_MESSAGE)  # goes on from there
     decision = recovery.decide(facts, trigger, now, breaker_tripped, settings)
     if decision.action is not Action.SKIP or settings.auto_continue:
         return decision
