@@ -3,12 +3,17 @@
 A real daemon (slow echo model, a real MCP server, 2 workers + 1 spare) serves 20
 sessions. One thread injects messages into random sessions through the HTTP API, each
 with its own Idempotency-Key, and retries the very same request until it gets a 202.
+Some messages start one or two subagents (`/subagent TASK` lines), whose results come
+back to their parents as input that a parent answers in a turn of its own.
 Meanwhile the test SIGKILLs the supervisor (then starts it again on the same state dir)
 or a ready worker, 30 times at random moments, and interrupts a turn in flight now and
-then through `POST /interrupt`. At the end the daemon is brought to rest, stopped
-cleanly, and its database must show that nothing acknowledged was lost or duplicated,
-that no reply was given twice, that every message was answered or the user was asked to
-resend it, and that no operator-interrupted turn was resumed.
+then through `POST /interrupt` (a parent's turn, which cancels its children, or a
+child's). At the end the daemon is brought to rest, stopped cleanly, and its database
+must show that nothing acknowledged was lost or duplicated, that no reply was given
+twice, that every message and every subagent result that wakes its parent was answered
+or the user was asked to resend, that no operator-interrupted turn was resumed, and that
+every subagent was spawned once for its tool call, reported to its parent exactly once,
+and, when it completed, answered its own task.
 
 The seed is printed; TURNKEEPER_CHAOS_SEED=N reruns the same plan (which session, which
 message, which kill when). The daemon's own timing is not seeded, so a rerun hits
@@ -55,7 +60,10 @@ TOOL_OFFSET = 1_000_000  # `add(n, TOOL_OFFSET)`: a tool result that names its m
 # A notice that asks the user to send the message again (quarantine, unsafe tail, stale).
 RESEND = re.compile(r"\bresend\b|\bsend\b.{0,40}\bagain\b", re.IGNORECASE)
 OPERATOR = "interrupted_by_operator"
-WORK = frozenset({"model_response", "tool_call", "tool_result", "continuation"})
+WORK = frozenset({"model_response", "tool_call", "tool_result", "continuation", "subagent_spawned"})
+SPAWN = "spawn_subagent"
+CHILD_TASK = re.compile(r"/sleep 0\.3 child (\d+)\.\d+")  # a child's task names its message
+RESULT_ANSWER = re.compile(r"echo: \[subagent (\w+)[ \]]")  # a parent answering a result
 
 
 def mcp_server() -> dict[str, Any]:
@@ -73,8 +81,9 @@ class Message:
 
     n: int
     session: str
-    kind: str  # plain, slow, tool
+    kind: str  # plain, slow, tool, spawn
     key: str
+    children: int = 0  # spawn: the subagents it asks for
     tries: int = 0
     status: int | None = None  # the final answer: 202, or 409 for a quarantined session
     seq: int | None = None  # from the 202
@@ -85,15 +94,20 @@ class Message:
             return f"hello {self.n}"
         if self.kind == "slow":
             return f"/sleep 0.5 text {self.n}"
+        if self.kind == "spawn":
+            lines = range(1, self.children + 1)
+            return "\n".join(f"/subagent /sleep 0.3 child {self.n}.{i}" for i in lines)
         return f'/tool add {{"a": {self.n}, "b": {TOOL_OFFSET}}}'
 
     @property
-    def reply(self) -> str:
-        """What echo answers to this message alone."""
+    def reply(self) -> str | None:
+        """What echo answers to this message alone (spawn: it names the children)."""
         if self.kind == "plain":
             return f"echo: hello {self.n}"
         if self.kind == "slow":
             return f"echo: text {self.n}"
+        if self.kind == "spawn":
+            return None
         return f"echo: {self.n + TOOL_OFFSET}"
 
 
@@ -116,8 +130,9 @@ class Injector:
         try:
             while not self.stop.is_set() and open_sessions:
                 n = len(self.sent) + 1
-                kind = self.rng.choices(["plain", "slow", "tool"], [5, 2, 3])[0]
+                kind = self.rng.choices(["plain", "slow", "tool", "spawn"], [4, 2, 3, 2])[0]
                 message = Message(n, self.rng.choice(open_sessions), kind, f"chaos-{SEED}-{n}")
+                message.children = self.rng.choice([1, 1, 2]) if kind == "spawn" else 0
                 self.sent.append(message)
                 self._deliver(client, message)
                 if message.status == 409:
@@ -176,7 +191,7 @@ def interrupt_a_turn(client: httpx.Client, rng: random.Random) -> tuple[str, int
     until = time.monotonic() + 2.0
     while time.monotonic() < until:
         with contextlib.suppress(httpx.TransportError):
-            listed = client.get("/v1/sessions", params={"limit": 100}).json()["sessions"]
+            listed = client.get("/v1/sessions", params={"limit": 1000}).json()["sessions"]
             running = [s["id"] for s in listed if s["active_turn_id"] and s["status"] == "open"]
             if running:
                 sid = rng.choice(running)
@@ -200,17 +215,20 @@ def wait_ready(daemon: Daemon) -> None:
 
 
 def busy(client: httpx.Client, sessions: list[str]) -> list[str]:
-    """The sessions that are neither quarantined nor without work. Each GET is also a
-    request that touches the session (the first touch continues an interrupted turn even
-    while the breaker is tripped)."""
+    """The sessions that are open and have work, and the subagents still open (a child
+    is closed when its result is reported). Each GET is also a request that touches the
+    session (the first touch continues an interrupted turn even while the breaker is
+    tripped)."""
     try:
-        rows = [client.get(f"/v1/sessions/{sid}").json() for sid in sessions]
+        listed = client.get("/v1/sessions", params={"limit": 1000}).json()["sessions"]
+        children = [s["id"] for s in listed if s["parent"] and s["status"] == "open"]
+        rows = [client.get(f"/v1/sessions/{sid}").json() for sid in [*sessions, *children]]
     except httpx.TransportError:
         return list(sessions)
     return [
         r["id"]
         for r in rows
-        if r["status"] != "quarantined" and (r["active_turn_id"] is not None or r["pending"])
+        if r["status"] == "open" and (r["parent"] or r["active_turn_id"] or r["pending"])
     ]
 
 
@@ -220,6 +238,8 @@ class Verdict:
 
     problems: list[str] = field(default_factory=list)
     outcome: Counter[str] = field(default_factory=Counter)  # per acknowledged message
+    results: Counter[str] = field(default_factory=Counter)  # per subagent result
+    subagents: Counter[str] = field(default_factory=Counter)  # registry statuses
     continuations: int = 0
     quarantined: int = 0
 
@@ -231,10 +251,11 @@ def answered_message(
 
     Echo answers the most recent user message of what it was shown, and its answer names
     that message: `echo: hello N`, `echo: text N`, or `echo: <N + TOOL_OFFSET>` (the add
-    tool's result). A tool call whose result was lost to a crash gets the repaired error
-    result, which names nothing; echo answers with it, and the call asked for last before
-    the answer (in this turn or, for a turn that found the result already there, an
-    earlier one) names the message.
+    tool's result). The answer to a spawn names its children, and a tool call whose
+    result was lost to a crash gets the repaired error result, which names nothing; echo
+    answers with those results, and the call asked for last before the answer (in this
+    turn or, for a turn that found the result already there, an earlier one) names the
+    message: `add`'s first argument, or a child's task.
     """
     n = by_reply.get(answer.payload.get("text", ""))
     if n is not None:
@@ -244,6 +265,9 @@ def answered_message(
             for call in event.payload.get("tool_calls") or []:
                 if call["name"] == "add":
                     return int(call["arguments"]["a"])
+                task = CHILD_TASK.fullmatch(str(call["arguments"].get("task")))
+                if call["name"] == SPAWN and task is not None:
+                    return int(task.group(1))
     return None
 
 
@@ -265,6 +289,50 @@ def describe(turn: list[EventRecord]) -> str:
     return f"turn {turn[0].turn_id} (started at seq {turn[0].seq}{resumed})"
 
 
+def turns_of(
+    sid: str, found: list[EventRecord], last_seq: int, problems: list[str]
+) -> tuple[dict[str, list[EventRecord]], dict[str, EventRecord]]:
+    """A session's turns and their `turn_ended`s. Its log's shape goes to `problems`:
+    seqs contiguous from 1, each turn one start and one end, no work after its end."""
+    if [e.seq for e in found] != list(range(1, len(found) + 1)) or last_seq != len(found):
+        problems.append(f"{sid}: seqs not contiguous from 1 (last_seq {last_seq})")
+    turns: dict[str, list[EventRecord]] = defaultdict(list)
+    for event in found:
+        if event.turn_id:
+            turns[event.turn_id].append(event)
+    ended: dict[str, EventRecord] = {}
+    for turn_id, turn in turns.items():
+        kinds = [e.type for e in turn]
+        if kinds.count("turn_started") != 1 or kinds[0] != "turn_started":
+            problems.append(f"{sid} turn {turn_id}: does not begin with one turn_started")
+        if kinds.count("turn_ended") != 1:
+            problems.append(f"{sid} turn {turn_id}: {kinds.count('turn_ended')} turn_ended")
+            continue
+        end = next(e for e in turn if e.type == "turn_ended")
+        ended[turn_id] = end
+        late = [e for e in turn if e.seq > end.seq and e.type in WORK]
+        if late:
+            problems.append(
+                f"{sid} turn {turn_id}: {[e.type for e in late]} after its turn_ended "
+                f"({end.payload})"
+            )
+    return turns, ended
+
+
+def settled(seq: int, answered: list[int], resend_at: list[int], operator_at: list[int]) -> str:
+    """How an input at `seq` that got no answer of its own was settled: a later input was
+    answered (the turn that read it read this one too), a notice after it asks the user
+    to resend, or an operator interrupt after it ended the turn that had it; or dropped."""
+    for how, seqs in (
+        ("superseded", answered),
+        ("notice", resend_at),
+        ("operator_interrupt", operator_at),
+    ):
+        if any(s > seq for s in seqs):
+            return how
+    return "dropped"
+
+
 def judge(
     store: Store,
     sessions: list[str],
@@ -274,15 +342,12 @@ def judge(
     verdict = Verdict()
     problems = verdict.problems
     by_n = {m.n: m for m in sent}
-    by_reply = {m.reply: m.n for m in sent}
+    by_reply = {m.reply: m.n for m in sent if m.reply is not None}
     by_key = {(m.session, m.text): m for m in sent}
     for sid in sessions:
         found = store.events.read(sid, limit=1_000_000)
         info = store.sessions.get(sid)
         verdict.quarantined += info.status == "quarantined"
-        seqs = [e.seq for e in found]
-        if seqs != list(range(1, len(found) + 1)) or info.last_seq != len(found):
-            problems.append(f"{sid}: seqs not contiguous from 1 (last_seq {info.last_seq})")
         # Each user message is in the log once, and at the seq its 202 named.
         stored: dict[int, int] = {}
         for event in found:
@@ -306,41 +371,32 @@ def judge(
                     f"{sid}: acknowledged message {message.n} (seq {message.seq}) is stored "
                     f"at {stored.get(message.n)}"
                 )
-        # Turns: one start, one end, no work after the end.
-        turns: dict[str, list[EventRecord]] = defaultdict(list)
-        for event in found:
-            if event.turn_id:
-                turns[event.turn_id].append(event)
-        ended: dict[str, EventRecord] = {}
-        for turn_id, turn in turns.items():
-            kinds = [e.type for e in turn]
-            if kinds.count("turn_started") != 1 or kinds[0] != "turn_started":
-                problems.append(f"{sid} turn {turn_id}: does not begin with one turn_started")
-            if kinds.count("turn_ended") != 1:
-                problems.append(f"{sid} turn {turn_id}: {kinds.count('turn_ended')} turn_ended")
-                continue
-            end = next(e for e in turn if e.type == "turn_ended")
-            ended[turn_id] = end
-            late = [e for e in turn if e.seq > end.seq and e.type in WORK]
-            if late:
-                problems.append(
-                    f"{sid} turn {turn_id}: {[e.type for e in late]} after its turn_ended "
-                    f"({end.payload})"
-                )
-            verdict.continuations += kinds.count("continuation")
-        # Replies. A turn reads every user message committed before it reads the log and
-        # echo answers the most recent one, so a turn that read several messages answers
-        # only the last; the earlier ones were shown to the model, not dropped. Each final
-        # answer is attributed to the message it answers (see answered_message), and then:
-        # - no message is answered twice (the check for duplicated replies);
-        # - an acknowledged message M is settled when it got its own answer, or a later
-        #   message of the session was answered (a turn that saw the later one saw M: a
-        #   session's messages are committed in seq order), or a notice after M asks the
-        #   user to resend, or an operator interrupt after M ended the turn that had it.
+        turns, ended = turns_of(sid, found, info.last_seq, problems)
+        verdict.continuations += sum(e.type == "continuation" for e in found)
+        # Replies. A turn reads every input (user message, subagent result) committed
+        # before it reads the log and echo answers the most recent one, so a turn that
+        # read several answers only the last; the earlier ones were shown to the model,
+        # not dropped. Each final answer is attributed to the input it answers (a
+        # subagent's result by the child it names, a message by answered_message), and:
+        # - no input is answered twice (the check for duplicated replies);
+        # - an acknowledged message M, or a result that wakes its parent, is settled when
+        #   it got its own answer, or as `settled` says (a turn that saw a later input saw
+        #   M: a session's inputs are committed in seq order), or its parent is
+        #   quarantined (a result: it arrives whatever the parent's state).
+        results = {str(e.payload["subagent"]): e for e in found if e.type == "subagent_result"}
         answers: dict[int, list[EventRecord]] = defaultdict(list)
+        result_answers: dict[str, list[EventRecord]] = defaultdict(list)
         for turn in turns.values():
             for event in turn:
                 if event.type != "model_response" or event.payload.get("tool_calls"):
+                    continue
+                woke = RESULT_ANSWER.match(str(event.payload.get("text", "")))
+                if woke is not None:
+                    result = results.get(woke.group(1))
+                    if result is None or result.seq > event.seq:
+                        problems.append(f"{sid} seq {event.seq}: an answer to no result: {event}")
+                    else:
+                        result_answers[woke.group(1)].append(event)
                     continue
                 n = answered_message(found, event, by_reply)
                 if n is None or by_n[n].session != sid:
@@ -349,16 +405,20 @@ def judge(
                 answers[n].append(event)
                 if n not in stored or stored[n] > event.seq:
                     problems.append(f"{sid}: message {n} answered at seq {event.seq}, before it")
-        for n, given in answers.items():
+        twice = [
+            (f"message {n} ({by_n[n].text!r}, seq {stored.get(n)})", g) for n, g in answers.items()
+        ]
+        twice += [
+            (f"the result of {c} (seq {results[c].seq})", g) for c, g in result_answers.items()
+        ]
+        for what, given in twice:
             if len(given) > 1:
                 where = ", ".join(
                     f"seq {e.seq} in {describe(turns[e.turn_id or ''])}" for e in given
                 )
-                problems.append(
-                    f"{sid}: message {n} ({by_n[n].text!r}, seq {stored.get(n)}) answered "
-                    f"{len(given)} times: {where}"
-                )
+                problems.append(f"{sid}: {what} answered {len(given)} times: {where}")
         answered_seqs = sorted(stored[n] for n in answers if n in stored)
+        answered_seqs += [results[c].seq for c in result_answers]
         resend_at = [
             e.seq
             for e in found
@@ -370,23 +430,34 @@ def judge(
         for message in sent:
             if message.session != sid or message.status != 202 or message.seq is None:
                 continue
-            seq = message.seq
             if message.n in answers:
                 its_end = ended.get(answers[message.n][0].turn_id or "")
                 completed = its_end is not None and its_end.payload.get("outcome") == "completed"
                 verdict.outcome["replied" if completed else "replied_turn_not_completed"] += 1
-            elif any(s > seq for s in answered_seqs):
-                verdict.outcome["superseded"] += 1
-            elif any(s > seq for s in resend_at):
-                verdict.outcome["notice"] += 1
-            elif any(s > seq for s in operator_at):
-                verdict.outcome["operator_interrupt"] += 1
-            else:
-                verdict.outcome["dropped"] += 1
+                continue
+            how = settled(message.seq, answered_seqs, resend_at, operator_at)
+            verdict.outcome[how] += 1
+            if how == "dropped":
                 problems.append(
-                    f"{sid}: message {message.n} ({message.text!r}, seq {seq}) got neither a "
-                    f"reply nor a notice"
+                    f"{sid}: message {message.n} ({message.text!r}, seq {message.seq}) got "
+                    f"neither a reply nor a notice"
                 )
+        for child, result in results.items():
+            if result.payload.get("status") == "cancelled":
+                how = "cancelled"  # reported without a turn of the parent's: none is owed
+            elif child in result_answers:
+                how = "answered"
+            else:
+                how = settled(result.seq, answered_seqs, resend_at, operator_at)
+                if how == "dropped" and info.status == "quarantined":
+                    how = "parent_quarantined"
+            verdict.results[how] += 1
+            if how == "dropped":
+                problems.append(
+                    f"{sid}: the result of subagent {child} (seq {result.seq}, "
+                    f"{result.payload.get('status')}) was never answered"
+                )
+    judge_subagents(store, verdict)
     # Operator interrupts: never resumed.
     for sid, seq in interrupted:
         found = store.events.read(sid, limit=1_000_000)
@@ -401,6 +472,80 @@ def judge(
                 f"{[(e.seq, e.type) for e in after]}"
             )
     return verdict
+
+
+def judge_subagents(store: Store, verdict: Verdict) -> None:
+    """Every session's subagents, by its log and the registry: one child at most for a
+    tool call, and one that call asked for; for each `subagent_spawned` one registry row
+    and exactly one `subagent_result`, none left running; a spawn's tool result names a
+    child spawned; each child's log well formed, its task its one message, its session
+    closed, and, when it completed, its last answer (and its result) echo its task."""
+    problems = verdict.problems
+    for info in store.sessions.list(limit=1_000):
+        found = store.events.read(info.id, limit=1_000_000)
+        rows = {row.id: row for row in store.subagents.children(info.id)}
+        spawns = [e for e in found if e.type == "subagent_spawned"]
+        spawned = Counter(str(e.payload["subagent"]) for e in spawns)
+        reported = Counter(str(e.payload["subagent"]) for e in found if e.type == "subagent_result")
+        results = {str(e.payload["subagent"]): e for e in found if e.type == "subagent_result"}
+        asked = {
+            call["id"]
+            for e in found
+            if e.type == "model_response"
+            for call in e.payload.get("tool_calls") or []
+            if call["name"] == SPAWN
+        }
+        for call_id, n in Counter(e.payload.get("call_id") for e in spawns).items():
+            if n > 1 or call_id not in asked:
+                problems.append(
+                    f"{info.id}: tool call {call_id} (asked for: {call_id in asked}) spawned "
+                    f"{n} subagents"
+                )
+        said = [
+            str(e.payload.get("content")).split()[2].rstrip(";")
+            for e in found
+            if e.type == "tool_result"
+            and e.payload.get("name") == SPAWN
+            and str(e.payload.get("content")).startswith("started subagent ")
+        ]
+        for child in set(said) - spawned.keys():
+            problems.append(f"{info.id}: a spawn's result names {child}, which it did not spawn")
+        for child in sorted(spawned.keys() | rows.keys() | reported.keys()):
+            row = rows.get(child)
+            if spawned[child] != 1 or reported[child] != 1 or row is None:
+                problems.append(
+                    f"{info.id}: subagent {child}: {spawned[child]} subagent_spawned, "
+                    f"{reported[child]} subagent_result, registry row: {row}"
+                )
+                continue
+            verdict.subagents[row.status] += 1
+            result = results[child]
+            if row.status != result.payload.get("status") or row.result_seq != result.seq:
+                problems.append(
+                    f"{info.id}: subagent {child} is {row.status} in the registry (result "
+                    f"seq {row.result_seq}); its result at seq {result.seq}: {result.payload}"
+                )
+            problems.extend(child_problems(store, row.id, row.task, result))
+
+
+def child_problems(store: Store, child: str, task: str, result: EventRecord) -> list[str]:
+    """A reported child's own log: see judge_subagents."""
+    problems: list[str] = []
+    found = store.events.read(child, limit=1_000_000)
+    info = store.sessions.get(child)
+    turns_of(child, found, info.last_seq, problems)
+    inputs = [str(e.payload.get("text")) for e in found if e.type == "user_message"]
+    if inputs != [task] or info.status != "closed":
+        problems.append(f"{child}: a reported subagent ({info.status}) read {inputs}, not {task!r}")
+    if result.payload.get("status") == "completed":
+        expected = "echo: " + task.split(None, 2)[2]  # `/sleep S T` -> `echo: T`
+        said = [str(e.payload.get("text")) for e in found if e.type == "model_response"]
+        if said[-1:] != [expected] or result.payload.get("text") != expected:
+            problems.append(
+                f"{child}: completed, answering {said[-1:]} and reporting "
+                f"{result.payload.get('text')!r}, not {expected!r}"
+            )
+    return problems
 
 
 @pytest.mark.slow
@@ -493,6 +638,10 @@ def test_chaos_loses_duplicates_and_resumes_nothing_it_must_not(
         }
         | dict(verdict.outcome),
         "resend_notices": resend_notices(daemon.url),
+        "spawn_messages": sum(1 for m in acked if m.kind == "spawn"),
+        # Registry rows by status, and how each subagent result was settled.
+        "subagents": dict(verdict.subagents),
+        "subagent_results": dict(verdict.results),
         "continuations": verdict.continuations,
         "quarantined_sessions": verdict.quarantined,
         "problems": len(problems),
@@ -502,6 +651,7 @@ def test_chaos_loses_duplicates_and_resumes_nothing_it_must_not(
         print("PROBLEM", problem)
     assert not injector.unexpected, injector.unexpected[:10]
     assert acked, "no message was acknowledged"
+    assert verdict.subagents, "no subagent was spawned"
     assert kills["supervisor"] == SUPERVISOR_KILLS and kills["worker"] > 0
     assert not problems, f"{len(problems)} problems (seed {SEED}); first: " + "\n".join(
         problems[:15]
