@@ -51,11 +51,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from enum import Enum
-from typing import Any, Protocol
+from typing import Any
 
 from supervisor.core import recovery
 from supervisor.core.recovery import Action, Decision, Interruption, Trigger
-from supervisor.core.tail import TailClass
+from supervisor.core.tail import TailClass, TailEvent
 from supervisor.core.vocabulary import EventType, SessionStatus, SubagentStatus, TurnOutcome
 
 RESULT_MAX = 16_000  # characters of a child's answer given to its parent
@@ -97,18 +97,7 @@ def check_task(task: Any) -> str:
     return task
 
 
-class StepEvent(Protocol):
-    """What `outcome` reads of an event (a `supervisor.store.EventRecord`)."""
-
-    @property
-    def type(self) -> str: ...
-    @property
-    def turn_id(self) -> str | None: ...
-    @property
-    def payload(self) -> dict[str, Any]: ...
-
-
-def outcome(session_status: str | None, events: Sequence[StepEvent]) -> tuple[SubagentStatus, str]:
+def outcome(session_status: str | None, events: Sequence[TailEvent]) -> tuple[SubagentStatus, str]:
     """A finished child's status and the text its parent gets, from its session's status
     and its latest events (oldest first; from its last turn's start is enough)."""
     if session_status is None:
@@ -132,7 +121,7 @@ def outcome(session_status: str | None, events: Sequence[StepEvent]) -> tuple[Su
     return SubagentStatus.FAILED, told[:RESULT_MAX]
 
 
-def _answer(events: Sequence[StepEvent], turn_id: str | None) -> str:
+def _answer(events: Sequence[TailEvent], turn_id: str | None) -> str:
     """The text of the turn's last model answer (its final answer)."""
     for event in reversed(events):
         if event.type == EventType.MODEL_RESPONSE and event.turn_id == turn_id:
