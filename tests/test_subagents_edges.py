@@ -53,7 +53,7 @@ def test_a_child_given_up_on_takes_its_running_children_with_it(store: Store) ->
     done = store.subagents.finalize(
         child.session_id, info.active_turn_id, SubagentStatus.FINALIZED, "stale", "too old"
     )
-    assert done is not None
+    assert done is not None and done.cancelled == (grandchild,)  # its worker is told to stop
     assert statuses(store, child.session_id, grandchild) == ["finalized", "cancelled"]
     assert len(events(store, child.session_id, "subagent_result")) == 1
     assert store.sessions.get(grandchild).status == "closed"

@@ -187,3 +187,15 @@ def test_a_child_that_died_again_right_after_its_note_is_continued_within_its_at
     spent = Interruption("turn-1", TailClass.LAST_IS_CONTINUATION_NOTE, now - 1, attempts=3)
     last = decide(spent, Trigger.WORKER_DEATH, now, False, settings)
     assert last.action is Action.NOTICE_RESEND and last.quarantine  # wedged
+
+
+def test_with_auto_continue_off_a_stale_child_is_still_finalized() -> None:
+    from supervisor.core.recovery import Action, Interruption, Trigger
+    from supervisor.core.subagents import decide
+    from supervisor.core.tail import TailClass
+
+    now = 10_000.0
+    stale = Interruption("turn-1", TailClass.UNANSWERED_USER_MESSAGE, now - 7201)
+    off = Settings(False, (0.0, 5.0, 30.0), 7200.0, 3)
+    decision = decide(stale, Trigger.SUBAGENT_RESUME, now, False, off)
+    assert decision.action is Action.FINALIZE_STALE

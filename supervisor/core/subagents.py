@@ -194,8 +194,9 @@ def decide(
     if decision.action is not Action.SKIP or settings.auto_continue:
         return decision
     on = Settings(True, settings.attempt_delays, settings.freshness, len(settings.attempt_delays))
-    if recovery.decide(facts, trigger, now, breaker_tripped, on).action is Action.SKIP:
-        return decision
+    would = recovery.decide(facts, trigger, now, breaker_tripped, on)
+    if would.action in (Action.SKIP, Action.FINALIZE_STALE):
+        return would if would.action is Action.FINALIZE_STALE else decision
     return Decision(Action.NOTICE_RESEND, AUTO_CONTINUE_OFF)
 
 

@@ -96,7 +96,9 @@ class Pool(RollingRestart):
         self.tasks: list[asyncio.Task[None]] = []  # run until stop; the daemon watches them
         self._pending: set[asyncio.Task[Any]] = set()  # background work; awaited by stop
         self._wanted = self.ownership.wanted
-        self.subagents = Reconciler(config, store, recovery, self.committed, metrics, clock=clock)
+        self.subagents = Reconciler(
+            config, store, recovery, self.committed, self.interrupt, metrics, clock=clock
+        )
         self.housekeeper = Housekeeper(
             self._tend, self.ownership.dispatch, self.ownership.next_pass_in, self._wanted, clock
         )

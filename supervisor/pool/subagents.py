@@ -45,6 +45,7 @@ class Reconciler:
         store: Store,
         recovery: Recoverer,
         committed: Callable[[str, int, str, bool], None],
+        stop: Callable[[str], None],
         metrics: Metrics,
         *,
         clock: Clock = SYSTEM,
@@ -53,6 +54,7 @@ class Reconciler:
         self.store = store
         self.recovery = recovery
         self.committed = committed  # the pool's: signals an event (and wakes for input)
+        self.stop = stop  # the pool's: a session's turn was ended in the database
         self.metrics = metrics
         self.clock = clock
         self.owner = recovery.owner_prefix  # "<host>/<boot8>"
@@ -142,6 +144,8 @@ class Reconciler:
         """A child's result was committed to its parent: wake the parent, log, count."""
         # A result wakes the parent; a cancellation is only told to its readers.
         self.committed(reported.parent, reported.seq, EventType.SUBAGENT_RESULT, reported.woke)
+        for session_id in (reported.child, *reported.cancelled):
+            self.stop(session_id)  # a signal: their leases were revoked with the result
         self.metrics.subagent_recovery.labels(action).inc()
         level = "INFO" if reported.status == SubagentStatus.COMPLETED else "WARNING"
         self.log.bind(session=reported.child).log(

@@ -101,6 +101,7 @@ class Reported:
     status: SubagentStatus
     seq: int  # the parent's `subagent_result`
     woke: bool  # the result marks the parent pending (not a cancellation)
+    cancelled: tuple[str, ...] = ()  # its own subagents, cancelled with it
 
 
 def finish(
@@ -117,7 +118,7 @@ def finish(
     parent's `subagent_result`, and the child session closed for good, its own running
     children cancelled first (their results would go to a session that reads none).
     `wake`: the result makes the parent pending (not for a cascade of cancellations)."""
-    cancel_within(db, row.id, writer, "its parent ended")
+    cascade = cancel_within(db, row.id, writer, "its parent ended")
     parent = Session.get(Session.id == row.parent)
     payload = {
         "subagent": row.id,
@@ -145,7 +146,8 @@ def finish(
             Session.pending: False,
         }
         Session.update(changes).where(Session.id == row.id).execute()
-    return Reported(row.id, row.parent, status, seq, wake)
+    cancelled = tuple(c for done in cascade for c in (done.child, *done.cancelled))
+    return Reported(row.id, row.parent, status, seq, wake, cancelled)
 
 
 # --- cancel ---------------------------------------------------------------------

@@ -29,7 +29,7 @@ from supervisor.core.vocabulary import (
     Writer,
 )
 from supervisor.store import lifecycle
-from supervisor.store.db import db_now, run_write
+from supervisor.store.db import chunks, db_now, run_write
 from supervisor.store.errors import LeaseLost
 from supervisor.store.eventlog import make_request
 from supervisor.store.models import Session, SessionACL, Subagent
@@ -227,9 +227,12 @@ class Subagents:
         def work() -> list[SubagentInfo]:
             now = db_now(self._db)
             running = Subagent.status == SubagentStatus.RUNNING
-            Subagent.update(claim_expires_at=now + ttl).where(
-                running & (Subagent.claimed_by == owner)
-            ).execute()
+            mine_now = Subagent.select(Subagent.id).where(running & (Subagent.claimed_by == owner))
+            if self._db.for_update:  # a row being finished is locked: it needs no renewal
+                mine_now = mine_now.order_by(Subagent.id).for_update(skip_locked=True)
+            renew = [row.id for row in mine_now]
+            for part in chunks(renew):
+                Subagent.update(claim_expires_at=now + ttl).where(Subagent.id.in_(part)).execute()
             free = Subagent.claimed_by.is_null() | (Subagent.claim_expires_at < now)
             if mine:
                 free |= peewee.fn.SUBSTR(Subagent.claimed_by, 1, len(mine)) == mine
