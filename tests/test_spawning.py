@@ -140,3 +140,20 @@ def test_a_result_is_input_for_the_parent_until_a_turn_reads_it(store: Store) ->
     messages = history.to_messages(events)
     assert messages[-1].role == "user" and f"[subagent {child}" in messages[-1].content
     assert "42" in messages[-1].content
+
+
+def test_an_agent_that_spawns_again_in_a_continued_turn_gets_its_first_child(
+    store: Store,
+) -> None:
+    """A continuation runs the agent from the top: its spawns, in the same order with the
+    same tasks, are the ones it made before the crash, not new children."""
+    sid = parent(store)
+    first_run = turn(store, sid, Limits(), [])
+    one = asyncio.run(first_run.spawn_subagent("count"))
+    two = asyncio.run(first_run.spawn_subagent("count"))  # a second one, on purpose
+    assert one != two
+    continued = turn(store, sid, Limits(), [])  # the same turn id, run again
+    assert asyncio.run(continued.spawn_subagent("count")) == one
+    assert asyncio.run(continued.spawn_subagent("count")) == two
+    assert asyncio.run(continued.spawn_subagent("something else")) not in (one, two)
+    assert len(store.subagents.children(sid)) == 3

@@ -9,6 +9,7 @@ is let finish, so its result is recorded.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -62,6 +63,7 @@ class TurnContext:
         self._commit = commit
         self._released = released
         self._spawner = spawner if spawner is not None and spawner.limits.enabled else None
+        self._spawns = 0  # `spawn_subagent` calls in this run of the turn
 
     @property
     def messages(self) -> list[Message]:
@@ -159,7 +161,12 @@ class TurnContext:
         self._boundary()
         if self._spawner is None:
             raise SpawnRefused("subagents are off here (subagents.max_depth or max_children is 0)")
-        return await self._spawner.spawn(task, self.turn_id, agent=agent, title=title)
+        # The n-th spawn of this task in a run of the turn: a continued turn whose agent
+        # spawns the same again (it runs from the top) gets the child it started before.
+        self._spawns += 1
+        digest = hashlib.sha256(str(task).encode("utf-8", "replace")).hexdigest()[:16]
+        key = f"turn.spawn_subagent:{self._spawns}:{digest}"
+        return await self._spawner.spawn(task, self.turn_id, agent=agent, title=title, call_id=key)
 
 
 def _describe(exc: BaseException) -> str:
