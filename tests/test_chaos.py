@@ -218,11 +218,16 @@ def busy(client: httpx.Client, sessions: list[str]) -> list[str]:
     """The sessions that are open and have work, and the subagents still open (a child
     is closed when its result is reported). Each GET is also a request that touches the
     session (the first touch continues an interrupted turn even while the breaker is
-    tripped)."""
+    tripped).
+
+    Children are read before their parents: a child found closed was reported before its
+    parent is read, so the parent then shows the result pending or its turn running. Read
+    the other way, a child reported in between would leave its parent's turn unseen.
+    """
     try:
         listed = client.get("/v1/sessions", params={"limit": 1000}).json()["sessions"]
         children = [s["id"] for s in listed if s["parent"] and s["status"] == "open"]
-        rows = [client.get(f"/v1/sessions/{sid}").json() for sid in [*sessions, *children]]
+        rows = [client.get(f"/v1/sessions/{sid}").json() for sid in [*children, *sessions]]
     except httpx.TransportError:
         return list(sessions)
     return [
