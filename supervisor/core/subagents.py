@@ -146,6 +146,14 @@ class Child:
     pending: bool = False
     running_children: int = 0  # its own subagents still running
 
+    @classmethod
+    def of(cls, session: Any, running_children: int = 0) -> Child:
+        """The facts of a session row (`SessionInfo`, or the model's), None for no row."""
+        if session is None:
+            return cls(None)
+        active, pending = session.active_turn_id, bool(session.pending)
+        return cls(session.status, active, pending, running_children)
+
 
 def reconcile(child: Child) -> Step:
     """The step for a running registry row: the table in the module docstring."""

@@ -96,11 +96,7 @@ class Reconciler:
         interrupted: list[str] = []
         for row in rows:
             info = sessions.get(row.id)
-            facts = rules.Child(
-                None if info is None else info.status,
-                None if info is None else info.active_turn_id,
-                False if info is None else info.pending,
-            )
+            facts = rules.Child.of(info)
             step = rules.reconcile(facts)  # the store judges a report again, under its locks
             if step is rules.Step.REPORT:
                 try:

@@ -174,12 +174,7 @@ def cancel_within(db: peewee.Database, parent_id: str, by: str, why: str) -> lis
             continue
         child = locked_session(child_id)
         status, text = SubagentStatus.CANCELLED, why
-        facts = rules.Child(
-            None if child is None else child.status,
-            None if child is None else child.active_turn_id,
-            False if child is None else bool(child.pending),
-            running_children(child_id),
-        )
+        facts = rules.Child.of(child, running_children(child_id))
         over = facts.status == SessionStatus.OPEN and rules.reconcile(facts) is rules.Step.REPORT
         if over:  # its run had ended, unreported: that is its result
             status, text = rules.outcome(facts.status, latest(child_id))

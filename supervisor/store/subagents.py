@@ -289,12 +289,7 @@ class Subagents:
             if row is None or row.status != SubagentStatus.RUNNING:
                 return None
             child = locked_session(child_id)
-            facts = rules.Child(
-                None if child is None else child.status,
-                None if child is None else child.active_turn_id,
-                False if child is None else bool(child.pending),
-                running_children(child_id),
-            )
+            facts = rules.Child.of(child, running_children(child_id))
             if rules.reconcile(facts) is not rules.Step.REPORT:
                 return None
             status, text = rules.outcome(facts.status, latest(child_id))
