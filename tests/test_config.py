@@ -85,7 +85,27 @@ def test_example_file_lists_every_key_in_order() -> None:
         model = Config.model_fields[name].annotation
         assert isinstance(model, type)
         keys = {field.serialization_alias or key for key, field in model.model_fields.items()}
-        assert set(raw[name]) == keys, name
+        # A list of tables is shown as a commented example block (see the tests below).
+        assert set(raw[name]) == keys - {"kinds"}, name
+
+
+def test_example_task_kind_block_is_a_valid_kind(tmp_path: Path) -> None:
+    lines = EXAMPLE.read_text().splitlines()
+    start = lines.index("# [[tasks.kinds]]")
+    block = []
+    for line in lines[start:]:
+        if not line.startswith("# "):
+            break
+        block.append(line.removeprefix("# "))
+    cfg = load_config(write(tmp_path, "\n".join(block)), environ={})
+    kind = cfg.tasks.kinds[0]
+    assert kind.name == "report" and kind.placeholders() == {"days"}
+    assert kind.model_dump(exclude={"name", "command", "args"}) == {
+        "timeout": 3600.0,
+        "env": {},
+        "cwd": "",
+        "retry_on_restart": False,
+    }
 
 
 def example_server_block() -> str:

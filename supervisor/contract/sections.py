@@ -25,6 +25,7 @@ from pydantic_core import PydanticCustomError
 
 from supervisor.contract.limits import MAX_NAME, MAX_SERVERS, PRINTABLE
 from supervisor.contract.paths import parse_listen
+from supervisor.contract.task_kinds import SchedulesConfig, TasksConfig
 
 AGENT_SPEC = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
 
@@ -245,6 +246,8 @@ class Config(_Section):
     attach: AttachConfig = Field(default_factory=AttachConfig)
     recovery: RecoveryConfig = Field(default_factory=RecoveryConfig)
     subagents: SubagentsConfig = Field(default_factory=SubagentsConfig)
+    tasks: TasksConfig = Field(default_factory=TasksConfig)
+    schedules: SchedulesConfig = Field(default_factory=SchedulesConfig)
     log: LogConfig = Field(default_factory=LogConfig)
 
     # The file it was read from (None: built-in defaults), set by `load_config`.

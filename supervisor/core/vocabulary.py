@@ -37,6 +37,12 @@ principal      who a bearer token speaks for; its `Permission` on a session.
 subagent       a session another session's turn started for a task (its `parent`), run
                like any session, whose outcome goes back to the parent once
                (`SubagentStatus`); not child session or sub-task.
+task           a background command of an operator-defined kind (`[[tasks.kinds]]`) a turn
+               started (`task_started`); its runner records its outcome and the session
+               gets it once (`task_result`, `TaskStatus`); not job or background turn.
+schedule       a cron expression that injects a message into a session on time.
+fire           one scheduled time of a schedule, committed once before its message is
+               injected (`FireOutcome`); not trigger or tick.
 """
 
 from __future__ import annotations
@@ -59,12 +65,14 @@ class EventType(StrEnum):
     ACL = "acl"  # a principal's permission changed
     SUBAGENT_SPAWNED = "subagent_spawned"  # a turn started a subagent (a child session)
     SUBAGENT_RESULT = "subagent_result"  # a subagent's run ended: its outcome, for the parent
+    TASK_STARTED = "task_started"  # a turn started a background task (its registry row)
+    TASK_RESULT = "task_result"  # a task's outcome (or that it was lost), for its session
 
 
 TURN_EVENTS = frozenset({EventType.TURN_STARTED, EventType.TURN_ENDED, EventType.CONTINUATION})
 """Events that belong to a turn: they need a turn id."""
 
-INPUT_EVENTS = frozenset({EventType.USER_MESSAGE, EventType.SUBAGENT_RESULT})
+INPUT_EVENTS = frozenset({EventType.USER_MESSAGE, EventType.SUBAGENT_RESULT, EventType.TASK_RESULT})
 """Events a turn answers: they mark their session pending until a turn reads them."""
 
 
@@ -102,6 +110,7 @@ class SessionKind(StrEnum):
     CHANNEL = "channel"  # a chat channel bridged to the session
     AUTONOMOUS = "autonomous"  # a run that goes on by itself towards a goal
     SUBAGENT = "subagent"  # started by another session (its `parent`)
+    SCHEDULED = "scheduled"  # made by a schedule's fire (`session: null`); never recovered
 
 
 class SessionStatus(StrEnum):
@@ -127,6 +136,48 @@ class SubagentStatus(StrEnum):
     def final(self) -> bool:
         """True for every state but RUNNING."""
         return self is not SubagentStatus.RUNNING
+
+
+class TaskStatus(StrEnum):
+    """Where a background task is (the `task` registry). PENDING and RUNNING are live; every
+    other state is its outcome, reported to its session once (`task_result`)."""
+
+    PENDING = "pending"  # admitted with its `task_started`; no runner started yet
+    RUNNING = "running"  # its runner runs the command and renews `heartbeat_at`
+    SUCCEEDED = "succeeded"  # the command exited 0
+    FAILED = "failed"  # the command exited non-zero, was killed, or could not start
+    TIMED_OUT = "timed_out"  # it ran past its kind's `timeout` and was stopped
+    CANCELLED = "cancelled"  # `DELETE /v1/tasks/{id}` (or its session closed) stopped it
+    LOST = "lost"  # its runner went away with no outcome (a restart): tasks.lost_grace passed
+
+    @property
+    def final(self) -> bool:
+        """True for an outcome: neither PENDING nor RUNNING."""
+        return self not in (TaskStatus.PENDING, TaskStatus.RUNNING)
+
+
+class TaskAction(StrEnum):
+    """What a reconcile pass did with a task (`turnkeeper_task_reconcile_total{action}`)."""
+
+    START = "start"  # a pending task got its runner
+    REPORT = "report"  # an outcome recorded but not reported was reported
+    LOST = "lost"  # its runner was gone with no outcome: lost, and the session told
+    RETRY = "retry"  # the same, for a kind with retry_on_restart: started again, once
+
+
+class Misfire(StrEnum):
+    """What a schedule does with the fires it missed while no daemon ran."""
+
+    RUN_ONCE = "run_once"  # one catch-up fire for the newest missed time, within misfire_grace
+    SKIP = "skip"  # none; the next fire runs on time
+
+
+class FireOutcome(StrEnum):
+    """How a scheduled time was handled (`turnkeeper_schedule_fires_total{outcome}`)."""
+
+    FIRED = "fired"  # on time
+    CAUGHT_UP = "caught_up"  # missed while down, run once after (misfire `run_once`)
+    SKIPPED = "skipped"  # missed while down and not run (misfire `skip`, or past the grace)
 
 
 class Permission(StrEnum):

@@ -30,11 +30,14 @@ from supervisor.store.models import (
     Event,
     Host,
     IntakeKey,
+    Schedule,
+    ScheduleFire,
     SchemaVersion,
     Subagent,
+    Task,
 )
 
-LATEST = 6
+LATEST = 7
 
 
 def _resend_mark(db: peewee.Database) -> None:
@@ -101,6 +104,11 @@ def _subagents(db: peewee.Database) -> None:
     create_tables(db, [Subagent])
 
 
+def _tasks_and_schedules(db: peewee.Database) -> None:
+    """7: the task registry, schedules and their fires."""
+    create_tables(db, [Task, Schedule, ScheduleFire])
+
+
 # version -> the step that migrates version-1 to version.
 STEPS: dict[int, Callable[[peewee.Database], None]] = {
     2: _resend_mark,
@@ -108,6 +116,7 @@ STEPS: dict[int, Callable[[peewee.Database], None]] = {
     4: _work_indexes,
     5: _hosts,
     6: _subagents,
+    7: _tasks_and_schedules,
 }
 
 _LOCK_NAME = "turnkeeper_migrate"

@@ -204,6 +204,84 @@ class Subagent(BaseModel):
         indexes = ((("parent", "status"), False),)
 
 
+class Task(BaseModel):
+    """The registry of background tasks: one row per task a turn started, and where it is.
+
+    Written with the session's `task_started`, in one transaction (status `pending`); a
+    daemon claims it and starts its runner (`running`, `runner_pid`, `heartbeat_at` renewed
+    by the runner on the database clock). The runner records the outcome itself (`status`,
+    `exit_code`, `duration`, `output_tail`); the session's `task_result` is written once,
+    with `result_seq`, in the transaction that reports it (`TaskStatus`).
+    """
+
+    id = peewee.CharField(max_length=ID_LEN, primary_key=True)
+    session = peewee.CharField(max_length=ID_LEN, index=True)
+    kind = peewee.CharField(max_length=64)
+    args = JSONTextField(default="{}")  # the validated arguments
+    status = peewee.CharField(max_length=16, default="pending", index=True)
+    call_id = peewee.CharField(max_length=200, null=True)  # the tool call that started it
+    turn_id = peewee.CharField(max_length=ID_LEN, null=True)  # the session's turn that did
+    started_seq = peewee.BigIntegerField()  # the session's `task_started`
+    result_seq = peewee.BigIntegerField(null=True)  # the session's `task_result`
+    attempt = peewee.IntegerField(default=1)  # 2 for its one retry after a restart
+    host = peewee.CharField(max_length=HOST_ID_LEN, null=True)  # where its runner runs
+    runner_pid = peewee.IntegerField(null=True)
+    runner_started = peewee.DoubleField(null=True)  # the runner's create_time (pid reuse)
+    exit_code = peewee.IntegerField(null=True)
+    duration = peewee.DoubleField(null=True)
+    output_tail = peewee.TextField(default="")
+    reason = peewee.TextField(default="")  # why it failed or was lost, in words
+    cancel_requested = peewee.BooleanField(default=False)
+    created_at = peewee.DoubleField()
+    started_at = peewee.DoubleField(null=True)
+    heartbeat_at = peewee.DoubleField(null=True)
+    ended_at = peewee.DoubleField(null=True)
+    claimed_by = peewee.CharField(max_length=ID_LEN, null=True)  # "<host>/<boot8>"
+    claim_expires_at = peewee.DoubleField(null=True)
+
+    class Meta:
+        table_name = "task"
+        indexes = ((("session", "turn_id", "call_id"), False),)
+
+
+class Schedule(BaseModel):
+    """A cron schedule that injects `text` into a session (or a new one per fire)."""
+
+    id = peewee.CharField(max_length=ID_LEN, primary_key=True)
+    cron = peewee.CharField(max_length=200)
+    timezone = peewee.CharField(max_length=64, default="UTC")
+    text = peewee.TextField()
+    session = peewee.CharField(max_length=ID_LEN, null=True)  # None: a new session each fire
+    owner = peewee.CharField(max_length=200, null=True)  # the principal that created it
+    misfire = peewee.CharField(max_length=16, default="run_once")
+    created_at = peewee.DoubleField()
+    armed_from = peewee.DoubleField()  # no fire for a time before this (its creation)
+
+    class Meta:
+        table_name = "schedule"
+
+
+class ScheduleFire(BaseModel):
+    """One scheduled time of a schedule, committed before its message is injected.
+
+    Unique on (schedule, scheduled_for): a time fires once across crashes, restarts and
+    daemons. `seq` is set once the message is in its session.
+    """
+
+    id = peewee.BigAutoField()
+    schedule = peewee.CharField(max_length=ID_LEN)
+    scheduled_for = peewee.DoubleField()  # epoch seconds
+    outcome = peewee.CharField(max_length=16)  # `FireOutcome`
+    session = peewee.CharField(max_length=ID_LEN, null=True)
+    seq = peewee.BigIntegerField(null=True)
+    fired_at = peewee.DoubleField()
+    fired_by = peewee.CharField(max_length=ID_LEN, default="")  # "<host>/<boot8>"
+
+    class Meta:
+        table_name = "schedule_fire"
+        indexes = ((("schedule", "scheduled_for"), True),)
+
+
 class ChildProcess(BaseModel):
     """A live worker or MCP child, identified safely against pid reuse by create_time."""
 
@@ -231,5 +309,8 @@ MODELS: list[type[BaseModel]] = [
     AgentBootLog,
     Host,
     Subagent,
+    Task,
+    Schedule,
+    ScheduleFire,
     ChildProcess,
 ]
