@@ -33,6 +33,7 @@ from supervisor.store.leases import Grant, Granted, Lease, Leases
 from supervisor.store.models import MODELS, SchemaVersion
 from supervisor.store.sessions import KINDS, SessionInfo, Sessions
 from supervisor.store.subagents import Reported, Spawned, SubagentInfo, Subagents
+from supervisor.store.tasks import Started, TaskInfo, TaskReported, Tasks
 
 __all__ = [
     "EVENT_TYPES",
@@ -66,12 +67,16 @@ __all__ = [
     "Sessions",
     "SingleHost",
     "Spawned",
+    "Started",
     "StorageUnavailable",
     "Store",
     "StoreBusy",
     "StoreError",
     "SubagentInfo",
     "Subagents",
+    "TaskInfo",
+    "TaskReported",
+    "Tasks",
     "request_digest",
     "scoped_key",
     "sqlite_path",
@@ -115,6 +120,7 @@ class Store:
         self.children = Children(self.db)
         self.hosts = Hosts(self.db)
         self.subagents = Subagents(self.db)
+        self.tasks = Tasks(self.db)
 
     def now(self) -> float:
         """The database clock (epoch seconds): the only clock leases are judged by."""

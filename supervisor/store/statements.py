@@ -7,6 +7,7 @@ from typing import Any
 
 import peewee
 
+from supervisor.core.vocabulary import INPUT_EVENTS
 from supervisor.store.db import backend
 
 ROW_COLUMNS = (
@@ -72,8 +73,9 @@ class Sql:
         )
         self.read_after = f"{read} AND seq > {p} ORDER BY seq LIMIT {p}"
         self.read_last = f"{read} ORDER BY seq DESC LIMIT {p}"
+        inputs = ", ".join([p] * len(INPUT_EVENTS))
         self.last_user = (
-            f"SELECT seq FROM {q[0]}event{q[1]} WHERE session_id = {p} AND type IN ({p}, {p}) "
+            f"SELECT seq FROM {q[0]}event{q[1]} WHERE session_id = {p} AND type IN ({inputs}) "
             "ORDER BY seq DESC LIMIT 1"
         )
 
