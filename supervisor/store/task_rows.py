@@ -1,0 +1,101 @@
+"""The task registry's rows as the rest of the daemon sees them, and the row lock."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from supervisor.store.models import Task
+
+
+@dataclass(frozen=True)
+class TaskInfo:
+    """A task's registry row."""
+
+    id: str
+    session: str
+    kind: str
+    args: dict[str, str]
+    status: str
+    attempt: int
+    started_seq: int
+    result_seq: int | None
+    turn_id: str | None
+    call_id: str | None
+    host: str | None
+    runner_pid: int | None
+    runner_started: float | None
+    exit_code: int | None
+    duration: float | None
+    output_tail: str
+    reason: str
+    cancel_requested: bool
+    created_at: float
+    started_at: float | None
+    heartbeat_at: float | None
+    ended_at: float | None
+
+    @property
+    def reported(self) -> bool:
+        """Its outcome went to its session (or it had none to go to)."""
+        return self.result_seq is not None
+
+    def as_dict(self) -> dict[str, Any]:
+        """For the API and `--json`."""
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Started:
+    """A task `start` admitted, or the one the same tool call admitted before (`new` False)."""
+
+    task: TaskInfo
+    seq: int  # the session's `task_started`
+    new: bool
+
+
+@dataclass(frozen=True)
+class TaskReported:
+    """An outcome written to its session: its `task_result` (seq 0: no session took it)."""
+
+    task: str
+    session: str
+    status: str
+    seq: int
+    notice_seq: int | None = None
+
+
+def info_of(row: Task) -> TaskInfo:
+    args = row.args if isinstance(row.args, dict) else {}
+    return TaskInfo(
+        id=row.id,
+        session=row.session,
+        kind=row.kind,
+        args={str(k): str(v) for k, v in args.items()},
+        status=row.status,
+        attempt=int(row.attempt),
+        started_seq=int(row.started_seq),
+        result_seq=None if row.result_seq is None else int(row.result_seq),
+        turn_id=row.turn_id,
+        call_id=row.call_id,
+        host=row.host,
+        runner_pid=row.runner_pid,
+        runner_started=row.runner_started,
+        exit_code=row.exit_code,
+        duration=row.duration,
+        output_tail=row.output_tail or "",
+        reason=row.reason or "",
+        cancel_requested=bool(row.cancel_requested),
+        created_at=row.created_at,
+        started_at=row.started_at,
+        heartbeat_at=row.heartbeat_at,
+        ended_at=row.ended_at,
+    )
+
+
+def locked(task_id: str) -> Task | None:
+    query = Task.select().where(Task.id == task_id)
+    if Task._meta.database.for_update:
+        query = query.for_update()
+    row: Task | None = query.first()
+    return row
