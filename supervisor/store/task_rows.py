@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -66,7 +67,12 @@ class TaskReported:
 
 
 def info_of(row: Task) -> TaskInfo:
-    args = row.args if isinstance(row.args, dict) else {}
+    try:
+        args = json.loads(row.args or "{}")
+    except ValueError:
+        args = {}
+    if not isinstance(args, dict):
+        args = {}
     return TaskInfo(
         id=row.id,
         session=row.session,

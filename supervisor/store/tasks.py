@@ -18,6 +18,7 @@ outcome had no session to go to (it was closed or deleted).
 from __future__ import annotations
 
 import hashlib
+import json
 import time
 import uuid
 from typing import Any
@@ -100,7 +101,7 @@ class Tasks:
                 id=task_id,
                 session=session_id,
                 kind=kind,
-                args=args,
+                args=json.dumps(args),
                 status=TaskStatus.PENDING,
                 call_id=key,
                 turn_id=turn_id,
