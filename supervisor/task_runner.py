@@ -1,0 +1,400 @@
+"""The task runner: one run of a background task's command, watched to its end, its
+outcome committed to the database by the runner itself.
+
+Started by `launch` (`supervisor.contract.task_spec` says how and why), the spec on stdin:
+- it checks its row (a heartbeat): not this attempt's run any more -> exits; a cancel
+  asked -> `cancelled`, nothing started;
+- it starts the command (no shell) in a process group of its own, stdin /dev/null, its
+  output into the output file, with `child_environment` plus the kind's `env` only, and
+  records it in the child registry (kind `task`) until its group is gone; a command that
+  cannot start is `failed`, with the reason;
+- it renews the heartbeat on a thread of its own (a slow database holds up neither the
+  output, nor the timeout, nor a signal), every `heartbeat` seconds and at once on SIGUSR1.
+
+To stop is SIGTERM (and SIGCONT) to the command's group and to every descendant that
+left it, `kill_grace` seconds, SIGKILL. The first of these settles the outcome:
+
+  event                                  it                   outcome recorded
+  -------------------------------------  -------------------  ------------------------------
+  the command exits by itself            stops what it left   succeeded or failed (exit code)
+  the command runs past `timeout`        stops the group      timed_out
+  the row asks for a cancel              stops the group      cancelled
+  SIGTERM or SIGINT (teardown, a sweep)  stops the group      none: reconcile: lost or retry
+  the row is no longer this attempt's    stops the group      none: the row moved on
+  SIGTERM or SIGINT while stopping       SIGKILLs at once     unchanged
+
+A subreaper, it gets back a grandchild that left the group (setsid) and lost its parent.
+Recording is retried for a few seconds, then given up (the reconcile pass marks the task
+lost). Signal handlers only enqueue (the wakeup fd). Its log is its stderr. Exit status 0,
+or 1 for a bad spec or a database it could not use.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+import psutil
+
+from supervisor.contract import reaper
+from supervisor.contract.mcp_env import child_environment
+from supervisor.contract.paths import make_private_dir
+from supervisor.contract.task_spec import Output, RunnerSpec, launch
+from supervisor.core import tasks as rules
+from supervisor.core.vocabulary import TaskStatus
+from supervisor.store import Store
+
+__all__ = ["Runner", "RunnerSpec", "launch", "main"]
+
+IDLE = 1.0  # seconds between two looks while the command runs (SIGCHLD wakes it sooner)
+POLL = 0.05  # while stopping: members of the group that die send us no SIGCHLD
+DRAIN = 1.0  # seconds the pipe is still read once every process is gone
+REAP_BUDGET = 2.0  # seconds after SIGKILL before survivors are given up on
+BACKOFF = (0.5, 1.0, 2.0, 4.0)  # seconds between tries to open the database, to record
+STOPPING = (signal.SIGTERM, signal.SIGINT)
+CAUGHT = (*STOPPING, signal.SIGUSR1, signal.SIGCHLD)
+
+Say = Callable[[str], None]
+Clock = Callable[[], float]
+T = TypeVar("T")
+
+
+class Stop(enum.Enum):
+    """Why the command's group is being stopped."""
+
+    TIMEOUT = "its time limit passed"  # outcome timed_out
+    CANCEL = "a cancel was asked"  # outcome cancelled
+    SIGNAL = "the runner was told to stop"  # no outcome
+    GONE = "its row is no longer this run's"  # no outcome
+    LEFTOVERS = "it exited and left processes behind"  # the outcome is its exit's
+
+
+def logger(task: str) -> Say:
+    """Lines to stderr (the runner's log file), each naming the task."""
+
+    def say(message: str) -> None:
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
+        print(f"{stamp} task_runner[{os.getpid()}] task {task}: {message}", file=sys.stderr)
+
+    return say
+
+
+def retrying(work: Callable[[], T], backoff: tuple[float, ...], say: Say, what: str) -> T | None:
+    """`work()`, tried again after each delay of `backoff` while it raises; None if the
+    last try raised too (whatever the database driver raises: each is logged)."""
+    for delay in (*backoff, None):
+        try:
+            return work()
+        except Exception as exc:
+            then = "giving up" if delay is None else f"again in {delay:g} s"
+            say(f"{what} failed ({then}): {exc}")
+            if delay is not None:
+                time.sleep(delay)
+    return None
+
+
+class Pulse:
+    """The row's heartbeat, on a thread of its own; it first records the command in the
+    child registry. What the loop must act on arrives as a byte on `fd`: GONE (the row is
+    not this run's any more) or CANCEL (a cancel was asked)."""
+
+    GONE, CANCEL = ord("g"), ord("c")
+
+    def __init__(self, store: Store, spec: RunnerSpec, say: Say) -> None:
+        self.fd, self._wake = os.pipe()
+        os.set_blocking(self.fd, False)
+        self.child_row: int | None = None
+        self._store, self._spec, self._say = store, spec, say
+        self._asked, self._closing = threading.Event(), False
+        self._thread: threading.Thread | None = None
+
+    def start(self, pid: int) -> None:
+        identity = reaper.ProcessId.of(pid)
+        args = (pid, None if identity is None else identity.create_time)
+        self._thread = threading.Thread(target=self._run, args=args, name="pulse", daemon=True)
+        self._thread.start()
+
+    def check_now(self) -> None:
+        """Renew the heartbeat (and so read the cancel flag) at once."""
+        self._asked.set()
+
+    def close(self) -> int | None:
+        """Stop the thread; returns the command's registry row, if it was recorded."""
+        self._closing = True
+        self._asked.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2.0)  # time to end a database call in flight
+        return self.child_row
+
+    def _run(self, pid: int, create_time: float | None) -> None:
+        spec, children = self._spec, self._store.children
+        try:
+            if create_time is not None:
+                self.child_row = children.record(
+                    spec.boot, pid, create_time, "task", pgid=pid, name=f"task {spec.task}",
+                    host=spec.host,
+                )  # fmt: skip
+        except Exception as exc:  # whatever the driver raises: the run goes on
+            self._say(f"the command could not be recorded in the child registry: {exc}")
+        while True:
+            self._asked.wait(spec.heartbeat)
+            self._asked.clear()
+            if self._closing:
+                return
+            try:
+                verdict = self._store.tasks.heartbeat(spec.task, spec.attempt)
+            except Exception as exc:
+                self._say(f"the heartbeat failed (again in {spec.heartbeat:g} s): {exc}")
+                continue
+            if verdict is None or verdict:
+                os.write(self._wake, bytes([self.GONE if verdict is None else self.CANCEL]))
+
+
+class Runner:
+    """One run of one task: the table in the module docstring."""
+
+    def __init__(self, spec: RunnerSpec, store: Store, signals: int, clock: Clock) -> None:
+        self.spec, self.store, self.signals, self.clock = spec, store, signals, clock
+        self.say = logger(spec.task)
+        self.pulse = Pulse(store, spec, self.say)
+        self.stop: Stop | None = None
+        self.gone = False  # the row is not this run's any more
+        self.exit_code: int | None = None
+        self.pgid, self.started, self.ended, self.deadline = 0, 0.0, 0.0, 0.0
+        self.kill_at: float | None = None  # SIGKILL then, ...
+        self.give_up_at: float | None = None  # ... and no wait for survivors past this
+        self.drain_until: float | None = None
+
+    def run(self) -> int:
+        """Run the command to its end; the runner's exit status."""
+        try:
+            reaper.become_subreaper()
+        except OSError as exc:  # then a daemonized grandchild may escape the stop
+            self.say(f"cannot become a subreaper: {exc}")
+        try:
+            first = self.store.tasks.heartbeat(self.spec.task, self.spec.attempt)
+        except Exception as exc:  # the claim was just made: start, and record later
+            self.say(f"the first heartbeat failed, starting anyway: {exc}")
+            first = False
+        if first is None or any(sig in STOPPING for sig in take_signals(self.signals)):
+            self.say("its row moved on, or it was told to stop: the command is not started")
+            return 0
+        if first:
+            return self._record(TaskStatus.CANCELLED, None, None, "", "cancelled before it started")
+        try:  # the file of a command that cannot start is left empty, closed at the exit
+            output = Output(Path(self.spec.output), self.spec.max_output, self.say)
+            proc = self._start()
+        except OSError as exc:
+            why = exc.strerror or str(exc)
+            why += f": {exc.filename}" if exc.filename else ""
+            return self._record(TaskStatus.FAILED, None, None, "", f"it could not start ({why})")
+        self.say(f"started the command, pid {proc.pid}")
+        self.pulse.start(proc.pid)
+        try:
+            self._watch(proc, output)
+        finally:
+            output.close()
+            row = self.pulse.close()
+            if row is not None:
+                retrying(lambda: self.store.children.forget([row]), (), self.say, "forgetting")
+        if self.gone or self.stop is Stop.SIGNAL:
+            cause = Stop.GONE if self.gone else Stop.SIGNAL
+            self.say(f"the command is stopped, no outcome recorded: {cause.value}")
+            return 0
+        stop = self.stop
+        status = rules.outcome_of(self.exit_code, stop is Stop.TIMEOUT, stop is Stop.CANCEL)
+        reasons = [f"Its time limit is {self.spec.timeout:g} s"] if stop is Stop.TIMEOUT else []
+        if output.dropped:
+            reasons.append(f"{output.dropped} bytes of its output were left out of its file")
+        duration = self.ended - self.started
+        return self._record(status, self.exit_code, duration, output.tail(), ". ".join(reasons))
+
+    def _start(self) -> subprocess.Popen[bytes]:
+        if self.spec.create_cwd:
+            make_private_dir(Path(self.spec.cwd))
+        proc = subprocess.Popen(
+            list(self.spec.argv),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            cwd=self.spec.cwd or None,
+            env=child_environment(self.spec.env),
+            process_group=0,
+        )
+        self.pgid, self.started = proc.pid, self.clock()
+        self.deadline = self.started + self.spec.timeout
+        return proc
+
+    def _record(
+        self, status: TaskStatus, code: int | None, duration: float | None, tail: str, reason: str
+    ) -> int:
+        def record() -> bool:
+            return self.store.tasks.record(
+                self.spec.task, self.spec.attempt, status, exit_code=code, duration=duration,
+                output_tail=tail, reason=reason,
+            )  # fmt: skip
+
+        recorded = retrying(record, BACKOFF, self.say, f"recording the outcome {status}")
+        if recorded is None:
+            return 1
+        done = "recorded" if recorded else "not recorded: the row is no longer this run's"
+        self.say(f"outcome {status} (exit status {code}) {done}")
+        return 0
+
+    def _watch(self, proc: subprocess.Popen[bytes], output: Output) -> None:
+        assert proc.stdout is not None
+        pipe = proc.stdout.fileno()
+        with selectors.DefaultSelector() as selector, proc.stdout:
+            selector.register(pipe, selectors.EVENT_READ, "output")
+            selector.register(self.signals, selectors.EVENT_READ, "signals")
+            selector.register(self.pulse.fd, selectors.EVENT_READ, "pulse")
+            reading = True
+            while not self._finished(reading):
+                for key, _ in selector.select(self._wait()):
+                    if key.data == "output":
+                        data = os.read(pipe, 65536)
+                        output.write(data)
+                        if not data:
+                            selector.unregister(pipe)
+                            reading = False
+                    elif key.data == "signals":
+                        for sig in take_signals(self.signals):
+                            self._on_signal(sig)
+                    else:
+                        self._on_verdicts()
+                reaper.reap_orphans(keep=(proc.pid,))
+                if self.exit_code is None and proc.poll() is not None:
+                    self.exit_code, self.ended = proc.returncode, self.clock()
+                self._advance()
+
+    def _on_signal(self, sig: int) -> None:
+        if sig in STOPPING:
+            self._begin_stop(Stop.SIGNAL)
+        elif sig == signal.SIGUSR1:
+            self.pulse.check_now()  # SIGCHLD only wakes the loop, which reaps
+
+    def _on_verdicts(self) -> None:
+        for verdict in take_signals(self.pulse.fd):
+            self.gone = self.gone or verdict == Pulse.GONE
+            self._begin_stop(Stop.GONE if verdict == Pulse.GONE else Stop.CANCEL)
+
+    def _advance(self) -> None:
+        now = self.clock()
+        if self.exit_code is None and self.stop is None and now >= self.deadline:
+            self._begin_stop(Stop.TIMEOUT)
+        if self.exit_code is not None and self.stop is None and self._alive():
+            self._begin_stop(Stop.LEFTOVERS)
+        if self.kill_at is not None and self.give_up_at is None and now >= self.kill_at:
+            self.say("SIGKILL to what is left of the command's group")
+            self._signal_all(signal.SIGKILL)
+            self.give_up_at = now + REAP_BUDGET
+
+    def _begin_stop(self, reason: Stop) -> None:
+        now = self.clock()
+        if self.stop is not None:
+            if reason is Stop.SIGNAL and self.kill_at is not None:
+                self.kill_at = min(self.kill_at, now)  # told to stop while stopping: no grace
+            return
+        if self.exit_code is not None:
+            reason = Stop.LEFTOVERS  # it exited by itself: that settled its outcome
+        self.stop, self.kill_at = reason, now + self.spec.kill_grace
+        self.say(f"stopping the command's group: {reason.value}")
+        self._signal_all(signal.SIGTERM)
+        self._signal_all(signal.SIGCONT)  # a stopped process acts on SIGTERM once continued
+
+    def _finished(self, reading: bool) -> bool:
+        if self.exit_code is None:
+            return False
+        now = self.clock()
+        if self._alive():
+            if self.give_up_at is None or now < self.give_up_at:
+                return False
+            self.say("processes of the command survived SIGKILL; giving up on them")
+            return True
+        if not reading:
+            return True
+        self.drain_until = self.drain_until or now + DRAIN  # an fd we cannot see holds the pipe
+        return now >= self.drain_until
+
+    def _wait(self) -> float:
+        if self.exit_code is None and self.stop is None:
+            return max(0.0, min(self.deadline - self.clock(), IDLE))
+        return POLL
+
+    def _alive(self) -> bool:
+        """Whether a process of the command's group, or a descendant of ours, is left."""
+        try:
+            os.killpg(self.pgid, 0)
+            return True
+        except ProcessLookupError:
+            return bool(reaper.own_children())
+        except PermissionError:
+            return True
+
+    def _signal_all(self, sig: int) -> None:
+        """`sig` to the command's group and to each descendant that left it."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pgid, sig)
+        with contextlib.suppress(psutil.Error):
+            for proc in psutil.Process().children(recursive=True):
+                with contextlib.suppress(psutil.Error, OSError):
+                    if os.getpgid(proc.pid) != self.pgid:
+                        proc.send_signal(sig)
+
+
+def take_signals(fd: int) -> bytes:
+    """The bytes waiting on a non-blocking pipe (signal numbers, on the wakeup fd)."""
+    found = b""
+    with contextlib.suppress(BlockingIOError):
+        while data := os.read(fd, 512):
+            found += data
+    return found
+
+
+def catch_signals() -> int:
+    """Handlers that only enqueue: each signal's number arrives as a byte on the returned
+    fd (Python's wakeup fd), for the loop to read."""
+    read, write = os.pipe()
+    os.set_blocking(read, False)
+    os.set_blocking(write, False)
+    signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+    for sig in CAUGHT:
+        signal.signal(sig, _enqueued)
+    return read
+
+
+def _enqueued(signum: int, frame: object) -> None:
+    """The wakeup fd carries the signal; nothing to do here."""
+
+
+def main() -> int:
+    """Read the spec on stdin, run it; the exit status."""
+    signals = catch_signals()  # first: a SIGUSR1 or SIGTERM must not kill the runner
+    try:
+        spec = RunnerSpec.from_json(sys.stdin.buffer.read())
+    except ValueError as exc:
+        print(f"task_runner: {exc}", file=sys.stderr)
+        return 1
+    say = logger(spec.task)
+    store = retrying(lambda: Store(spec.store_url, migrate=False), BACKOFF, say, "opening")
+    if store is None:
+        say("the database cannot be opened: the command is not started")
+        return 1
+    try:
+        return Runner(spec, store, signals, time.monotonic).run()
+    finally:
+        store.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
