@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from supervisor.core.vocabulary import TurnOutcome
 from workers.models import Message, ModelResponse, ToolCall, ToolSpec
@@ -59,6 +59,13 @@ class Turn(Protocol):
         """Start a subagent (a child session) for `task`; its session id. Its result
         comes back as a `subagent_result` that the session's next turn reads. Raises
         `workers.spawning.SpawnRefused` past `subagents.max_depth`/`max_children`."""
+        ...
+
+    async def start_task(self, kind: str, args: dict[str, Any] | None = None) -> str:
+        """Start a background task of the operator's `kind` with `args`; its id. Its outcome
+        comes back as a `task_result` that the session's next turn reads. Raises
+        `workers.tasking.TaskRefused` (saying why) for an unknown kind, arguments that do
+        not fit it, past `tasks.max_running`, or with tasks off."""
         ...
 
 

@@ -21,14 +21,15 @@ from supervisor.core.tail import Resume as Tail
 from supervisor.core.tail import resume_from
 from supervisor.core.vocabulary import INPUT_EVENTS, EventType
 from supervisor.store import EventRecord
+from workers import spawning, tasking
 from workers.models import Message, ToolCall
-from workers.spawning import started
 
 # The event types read here, as module names: looking up an enum member costs more than
 # comparing it, and these comparisons run for every event of a log.
 _USER, _MODEL = EventType.USER_MESSAGE, EventType.MODEL_RESPONSE
 _SUBAGENT, _SPAWNED = EventType.SUBAGENT_RESULT, EventType.SUBAGENT_SPAWNED
-_INPUT = INPUT_EVENTS  # a user message, or a subagent's result: what a turn answers
+_TASK, _TASK_STARTED = EventType.TASK_RESULT, EventType.TASK_STARTED
+_INPUT = INPUT_EVENTS  # a user message, a subagent's or a task's result: what a turn answers
 _CALL, _RESULT = EventType.TOOL_CALL, EventType.TOOL_RESULT
 _CONTINUATION = EventType.CONTINUATION
 _STARTED, _ENDED = EventType.TURN_STARTED, EventType.TURN_ENDED
@@ -53,6 +54,8 @@ def message_of(event: EventRecord) -> Message | None:
         return Message("user", str(payload.get("text", "")), note=True)
     if event.type == _SUBAGENT:
         return Message("user", result_text(payload))
+    if event.type == _TASK:
+        return Message("user", tasking.result_message(payload))
     return None
 
 
@@ -291,16 +294,18 @@ class MissingResult:
     call_id: str
     name: str
     started: bool  # a `tool_call` event says it began running
-    spawned: str | None = None  # the subagent the call started (its `subagent_spawned`)
+    # What the call did, when the log says: a spawn (`subagent_spawned`) or a task's start
+    # (`task_started`) is committed whole, with the call's id.
+    done: str | None = None
 
     def payload(self) -> dict[str, Any]:
         """The synthetic result that repairs the history: an error, or what the call did
-        when the log says (a spawn is committed whole, with the call's id)."""
-        if self.spawned is not None:
+        when the log says."""
+        if self.done is not None:
             return {
                 "call_id": self.call_id,
                 "name": self.name,
-                "content": started(self.spawned),
+                "content": self.done,
                 "is_error": False,
                 "repaired": True,
             }
@@ -328,7 +333,7 @@ class Calls:
         self._open: dict[str, str] = {}  # call id -> tool name, in the order first asked
         self._started: set[str] = set()
         self._answered: set[str] = set()
-        self._spawned: dict[str, str] = {}  # call id -> the subagent it started
+        self._done: dict[str, str] = {}  # call id -> what it did (see MissingResult.done)
 
     def add(self, event: EventRecord) -> None:
         """Take in the next event of the log."""
@@ -339,7 +344,11 @@ class Calls:
         elif event.type == _CALL:
             self._started.add(str(event.payload.get("call_id")))
         elif event.type == _SPAWNED and event.payload.get("call_id"):
-            self._spawned[str(event.payload["call_id"])] = str(event.payload.get("subagent"))
+            child = str(event.payload.get("subagent"))
+            self._done[str(event.payload["call_id"])] = spawning.started(child)
+        elif event.type == _TASK_STARTED and event.payload.get("call_id"):
+            task, kind = str(event.payload.get("task")), str(event.payload.get("kind"))
+            self._done[str(event.payload["call_id"])] = tasking.started(task, kind)
         elif event.type == _RESULT:
             call_id = str(event.payload.get("call_id"))
             # An answered call is never missing again, whatever comes later.
@@ -350,7 +359,7 @@ class Calls:
     def missing(self) -> list[MissingResult]:
         """The calls asked for so far that have no result, in the order asked."""
         return [
-            MissingResult(call_id, name, call_id in self._started, self._spawned.get(call_id))
+            MissingResult(call_id, name, call_id in self._started, self._done.get(call_id))
             for call_id, name in self._open.items()
         ]
 

@@ -34,6 +34,8 @@ from workers.models import make_model
 from workers.runner import SessionRunner
 from workers.spawning import TOOL as SPAWN_TOOL
 from workers.spawning import Limits
+from workers.tasking import TOOL as TASK_TOOL
+from workers.tasking import Kinds
 from workers.tools import BuiltinTools, Toolbox, Toolboxes
 
 DB_THREADS = 4  # the worker's threads for blocking work (each with its own connection)
@@ -107,7 +109,7 @@ class Worker:
                 self.config.mcp.servers,
                 on_start=self._mcp_started,
                 on_exit=self._mcp_exited,
-                reserved=[*(spec.name for spec in builtin.specs()), SPAWN_TOOL],
+                reserved=[*(spec.name for spec in builtin.specs()), SPAWN_TOOL, TASK_TOOL],
                 launched=launched,
             )
             boxes.append(self.mcp)
@@ -118,6 +120,7 @@ class Worker:
             self.config.subagents.max_children,
             tuple(agents.allowed_classes()),
         )
+        self._tasks = Kinds.of(self.config.tasks)
         self.zmq = zmq.asyncio.Context()
         self.socket = self.zmq.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.IDENTITY, self.spec.route.encode())
@@ -212,6 +215,7 @@ class Worker:
                 history=self.history,
                 attempt_delays=self._attempt_delays(),
                 subagents=self._limits,
+                tasks=self._tasks,
             )
             self.runners[a.session] = runner
             runner.start()

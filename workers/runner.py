@@ -39,6 +39,7 @@ from workers.cache import HistoryCache, SessionLog
 from workers.continuation import Continuer
 from workers.models import Message, Model
 from workers.spawning import Limits, Spawner
+from workers.tasking import Kinds, Starter
 from workers.tools import Toolbox
 
 Notify = Callable[..., Awaitable[None]]
@@ -73,6 +74,7 @@ class SessionRunner:
         served: Callable[[], None] = lambda: None,
         attempt_delays: tuple[float, ...] = ATTEMPT_DELAYS,
         subagents: Limits | None = None,
+        tasks: Kinds | None = None,
         clock: Clock = SYSTEM,
     ) -> None:
         self.session_id = session_id
@@ -100,6 +102,9 @@ class SessionRunner:
         self._clock = clock
         self._spawner = Spawner(
             session_id, store, lambda: self._turn_token, notify, subagents or Limits()
+        )
+        self._starter = Starter(
+            session_id, store, lambda: self._turn_token, notify, tasks or Kinds()
         )
         self._ended = False  # a turn ended since the runner last found the session idle
         self._continuer = Continuer(
@@ -332,6 +337,7 @@ class SessionRunner:
             self._commit,
             self.released,
             self._spawner,
+            self._starter,
         )
         started = self._clock.time()
         ending = await turns.agent_ending(agent, context)

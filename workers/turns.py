@@ -30,6 +30,9 @@ from workers.models import Message, Model, ModelError, ModelResponse, ToolCall, 
 from workers.spawning import SPEC as SPAWN_SPEC
 from workers.spawning import TOOL as SPAWN_TOOL
 from workers.spawning import Spawner, SpawnRefused
+from workers.tasking import OFF as TASKS_OFF
+from workers.tasking import TOOL as TASK_TOOL
+from workers.tasking import Starter, TaskRefused
 from workers.tools import Toolbox, ToolOutcome
 
 Commit = Callable[[str, dict[str, Any], str | None], Awaitable[int]]
@@ -54,6 +57,7 @@ class TurnContext:
         commit: Commit,
         released: asyncio.Event,
         spawner: Spawner | None = None,
+        starter: Starter | None = None,
     ) -> None:
         self.session_id = session_id
         self.turn_id = turn_id
@@ -64,6 +68,8 @@ class TurnContext:
         self._released = released
         self._spawner = spawner if spawner is not None and spawner.limits.enabled else None
         self._spawns = 0  # `spawn_subagent` calls in this run of the turn
+        self._starter = starter
+        self._starts = 0  # `start_task` calls in this run of the turn
 
     @property
     def messages(self) -> list[Message]:
@@ -72,9 +78,11 @@ class TurnContext:
 
     @property
     def tools(self) -> list[ToolSpec]:
-        """The tools on offer (`spawn_subagent` among them while subagents may be started)."""
+        """The tools on offer (`spawn_subagent` and `start_task` among them while subagents
+        and tasks may be started)."""
         specs = self._toolbox.specs()
-        return [*specs, SPAWN_SPEC] if self._spawner is not None else specs
+        specs = [*specs, SPAWN_SPEC] if self._spawner is not None else specs
+        return [*specs, self._starter.spec] if self._starter and self._starter.enabled else specs
 
     def _boundary(self) -> None:
         if self._released.is_set():
@@ -125,6 +133,8 @@ class TurnContext:
         try:
             if call.name == SPAWN_TOOL and self._spawner is not None:
                 outcome = await self._spawner.call(call.arguments, self.turn_id, call.id)
+            elif call.name == TASK_TOOL and self._starter is not None:
+                outcome = await self._starter.call(call.arguments, self.turn_id, call.id)
             else:
                 outcome = await self._toolbox.call(call.name, call.arguments)
         except (asyncio.CancelledError, TurnReleased, LeaseLost, StorageUnavailable):
@@ -167,6 +177,15 @@ class TurnContext:
         digest = hashlib.sha256(str(task).encode("utf-8", "replace")).hexdigest()[:16]
         key = f"turn.spawn_subagent:{self._spawns}:{digest}"
         return await self._spawner.spawn(task, self.turn_id, agent=agent, title=title, call_id=key)
+
+    async def start_task(self, kind: str, args: dict[str, Any] | None = None) -> str:
+        """Start a background task of the operator's `kind`; its id (see `workers.tasking`).
+        Its outcome arrives as a `task_result`, which the session's next turn reads."""
+        self._boundary()
+        if self._starter is None:
+            raise TaskRefused(TASKS_OFF)
+        self._starts += 1
+        return await self._starter.start_once(kind, args, self.turn_id, self._starts)
 
 
 def _describe(exc: BaseException) -> str:

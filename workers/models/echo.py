@@ -12,9 +12,13 @@ It answers the most recent user message T (a framework note is not a user messag
   are left out) -> one `spawn_subagent` call `{"task": TASK}` a line, all in one answer,
   finish "tool_calls"; once tool messages follow that user message, `echo: ` and their
   contents in order, joined by "; ". The worker offers the tool; echo does not check.
+- `/task KIND {json args}` -> one `start_task` call `{"kind": KIND, "args": {...}}` (args
+  default `{}`), finish "tool_calls"; once a tool message follows, `echo: <its content>`.
+  Whether KIND is one of the operator's is the worker's to say, in that tool message.
 
 A malformed command (`/sleep soon`, `/tool` without a name, a `/subagent` line without a
-task) is echoed whole. An answer longer than `max_tokens` words is cut there with finish
+task, `/task` without a kind or with arguments that are not a JSON object) is echoed
+whole. An answer longer than `max_tokens` words is cut there with finish
 "length". Tokens are counted as whitespace-separated words.
 """
 
@@ -30,9 +34,10 @@ from typing import Any
 
 from workers.models.base import FinishReason, Message, ModelResponse, ToolCall, ToolSpec
 
-_COMMAND = re.compile(r"/(tool|sleep|long)(?:\s+(.*))?", re.DOTALL)
+_COMMAND = re.compile(r"/(tool|sleep|long|task)(?:\s+(.*))?", re.DOTALL)
 _SUBAGENT = re.compile(r"/subagent(?:\s+(.*))?")  # one line of a `/subagent` message
 SPAWN = "spawn_subagent"
+TASK = "start_task"
 _WORD = re.compile(r"\S+")
 COUNTS_KEPT = 8  # conversations whose word counts are kept: about one per session in use
 
@@ -105,6 +110,8 @@ def _plan(messages: list[Message]) -> _Answer:
         return _tool(messages, index, text, rest)
     if command == "sleep":
         return _sleep(text, rest)
+    if command == "task":
+        return _task(messages, index, text, rest)
     full = f"echo: {rest}"
     return _Answer(full[: max(1, len(full) // 2)], "length")
 
@@ -145,6 +152,21 @@ def _tool(messages: list[Message], index: int, text: str, rest: str) -> _Answer:
     # history rewritten by another agent does not make echo ask for the tool forever.
     answering = next((m for m in results if m.tool_call_id == call.id), results[0])
     return _Answer(f"echo: {answering.content}")
+
+
+def _task(messages: list[Message], index: int, text: str, rest: str) -> _Answer:
+    """`/task KIND {json}`: the `start_task` call `/tool` would make of it."""
+    parts = rest.split(None, 1)
+    arguments: Any = None
+    if parts:
+        try:
+            arguments = json.loads(parts[1]) if len(parts) > 1 else {}
+        except json.JSONDecodeError:
+            arguments = None
+    if not isinstance(arguments, dict):
+        return _Answer(f"echo: {text}")
+    call = json.dumps({"kind": parts[0], "args": arguments})
+    return _tool(messages, index, text, f"{TASK} {call}")
 
 
 def _subagents(messages: list[Message], index: int, text: str) -> _Answer:
