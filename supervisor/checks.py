@@ -25,6 +25,7 @@ from supervisor import trust
 from supervisor.agent_probe import Probe, load_agents
 from supervisor.contract.config import Config, McpServer, parse_listen
 from supervisor.contract.mcp_env import child_environment
+from supervisor.contract.task_kinds import TaskKind
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,8 @@ def verdicts(
         yield model_verdict(config, environ)
         for server in config.mcp.servers:
             yield from mcp_verdicts(server, environ)
+        for kind in config.tasks.kinds:
+            yield from task_verdicts(kind, environ)
         if config.auth.tokens_file:
             who = trust.effective_user() if user is None else user
             yield tokens_verdict(Path(config.auth.tokens_file), who)
@@ -99,6 +102,25 @@ def mcp_verdicts(server: McpServer, environ: Mapping[str, str]) -> Generator[Ver
             if problem.endswith("is not executable")
             else "install it, or give its absolute path"
         )
+        yield Verdict(f"{key}.command", False, f"{key}.command: {problem}", fix)
+    else:
+        yield Verdict(f"{key}.command", True, f"{key}.command: {found}")
+
+
+def task_verdicts(kind: TaskKind, environ: Mapping[str, str]) -> Generator[Verdict, None, None]:
+    """A task kind's working directory and program, as its runner would start it (a
+    program named by a placeholder is only known at the start of a task)."""
+    key = f"tasks.kinds.{kind.name}"
+    if kind.cwd and not Path(kind.cwd).is_dir():
+        yield Verdict(f"{key}.cwd", False, f"{key}.cwd: {kind.cwd} is not a directory", "create it")
+        return
+    program = kind.command[0]
+    if "{" in program:
+        return
+    found, problem = resolve_command(program, child_environment(kind.env, environ), kind.cwd)
+    if problem:
+        problem = problem.replace("the server gets", "the task gets")
+        fix = "chmod +x it" if problem.endswith("is not executable") else "install it"
         yield Verdict(f"{key}.command", False, f"{key}.command: {problem}", fix)
     else:
         yield Verdict(f"{key}.command", True, f"{key}.command: {found}")

@@ -161,11 +161,13 @@ class Daemon:
         await asyncio.to_thread(membership.sweep)
         socket_path = self.paths.runtime_dir / CONTROL_SOCKET
         socket_path.unlink(missing_ok=True)  # stale; we hold its lock
-        pool = Pool(self.config, store, boot_id, f"ipc://{socket_path}", recovery, metrics)
+        address, state = f"ipc://{socket_path}", self.paths.state_dir
+        pool = Pool(self.config, store, boot_id, address, recovery, metrics, state_dir=state)
         metrics.state.pool = pool.status
         metrics.state.mcp = pool.mcp_states
         metrics.state.sessions = store.sessions.counts
         metrics.state.subagents = store.subagents.counts
+        metrics.state.tasks = store.tasks.counts
         self.api = Api(
             self.config,
             store,

@@ -162,6 +162,18 @@ BAD = [
         "is not executable",
     ),
     Bad(
+        "task kind's program not on PATH",
+        lambda _: '[[tasks.kinds]]\nname = "report"\ncommand = ["tk-no-such-report"]\n',
+        "tasks.kinds.report.command",
+        "'tk-no-such-report' is not found on the PATH the task gets",
+    ),
+    Bad(
+        "task kind's cwd missing",
+        lambda _: '[[tasks.kinds]]\nname = "report"\ncommand = ["sh"]\ncwd = "/nonexistent-tk"\n',
+        "tasks.kinds.report.cwd",
+        "is not a directory",
+    ),
+    Bad(
         "mcp cwd missing",
         _mcp(lambda _: "sh", 'cwd = "/nonexistent-tk-dir"\n'),
         "mcp.servers.files.cwd",

@@ -198,8 +198,9 @@ def test_an_idle_pool_runs_no_round_and_reaps_on_sigchld_with_no_scan(
                     worker.ready
                     and not pool.ownership.wanted.is_set()
                     and not pool.housekeeper.stirred.is_set()
-                    # The housekeeper's wait, and the subagent reconciler's between passes.
-                    and clock.sleepers >= 2
+                    # The housekeeper's wait, and the subagent reconciler's, the task
+                    # keeper's and the scheduler's between passes.
+                    and clock.sleepers >= 4
                 ),
                 "the worker, and the pass its readiness asked for",
             )

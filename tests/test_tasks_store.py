@@ -102,17 +102,21 @@ def test_the_limit_and_a_closed_session_refuse_with_a_reason(store: Store) -> No
 def test_one_daemon_claims_a_pending_task(store: Store) -> None:
     task = Turn(store).start().task
     won: list[str] = []
+    start = threading.Barrier(4)
 
-    def claim(owner: str) -> None:
-        with Store(store.url, migrate=False) as mine:
-            if mine.tasks.claim(task.id, owner.split("/")[0], owner) is not None:
-                won.append(owner)
+    def claim(owner: str) -> None:  # each thread has its own connection
+        start.wait()
+        if store.tasks.claim(task.id, owner.split("/")[0], owner) is not None:
+            won.append(owner)
+        done.append(owner)
 
+    done: list[str] = []
     threads = [threading.Thread(target=claim, args=(f"host-{i}/boot",)) for i in range(4)]
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join()
+        thread.join(60)
+    assert len(done) == 4, "a claim failed"
     assert len(won) == 1
     row = store.tasks.get(task.id)
     assert row is not None and row.status == "running" and row.host == won[0].split("/")[0]
@@ -147,18 +151,22 @@ def test_an_outcome_is_reported_once_even_by_two_daemons_at_once(store: Store) -
         task_id, 1, TaskStatus.SUCCEEDED, exit_code=0, duration=0.5, output_tail="ok"
     )
     seqs: list[int] = []
+    finished: list[bool] = []
+    start = threading.Barrier(4)
 
-    def report() -> None:
-        with Store(store.url, migrate=False) as mine:
-            done = mine.tasks.report(task_id)
-            if done is not None:
-                seqs.append(done.seq)
+    def report() -> None:  # each thread has its own connection
+        start.wait()
+        done = store.tasks.report(task_id)
+        if done is not None:
+            seqs.append(done.seq)
+        finished.append(True)
 
     threads = [threading.Thread(target=report) for _ in range(4)]
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join()
+        thread.join(60)
+    assert len(finished) == 4, "a report failed"
     [result] = events(store, turn.session_id, "task_result")
     assert seqs == [result.seq]
     assert result.payload["status"] == "succeeded" and "ok" in result.payload["text"]

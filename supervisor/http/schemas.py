@@ -19,10 +19,12 @@ from supervisor.core.vocabulary import (
     SessionStatus,
     SlotState,
     SubagentStatus,
+    TaskStatus,
 )
 
 MAX_TEXT = 100_000  # characters of a message, a goal or a prompt
 SESSION_ID_PATTERN = r"^[0-9a-f]{32}$"
+TASK_ID_PATTERN = r"^t[0-9a-f]{32}$"
 AGENT_PATTERN = r"^$|^[\w.]+:\w+$"
 PRINCIPAL_PATTERN = r"^[A-Za-z0-9_.@-]{1,100}$"
 
@@ -209,6 +211,36 @@ class SubagentList(BaseModel):
     subagents: list[SubagentOut]
 
 
+class TaskOut(BaseModel):
+    """A background task one of the session's turns started (a kind the operator defined)."""
+
+    id: str = Field(pattern=TASK_ID_PATTERN)
+    session: str = Field(pattern=SESSION_ID_PATTERN)
+    kind: str
+    args: dict[str, str] = Field(description="its arguments, as checked against the kind")
+    status: TaskStatus = Field(description="pending or running, then its outcome")
+    attempt: int = Field(ge=1, description="2 once a kind with retry_on_restart was retried")
+    cancel_requested: bool
+    host: str | None = Field(description="the host whose daemon ran it; its output is there")
+    exit_code: int | None = Field(description="negative: killed by that signal")
+    duration: float | None = Field(description="seconds the command ran")
+    reason: str = Field(description="why it ended so, when the exit status does not say")
+    output_tail: str = Field(description="the end of its output, once it ended")
+    started_seq: int = Field(ge=1, description="its session's `task_started`")
+    result_seq: int | None = Field(description="its session's `task_result`, once reported")
+    created_at: float
+    started_at: float | None
+    heartbeat_at: float | None
+    ended_at: float | None
+    output_url: str = Field(description="GET it for the output so far (text/plain)")
+
+
+class TaskList(BaseModel):
+    """The session's background tasks, oldest first."""
+
+    tasks: list[TaskOut]
+
+
 class BootState(BaseModel):
     """This boot of the daemon."""
 
@@ -304,6 +336,8 @@ ANSWERS: tuple[type[BaseModel], ...] = (
     Released,
     AclEntries,
     SubagentList,
+    TaskOut,
+    TaskList,
     Status,
     Health,
     Readiness,
