@@ -22,8 +22,10 @@ from supervisor.cli import (
     daemon_commands,
     doctor_command,
     hosts_command,
+    schedules_command,
     store_commands,
     subagents_command,
+    tasks_command,
 )
 from supervisor.cli.common import (
     CONFIG_HELP,
@@ -276,6 +278,8 @@ daemon_commands.register(main)
 store_commands.register(main)
 hosts_command.register(main)
 subagents_command.register(main)
+schedules_command.register(main)
+tasks_command.register(main)
 config_commands.register(main)
 doctor_command.register(main)
 accept_config_everywhere(main)  # last: after every command is registered

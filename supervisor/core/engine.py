@@ -278,6 +278,8 @@ def trigger_for(session: SessionView, memory: Memory, facts: Facts) -> Trigger |
     """Why an ownerless session with a turn in flight should be looked at, if at all."""
     if session.pending:
         return Trigger.USER_MESSAGE
+    if session.kind == SessionKind.SCHEDULED:
+        return None  # never continued: the scheduler ends the turn with a notice
     if memory.died or (session.owner or "").startswith(facts.owner_prefix + "/"):
         return Trigger.WORKER_DEATH
     if session.owner and not session.owner.startswith(facts.host_prefix):
@@ -305,6 +307,8 @@ def scan_targets(
             continue
         if (s.kind == SessionKind.SUBAGENT) != (trigger is Trigger.SUBAGENT_RESUME):
             continue
+        if s.kind == SessionKind.SCHEDULED:
+            continue  # never continued: the scheduler ends the turn with a notice
         if s.owner and not s.owner.startswith(facts.host_prefix):
             continue
         if s.owner and s.owner.startswith(facts.owner_prefix + "/"):

@@ -20,18 +20,13 @@ from aiohttp import web
 from supervisor.contract.config import Config
 from supervisor.contract.logs import log
 from supervisor.core import autonomy
-from supervisor.core.vocabulary import (
-    EventType,
-    Permission,
-    Rejection,
-    SessionStatus,
-    Writer,
-)
-from supervisor.http import answers, attach, auth, follow, hosts, openapi, pages, subagents
+from supervisor.core.vocabulary import EventType, Permission, Rejection, SessionStatus, Writer
+from supervisor.http import answers, attach, auth, follow, hosts, openapi, pages, subagents, tasks
 from supervisor.http.answers import MAX_SEQ, RETRY_AFTER, ApiError, answer, read_body, whole
 from supervisor.http.auth import ADMIN, Tokens
 from supervisor.http.lifecycle import Lifecycle, refuse_closed
 from supervisor.http.metrics import CONTENT_TYPE, Metrics
+from supervisor.http.schedules import ScheduleRoutes
 from supervisor.http.schemas import (
     AclChange,
     AclEntries,
@@ -74,6 +69,9 @@ class PoolView(Protocol):
 
     def interrupt(self, session_id: str) -> None:
         """The session's turn was ended in the database (interrupt, close): stop it now."""
+
+    def cancel_task(self, task_id: str) -> None:
+        """A cancel of the task was committed: signal its runner now."""
 
     def status(self) -> dict[str, Any]:
         """The slots and workers, for /v1/status."""
@@ -138,6 +136,9 @@ class Api:
         r.add_get("/v1/sessions/{id}/attach", self.attach)
         r.add_put("/v1/sessions/{id}/acl", self.acl)
         r.add_get("/v1/sessions/{id}/subagents", subagents.route(self.store, self._session))
+        # /v1/sessions/{id}/tasks, /v1/tasks/{id} (GET, DELETE) and /v1/tasks/{id}/output
+        tasks.Routes(self.store, self._session, self.pool, self.config, self.host_id).add(r)
+        ScheduleRoutes(self.config, self.store, self._refuse_while_stopping).add(r)
         r.add_get("/v1/status", self.status)
         r.add_get("/healthz", self.healthz)
         r.add_get("/readyz", self.readyz)

@@ -26,7 +26,14 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from supervisor.contract.control import APPEND_BUCKETS
-from supervisor.core.vocabulary import MCP_REPORTED, SessionCount, SlotState, SubagentStatus
+from supervisor.core.vocabulary import (
+    MCP_REPORTED,
+    FireOutcome,
+    SessionCount,
+    SlotState,
+    SubagentStatus,
+    TaskStatus,
+)
 from supervisor.http.hosts import STATES as HOST_STATES
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -39,6 +46,7 @@ class _State(Collector):
         self.pool: Callable[[], dict[str, Any]] = lambda: {"slots": [], "restarts": 0}
         self.sessions: Callable[[], Mapping[str, int]] | None = None
         self.subagents: Callable[[], Mapping[str, int]] | None = None  # `subagents.counts`
+        self.tasks: Callable[[], Mapping[str, int]] | None = None  # `tasks.counts`
         self.mcp: Callable[[], Mapping[str, int]] = dict
         self.host_id = ""  # this daemon's daemon.host_id
         self.hosts: Callable[[], list[dict[str, Any]]] | None = None  # `hosts.read`
@@ -81,6 +89,14 @@ class _State(Collector):
                 "status",
                 SubagentStatus,
                 self.subagents,
+            )
+        if self.tasks is not None:
+            yield _by_label(
+                "turnkeeper_tasks",
+                "Background tasks by status (pending and running are live; the rest outcomes).",
+                "status",
+                TaskStatus,
+                self.tasks,
             )
         yield from self._hosts()
 
@@ -207,6 +223,21 @@ class Metrics:
             "turnkeeper_subagent_recovery",
             "The reconciler's steps on running subagents, by action (report, resume, "
             "finalize, wedge, fail, skip).",
+            ["action"],
+            registry=r,
+        )
+        self.schedule_fires = Counter(
+            "turnkeeper_schedule_fires",
+            "Scheduled times of schedules, by outcome: fired on time, caught_up (the newest "
+            "missed while no daemon ran, misfire run_once), skipped (missed and not run).",
+            ["outcome"],
+            registry=r,
+        )
+        for outcome in FireOutcome:  # every series from the start, at 0
+            self.schedule_fires.labels(outcome)
+        self.task_reconcile = Counter(
+            "turnkeeper_task_reconcile",
+            "The task keeper's steps, by action (start, report, lost, retry).",
             ["action"],
             registry=r,
         )

@@ -16,10 +16,13 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from supervisor import __version__
+from supervisor.http import schedules
+from supervisor.http.schedules import ScheduleDeleted, ScheduleList, ScheduleOut
 from supervisor.http.schemas import (
     ANSWERS,
     REQUESTS,
     SESSION_ID_PATTERN,
+    TASK_ID_PATTERN,
     AclEntries,
     Closed,
     EventList,
@@ -32,6 +35,8 @@ from supervisor.http.schemas import (
     SessionOut,
     Status,
     SubagentList,
+    TaskList,
+    TaskOut,
     Woken,
 )
 
@@ -39,9 +44,10 @@ ERRORS = {
     400: "Malformed JSON.",
     401: "No valid bearer token.",
     403: "The caller may see the session but not do this.",
-    404: "No such session (or the caller may not read it).",
+    404: "No such session, task or schedule (or the caller may not read its session).",
     409: "The session is closed or quarantined (`error.code` says which and the message "
-    "how to go on), or the Idempotency-Key was used for another request.",
+    "how to go on), the Idempotency-Key was used for another request, a task's output "
+    "is on another host, or schedules are off or at schedules.max_schedules.",
     413: "The body is over http.max_body.",
     422: "A field is invalid; `error.field` names it.",
     429: "The principal holds http.max_streams_per_principal attach streams already.",
@@ -64,6 +70,8 @@ SESSION_ID = {
     "required": True,
     "schema": {"type": "string", "pattern": SESSION_ID_PATTERN},
 }
+TASK_ID = {**SESSION_ID, "schema": {"type": "string", "pattern": TASK_ID_PATTERN}}
+SCHEDULE_ID = {**SESSION_ID, "schema": {"type": "string", "pattern": schedules.SCHEDULE_ID_PATTERN}}
 LIMIT = _query("limit", 1, 1000)
 AFTER = _query("after", 0)
 IDEMPOTENCY_KEY = {
@@ -124,6 +132,33 @@ PATHS: list[tuple[str, str, str, str, list[Any], str | None, dict[int, Answer], 
      "with their status and, once they ended, the start of their result.",
      [SESSION_ID, LIMIT], None, {200: (SubagentList, "Oldest first.")}, "401 404 422",
      AUTH),
+    ("get", "/v1/sessions/{id}/tasks", "listTasks",
+     "The background tasks the session's turns started, with their status and outcome.",
+     [SESSION_ID, LIMIT], None, {200: (TaskList, "Oldest first.")}, "401 404 422", AUTH),
+    ("get", "/v1/tasks/{id}", "getTask", "One background task (read access to its session).",
+     [TASK_ID], None, {200: (TaskOut, "The task, with the link to its output.")}, "401 404",
+     AUTH),
+    ("get", "/v1/tasks/{id}/output", "taskOutput",
+     "The task's output so far (its end, up to tasks.max_output), from the host that ran it.",
+     [TASK_ID], None, {200: ("text/plain", "The output.")}, "401 404 409", AUTH),
+    ("delete", "/v1/tasks/{id}", "cancelTask",
+     "Cancel the task (write access to its session): a pending one is cancelled now, a "
+     "running one is stopped (SIGTERM, grace, SIGKILL); its outcome `cancelled` is told to "
+     "its session. An ended task is answered as it is.",
+     [TASK_ID], None, {200: (TaskOut, "The task after the cancel.")}, "401 403 404", AUTH),
+    ("post", "/v1/schedules", "createSchedule",
+     "A schedule: `text` is injected at each time of `cron`, into `session` (write access) "
+     "or, for null, a new session of kind scheduled each time; the caller owns it.",
+     [], "CreateSchedule", {201: (ScheduleOut, "Created, with its next time.")},
+     "400 401 403 409 413 422 503", AUTH),
+    ("get", "/v1/schedules", "listSchedules",
+     "The schedules the caller may read (read access to their session, or its own).",
+     [LIMIT], None, {200: (ScheduleList, "Oldest first.")}, "401 422", AUTH),
+    ("get", "/v1/schedules/{id}", "getSchedule", "One schedule, its next time and last fire.",
+     [SCHEDULE_ID], None, {200: (ScheduleOut, "The schedule.")}, "401 404", AUTH),
+    ("delete", "/v1/schedules/{id}", "deleteSchedule",
+     "Delete a schedule (write access to its session, or its own): it fires no more.",
+     [SCHEDULE_ID], None, {200: (ScheduleDeleted, "Deleted.")}, "401 403 404 503", AUTH),
     ("get", "/v1/status", "status",
      "Boot, worker slots, sessions by state, the hosts on the database (admin only).",
      [], None, {200: (Status, "The daemon's state.")}, "401 403", AUTH),
@@ -154,7 +189,8 @@ def _content(answer: type[BaseModel] | str) -> dict[str, Any]:
 
 def _components() -> dict[str, Any]:
     """Every request and answer model's JSON schema, refs pointing into components."""
-    models = [(m, "validation") for m in REQUESTS] + [(m, "serialization") for m in ANSWERS]
+    requests, answers = (*REQUESTS, *schedules.REQUESTS), (*ANSWERS, *schedules.ANSWERS)
+    models = [(m, "validation") for m in requests] + [(m, "serialization") for m in answers]
     _, top = models_json_schema(models, ref_template="#/components/schemas/{model}")  # type: ignore[arg-type]
     schemas: dict[str, Any] = top["$defs"]
     return schemas

@@ -21,6 +21,7 @@ import secrets
 import signal
 from collections import Counter
 from collections.abc import Callable, Coroutine
+from pathlib import Path
 from typing import Any
 
 import multiprocess
@@ -34,7 +35,7 @@ from supervisor.contract.reaper import descendants, reap_orphans, terminate
 from supervisor.contract.spawn import WorkerSpec
 from supervisor.core.engine import HEARTBEATS_MISSED
 from supervisor.core.slots import Slot, SlotState, all_fatal
-from supervisor.core.vocabulary import INPUT_EVENTS, AssignReason
+from supervisor.core.vocabulary import AssignReason
 from supervisor.http.metrics import Metrics
 from supervisor.pool.handle import WorkerHandle
 from supervisor.pool.housekeeping import Housekeeper
@@ -49,13 +50,16 @@ from supervisor.pool.processes import (
     stop_resource_tracker,
 )
 from supervisor.pool.recoverer import Recoverer
+from supervisor.pool.requests import Requests
 from supervisor.pool.rolling import RollingRestart
+from supervisor.pool.scheduler import Scheduler
 from supervisor.pool.subagents import Reconciler
+from supervisor.pool.tasks import TaskKeeper
 from supervisor.store import Store
 from workers.entry import run_worker
 
 
-class Pool(RollingRestart):
+class Pool(Requests, RollingRestart):
     """The worker processes; who owns what (`ownership`) and how they talk (`plane`)."""
 
     def __init__(
@@ -67,6 +71,7 @@ class Pool(RollingRestart):
         recovery: Recoverer,
         metrics: Metrics,
         *,
+        state_dir: Path | None = None,
         clock: Clock = SYSTEM,
     ) -> None:
         self.config = config
@@ -99,31 +104,21 @@ class Pool(RollingRestart):
         self.subagents = Reconciler(
             config, store, recovery, self.committed, self.interrupt, metrics, clock=clock
         )
+        self.task_keeper = TaskKeeper(
+            config,
+            store,
+            self.committed,
+            metrics,
+            host=recovery.host,
+            boot_id=boot_id,
+            owner=recovery.owner_prefix,
+            state_dir=state_dir,
+            clock=clock,
+        )
+        self.on_event.append(self.task_keeper.admitted)
         self.housekeeper = Housekeeper(
             self._tend, self.ownership.dispatch, self.ownership.next_pass_in, self._wanted, clock
         )
-
-    # --- what requests tell the pool about sessions: `Ownership`'s to carry out -----
-
-    def wake(self, session_id: str) -> None:
-        """New input was committed for the session: wake its owner, or find it one."""
-        self.ownership.wake(session_id)
-
-    def committed(self, session_id: str, seq: int, event_type: str, wake: bool = True) -> None:
-        """An event was committed (only a signal: readers read it from the database); new
-        input (a subagent's task, or its result) wakes its session's owner."""
-        for callback in self.on_event:
-            callback(session_id, {"seq": seq, "type": event_type})
-        if wake and event_type in INPUT_EVENTS:
-            self.wake(session_id)
-
-    def touch(self, session_id: str) -> None:
-        """A request touched the session: an interrupted turn of it may go on."""
-        self.ownership.touch(session_id)
-
-    def interrupt(self, session_id: str) -> None:
-        """The session's turn was ended in the database (interrupt, close): stop it now."""
-        self.ownership.interrupt(session_id)
 
     # --- lifecycle ------------------------------------------------------------------
 
@@ -136,10 +131,16 @@ class Pool(RollingRestart):
         # ready (or gone).
         first, *self.held = self.slots
         self._spawn(first, spare=not self.held)
+        self.scheduler = Scheduler(
+            self.config, self.store, self.owner_prefix, self.committed, self.interrupt,
+            self.metrics, clock=self.timer,
+        )  # fmt: skip
         self.tasks = [
             asyncio.create_task(self.plane.receive(), name="pool-receive"),
             asyncio.create_task(self.housekeeper.run(), name="pool-housekeeping"),
             asyncio.create_task(self.subagents.run(), name="pool-subagents"),
+            asyncio.create_task(self.scheduler.run(), name="pool-schedules"),
+            asyncio.create_task(self.task_keeper.run(), name="pool-tasks"),
         ]
 
     async def wait_ready(self, timeout: float) -> bool:

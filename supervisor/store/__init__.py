@@ -31,6 +31,7 @@ from supervisor.store.events import ReplayedSeq, request_digest, scoped_key
 from supervisor.store.hosts import Host, Hosts, HostTaken, Me, SingleHost
 from supervisor.store.leases import Grant, Granted, Lease, Leases
 from supervisor.store.models import MODELS, SchemaVersion
+from supervisor.store.schedules import FireInfo, ScheduleInfo, ScheduleRefused, Schedules
 from supervisor.store.sessions import KINDS, SessionInfo, Sessions
 from supervisor.store.subagents import Reported, Spawned, SubagentInfo, Subagents
 from supervisor.store.tasks import Started, TaskInfo, TaskReported, Tasks
@@ -47,6 +48,7 @@ __all__ = [
     "Children",
     "EventLog",
     "EventRecord",
+    "FireInfo",
     "Grant",
     "Granted",
     "Host",
@@ -59,6 +61,9 @@ __all__ = [
     "Me",
     "ReplayedSeq",
     "Reported",
+    "ScheduleInfo",
+    "ScheduleRefused",
+    "Schedules",
     "SchemaMissing",
     "SchemaTooNew",
     "SessionClosed",
@@ -120,6 +125,7 @@ class Store:
         self.children = Children(self.db)
         self.hosts = Hosts(self.db)
         self.subagents = Subagents(self.db)
+        self.schedules = Schedules(self.db)
         self.tasks = Tasks(self.db)
 
     def now(self) -> float:

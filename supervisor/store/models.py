@@ -265,7 +265,8 @@ class ScheduleFire(BaseModel):
     """One scheduled time of a schedule, committed before its message is injected.
 
     Unique on (schedule, scheduled_for): a time fires once across crashes, restarts and
-    daemons. `seq` is set once the message is in its session.
+    daemons. `seq` is set once the message is in its session; `reason` says why a fire's
+    message is not injected (skipped, its session closed): a fire with neither is owed.
     """
 
     id = peewee.BigAutoField()
@@ -276,6 +277,7 @@ class ScheduleFire(BaseModel):
     seq = peewee.BigIntegerField(null=True)
     fired_at = peewee.DoubleField()
     fired_by = peewee.CharField(max_length=ID_LEN, default="")  # "<host>/<boot8>"
+    reason = peewee.TextField(default="")
 
     class Meta:
         table_name = "schedule_fire"
