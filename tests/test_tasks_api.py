@@ -287,6 +287,39 @@ def test_the_command_line_lists_shows_and_cancels_tasks(start: Callable[..., Api
     assert bob.returncode == 1 and "no task" in bob.stderr and "404" in bob.stderr
 
 
+def test_every_readable_task_newest_first_by_status(start: Callable[..., Api]) -> None:
+    api = start(tasks=TASKS)
+    alice, bob, admin = api.client("alice"), api.client("bob"), api.client("admin")
+    mine, theirs = create_session(alice), create_session(bob)
+    with api.store() as store:
+        done = put(store, mine, host=this_host_id(), outcome=TaskStatus.FAILED)
+        waiting = put(store, mine)
+        other = put(store, theirs, host=this_host_id())
+    assert ids(alice.get("/v1/tasks")) == [waiting.id, done.id]  # newest first, hers only
+    assert ids(bob.get("/v1/tasks")) == [other.id]
+    assert ids(admin.get("/v1/tasks")) == [other.id, waiting.id, done.id]
+    assert ids(admin.get("/v1/tasks", params={"status": "pending,running"})) == [
+        other.id,
+        waiting.id,
+    ]
+    assert ids(alice.get("/v1/tasks", params={"status": "failed", "limit": 5})) == [done.id]
+    assert ids(admin.get("/v1/tasks", params={"limit": 1})) == [other.id]
+    error = assert_error(alice.get("/v1/tasks", params={"status": "running,done"}), 422, "invalid")
+    assert "'done' is not a task status" in error["message"]
+    tokens = {"TURNKEEPER_TOKEN": api.tokens["alice"]}
+    live = turnkeeper(api.daemon, "tasks", **tokens)
+    assert live.returncode == 0, live.stderr
+    assert [row.split()[:3] for row in live.stdout.splitlines()[1:]] == [
+        [waiting.id, "hold", "pending"]
+    ]
+    every = turnkeeper(api.daemon, "tasks", "--status", "all", "--json", **tokens)
+    assert json.loads(every.stdout) == alice.get("/v1/tasks").json()
+    none = turnkeeper(api.daemon, "tasks", "--status", "lost", **tokens)
+    assert none.stdout == "no lost tasks\n"
+    wrong = turnkeeper(api.daemon, "tasks", "--status", "done", **tokens)
+    assert wrong.returncode == 2 and "--status" in wrong.stderr
+
+
 def test_tasks_without_a_daemon_exits_3(tmp_path: Path) -> None:
     daemon = Daemon(tmp_path / "down")  # configured, never started
     down = turnkeeper(daemon, "tasks", "0" * 32, TURNKEEPER_TOKEN="x")

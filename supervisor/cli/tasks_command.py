@@ -1,5 +1,6 @@
-"""`turnkeeper tasks ID`: background tasks through the daemon's API, so it shows what the
-caller's token may read. A session id lists the session's tasks
+"""`turnkeeper tasks [ID]`: background tasks through the daemon's API, so it shows what the
+caller's token may read. Without ID, the live tasks (or those of `--status`) of every
+session it may read (`GET /v1/tasks`); a session id lists the session's tasks
 (`GET /v1/sessions/{id}/tasks`); a task id shows that task (`GET /v1/tasks/{id}`), and
 with `--cancel` cancels it (`DELETE /v1/tasks/{id}`).
 """
@@ -44,17 +45,34 @@ def _request(client: Client, method: str, path: str) -> Any:
 
 
 @click.command("tasks")
-@click.argument("ident", metavar="ID")
+@click.argument("ident", metavar="[ID]", required=False)
 @click.option("--cancel", is_flag=True, help="Cancel the task ID (write access to its session).")
+@click.option(
+    "--status",
+    "statuses",
+    default="pending,running",
+    show_default=True,
+    help="Without ID: the statuses to list, comma-separated, or `all`.",
+)
+@click.option("--limit", default=100, show_default=True, type=click.IntRange(1, 1000))
 @json_option
 @click.pass_context
 @reports_errors
-def tasks(ctx: click.Context, ident: str, cancel: bool, as_json: bool) -> None:
-    """List a session's background tasks, or show (or cancel) one task.
+def tasks(
+    ctx: click.Context,
+    ident: str | None,
+    cancel: bool,
+    statuses: str,
+    limit: int,
+    as_json: bool,
+) -> None:
+    """List background tasks, or show (or cancel) one task.
 
     \b
-    ID is a session id (32 hex digits): its tasks, oldest first; or a task id
-    ("t" and 32 hex digits): that task, with the link to its output.
+    Without ID: the pending and running tasks (or those of --status) of every
+    session the caller may read, newest first. ID is a session id (32 hex
+    digits): its tasks, oldest first; or a task id ("t" and 32 hex digits):
+    that task, with the link to its output.
     A task is a command of a kind the operator defined ([[tasks.kinds]]) that
     one of the session's turns started (the start_task tool); its outcome is
     told to the session once it ends. STATUS is
@@ -69,6 +87,11 @@ def tasks(ctx: click.Context, ident: str, cancel: bool, as_json: bool) -> None:
     or drops a pending one. Needs read access to the task's session (write to
     cancel) and the running daemon (exit 3 without it).
     """
+    if ident is None:
+        if cancel:
+            raise click.BadParameter("--cancel takes a task id", param_hint="ID")
+        _list_all(ctx, statuses, limit, as_json)
+        return
     is_task = TASK_ID.fullmatch(ident) is not None
     if not is_task and SESSION_ID.fullmatch(ident) is None:
         raise click.BadParameter(
@@ -101,6 +124,27 @@ def tasks(ctx: click.Context, ident: str, cancel: bool, as_json: bool) -> None:
         click.echo(cancelled(task))
     else:
         click.echo("\n".join(task_lines(task)))
+
+
+def _list_all(ctx: click.Context, statuses: str, limit: int, as_json: bool) -> None:
+    wanted = "" if statuses.strip() == "all" else statuses.replace(" ", "")
+    known = {status.value for status in TaskStatus}
+    for status in filter(None, wanted.split(",")):
+        if status not in known:
+            raise click.BadParameter(
+                f"{status!r} is not a task status ({', '.join(sorted(known))}, or all)",
+                param_hint="--status",
+            )
+    with connect(ctx) as client:
+        found: list[dict[str, Any]] = client._json(
+            "GET", "/v1/tasks", params={"status": wanted, "limit": limit}
+        )["tasks"]
+    if as_json:
+        emit_json({"tasks": found})
+    elif not found:
+        click.echo("no tasks" if not wanted else f"no {wanted.replace(',', ' or ')} tasks")
+    else:
+        click.echo("\n".join(task_table(found, shutil.get_terminal_size((80, 24)).columns)))
 
 
 def cancelled(task: dict[str, Any]) -> str:

@@ -16,6 +16,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from supervisor import __version__
+from supervisor.core.vocabulary import TaskStatus
 from supervisor.http import schedules
 from supervisor.http.schedules import ScheduleDeleted, ScheduleList, ScheduleOut
 from supervisor.http.schemas import (
@@ -73,6 +74,12 @@ SESSION_ID = {
 TASK_ID = {**SESSION_ID, "schema": {"type": "string", "pattern": TASK_ID_PATTERN}}
 SCHEDULE_ID = {**SESSION_ID, "schema": {"type": "string", "pattern": schedules.SCHEDULE_ID_PATTERN}}
 LIMIT = _query("limit", 1, 1000)
+_STATUSES = "|".join(status.value for status in TaskStatus)
+TASK_STATUS = {
+    "name": "status",
+    "in": "query",
+    "schema": {"type": "string", "pattern": f"^({_STATUSES})(,({_STATUSES}))*$"},
+}
 AFTER = _query("after", 0)
 IDEMPOTENCY_KEY = {
     "name": "Idempotency-Key",
@@ -135,6 +142,10 @@ PATHS: list[tuple[str, str, str, str, list[Any], str | None, dict[int, Answer], 
     ("get", "/v1/sessions/{id}/tasks", "listTasks",
      "The background tasks the session's turns started, with their status and outcome.",
      [SESSION_ID, LIMIT], None, {200: (TaskList, "Oldest first.")}, "401 404 422", AUTH),
+    ("get", "/v1/tasks", "listAllTasks",
+     "Background tasks of every session the caller may read (all for the admin token), "
+     "newest first; `status` is a comma-separated list of task statuses.",
+     [TASK_STATUS, LIMIT], None, {200: (TaskList, "Newest first.")}, "401 422", AUTH),
     ("get", "/v1/tasks/{id}", "getTask", "One background task (read access to its session).",
      [TASK_ID], None, {200: (TaskOut, "The task, with the link to its output.")}, "401 404",
      AUTH),

@@ -1,6 +1,8 @@
 """The routes of background tasks: list them, read one and its output, cancel one.
 
 - `GET /v1/sessions/{id}/tasks` (read): the tasks the session's turns started, oldest first.
+- `GET /v1/tasks?status=&limit=`: the tasks of every session the caller may read (all
+  of them for the admin token), newest first; `status` a comma-separated list of them.
 - `GET /v1/tasks/{id}` (read on its session): one task, with `output_url`.
 - `GET /v1/tasks/{id}/output` (read on its session): its output so far, as text, from the
   file its runner writes under the state directory of the host that ran it (another
@@ -32,7 +34,8 @@ from supervisor.http.schemas import TASK_ID_PATTERN, TaskList, TaskOut
 from supervisor.store import Store, TaskInfo
 
 TASK_ID = re.compile(TASK_ID_PATTERN)
-MAX_LISTED = 1000  # tasks one answer lists (`limit`); the oldest first
+MAX_LISTED = 1000  # tasks one answer lists (`limit`)
+LISTED = 100  # ... unless told
 READ_MARGIN = 65536  # bytes read past tasks.max_output: a runner's note that it cut there
 
 
@@ -69,6 +72,7 @@ class Routes:
     def add(self, router: web.UrlDispatcher) -> None:
         """Add the routes (the table in the module docstring) to `router`."""
         router.add_get("/v1/sessions/{id}/tasks", self.of_session)
+        router.add_get("/v1/tasks", self.listed)
         router.add_get("/v1/tasks/{id}", self.get)
         router.add_get("/v1/tasks/{id}/output", self.output)
         router.add_delete("/v1/tasks/{id}", self.cancel)
@@ -77,6 +81,23 @@ class Routes:
         info = await self.session(request, Permission.READ)
         limit = whole(request.query.get("limit"), "limit", MAX_LISTED, 1, MAX_LISTED)
         tasks = await asyncio.to_thread(self.store.tasks.of_session, info.id, limit)
+        return answer(TaskList(tasks=[task_out(task) for task in tasks]))
+
+    async def listed(self, request: web.Request) -> web.Response:
+        limit = whole(request.query.get("limit"), "limit", LISTED, 1, MAX_LISTED)
+        statuses = [s for s in request.query.get("status", "").split(",") if s]
+        known = {status.value for status in TaskStatus}
+        for status in statuses:
+            if status not in known:
+                raise ApiError(
+                    422,
+                    "invalid",
+                    f"status: {status[:40]!r} is not a task status ({', '.join(sorted(known))})",
+                    field="status",
+                )
+        principal = request["principal"]
+        who = None if principal == ADMIN else principal
+        tasks = await asyncio.to_thread(self.store.tasks.listed, statuses, limit, who)
         return answer(TaskList(tasks=[task_out(task) for task in tasks]))
 
     async def get(self, request: web.Request) -> web.Response:

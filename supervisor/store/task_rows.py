@@ -1,12 +1,19 @@
-"""The task registry's rows as the rest of the daemon sees them, and the row lock."""
+"""The task registry's rows as the rest of the daemon sees them, the row lock, and the
+registry's reads."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from supervisor.store.models import Task
+import peewee
+
+from supervisor.core.vocabulary import TaskStatus
+from supervisor.store.models import SessionACL, Task
+
+LIVE = (TaskStatus.PENDING, TaskStatus.RUNNING)
 
 
 @dataclass(frozen=True)
@@ -105,3 +112,57 @@ def locked(task_id: str) -> Task | None:
         query = query.for_update()
     row: Task | None = query.first()
     return row
+
+
+class Reading:
+    """The registry read: a task, a session's tasks, the tasks a principal may read, the
+    counts, and what a reconcile pass looks at."""
+
+    def get(self, task_id: str) -> TaskInfo | None:
+        """The row of a task, or None."""
+        row = Task.get_or_none(Task.id == task_id)
+        return None if row is None else info_of(row)
+
+    def of_session(self, session_id: str, limit: int = 1000) -> list[TaskInfo]:
+        """The tasks of a session, oldest first."""
+        query = (
+            Task.select()
+            .where(Task.session == session_id)
+            .order_by(Task.created_at, Task.id)
+            .limit(limit)
+        )
+        return [info_of(row) for row in query]
+
+    def counts(self) -> dict[str, int]:
+        """Tasks by status (every status, 0 included)."""
+        counts = {status.value: 0 for status in TaskStatus}
+        query = Task.select(Task.status, peewee.fn.COUNT(Task.id)).group_by(Task.status)
+        found: list[tuple[str, int]] = list(query.tuples())  # type: ignore[arg-type]
+        for status, number in found:
+            counts[str(status)] = int(number)
+        return counts
+
+    def to_reconcile(self, limit: int = 500) -> list[TaskInfo]:
+        """Rows a reconcile pass looks at: pending, running, and outcomes not reported."""
+        query = (
+            Task.select()
+            .where(Task.status.in_(LIVE) | Task.result_seq.is_null())
+            .order_by(Task.created_at, Task.id)
+            .limit(limit)
+        )
+        return [info_of(row) for row in query]
+
+    def listed(
+        self, statuses: Sequence[str] = (), limit: int = 100, principal: str | None = None
+    ) -> list[TaskInfo]:
+        """Tasks newest first, of `statuses` (all when empty) and, with `principal`, only
+        those of sessions it holds a permission on."""
+        query = Task.select()
+        if statuses:
+            query = query.where(Task.status.in_(list(statuses)))
+        if principal is not None:
+            query = query.join(SessionACL, on=(SessionACL.session == Task.session)).where(
+                SessionACL.principal == principal
+            )
+        query = query.order_by(Task.created_at.desc(), Task.id.desc()).limit(limit)
+        return [info_of(row) for row in query]

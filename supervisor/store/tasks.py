@@ -32,15 +32,22 @@ from supervisor.store.db import db_now, run_write
 from supervisor.store.errors import LeaseLost
 from supervisor.store.eventlog import make_request
 from supervisor.store.models import Session, Task
-from supervisor.store.task_rows import Started, TaskInfo, TaskReported, info_of, locked
+from supervisor.store.task_rows import (
+    LIVE,
+    Reading,
+    Started,
+    TaskInfo,
+    TaskReported,
+    info_of,
+    locked,
+)
 
 __all__ = ["Started", "TaskInfo", "TaskReported", "Tasks"]
 
 CALL_ID_MAX = 200  # the column's width
-LIVE = (TaskStatus.PENDING, TaskStatus.RUNNING)
 
 
-class Tasks:
+class Tasks(Reading):
     """The registry of background tasks."""
 
     def __init__(self, db: peewee.Database) -> None:
@@ -112,42 +119,6 @@ class Tasks:
 
         result: Started = run_write(self._db, work)
         return result
-
-    # --- reading --------------------------------------------------------------------
-
-    def get(self, task_id: str) -> TaskInfo | None:
-        """The row of a task, or None."""
-        row = Task.get_or_none(Task.id == task_id)
-        return None if row is None else info_of(row)
-
-    def of_session(self, session_id: str, limit: int = 1000) -> list[TaskInfo]:
-        """The tasks of a session, oldest first."""
-        query = (
-            Task.select()
-            .where(Task.session == session_id)
-            .order_by(Task.created_at, Task.id)
-            .limit(limit)
-        )
-        return [info_of(row) for row in query]
-
-    def counts(self) -> dict[str, int]:
-        """Tasks by status (every status, 0 included)."""
-        counts = {status.value: 0 for status in TaskStatus}
-        query = Task.select(Task.status, peewee.fn.COUNT(Task.id)).group_by(Task.status)
-        found: list[tuple[str, int]] = list(query.tuples())  # type: ignore[arg-type]
-        for status, number in found:
-            counts[str(status)] = int(number)
-        return counts
-
-    def to_reconcile(self, limit: int = 500) -> list[TaskInfo]:
-        """Rows a reconcile pass looks at: pending, running, and outcomes not reported."""
-        query = (
-            Task.select()
-            .where(Task.status.in_(LIVE) | Task.result_seq.is_null())
-            .order_by(Task.created_at, Task.id)
-            .limit(limit)
-        )
-        return [info_of(row) for row in query]
 
     def now(self) -> float:
         """The database clock, which heartbeats are judged by."""
