@@ -38,35 +38,35 @@ import selectors
 import signal
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
 
 import psutil
 
 from supervisor.contract import reaper
 from supervisor.contract.mcp_env import child_environment
 from supervisor.contract.paths import make_private_dir
-from supervisor.contract.task_spec import Output, RunnerSpec, launch
+from supervisor.contract.task_spec import Output, RunnerSpec, fence_of, heartbeat_of, launch
 from supervisor.core import tasks as rules
 from supervisor.core.vocabulary import TaskStatus
 from supervisor.store import Store
+from supervisor.task_pulse import (
+    STOPPING,
+    Clock,
+    Pulse,
+    catch_signals,
+    logger,
+    retrying,
+    take_signals,
+)
 
-__all__ = ["Runner", "RunnerSpec", "launch", "main"]
+__all__ = ["Runner", "RunnerSpec", "heartbeat_of", "launch", "main"]
 
 IDLE = 1.0  # seconds between two looks while the command runs (SIGCHLD wakes it sooner)
 POLL = 0.05  # while stopping: members of the group that die send us no SIGCHLD
 DRAIN = 1.0  # seconds the pipe is still read once every process is gone
 REAP_BUDGET = 2.0  # seconds after SIGKILL before survivors are given up on
 BACKOFF = (0.5, 1.0, 2.0, 4.0)  # seconds between tries to open the database, to record
-STOPPING = (signal.SIGTERM, signal.SIGINT)
-CAUGHT = (*STOPPING, signal.SIGUSR1, signal.SIGCHLD)
-
-Say = Callable[[str], None]
-Clock = Callable[[], float]
-T = TypeVar("T")
 
 
 class Stop(enum.Enum):
@@ -79,94 +79,15 @@ class Stop(enum.Enum):
     LEFTOVERS = "it exited and left processes behind"  # the outcome is its exit's
 
 
-def logger(task: str) -> Say:
-    """Lines to stderr (the runner's log file), each naming the task."""
-
-    def say(message: str) -> None:
-        stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
-        print(f"{stamp} task_runner[{os.getpid()}] task {task}: {message}", file=sys.stderr)
-
-    return say
-
-
-def retrying(work: Callable[[], T], backoff: tuple[float, ...], say: Say, what: str) -> T | None:
-    """`work()`, tried again after each delay of `backoff` while it raises; None if the
-    last try raised too (whatever the database driver raises: each is logged)."""
-    for delay in (*backoff, None):
-        try:
-            return work()
-        except Exception as exc:
-            then = "giving up" if delay is None else f"again in {delay:g} s"
-            say(f"{what} failed ({then}): {exc}")
-            if delay is not None:
-                time.sleep(delay)
-    return None
-
-
-class Pulse:
-    """The row's heartbeat, on a thread of its own; it first records the command in the
-    child registry. What the loop must act on arrives as a byte on `fd`: GONE (the row is
-    not this run's any more) or CANCEL (a cancel was asked)."""
-
-    GONE, CANCEL = ord("g"), ord("c")
-
-    def __init__(self, store: Store, spec: RunnerSpec, say: Say) -> None:
-        self.fd, self._wake = os.pipe()
-        os.set_blocking(self.fd, False)
-        self.child_row: int | None = None
-        self._store, self._spec, self._say = store, spec, say
-        self._asked, self._closing = threading.Event(), False
-        self._thread: threading.Thread | None = None
-
-    def start(self, pid: int) -> None:
-        identity = reaper.ProcessId.of(pid)
-        args = (pid, None if identity is None else identity.create_time)
-        self._thread = threading.Thread(target=self._run, args=args, name="pulse", daemon=True)
-        self._thread.start()
-
-    def check_now(self) -> None:
-        """Renew the heartbeat (and so read the cancel flag) at once."""
-        self._asked.set()
-
-    def close(self) -> int | None:
-        """Stop the thread; returns the command's registry row, if it was recorded."""
-        self._closing = True
-        self._asked.set()
-        if self._thread is not None:
-            self._thread.join(timeout=2.0)  # time to end a database call in flight
-        return self.child_row
-
-    def _run(self, pid: int, create_time: float | None) -> None:
-        spec, children = self._spec, self._store.children
-        try:
-            if create_time is not None:
-                self.child_row = children.record(
-                    spec.boot, pid, create_time, "task", pgid=pid, name=f"task {spec.task}",
-                    host=spec.host,
-                )  # fmt: skip
-        except Exception as exc:  # whatever the driver raises: the run goes on
-            self._say(f"the command could not be recorded in the child registry: {exc}")
-        while True:
-            self._asked.wait(spec.heartbeat)
-            self._asked.clear()
-            if self._closing:
-                return
-            try:
-                verdict = self._store.tasks.heartbeat(spec.task, spec.attempt)
-            except Exception as exc:
-                self._say(f"the heartbeat failed (again in {spec.heartbeat:g} s): {exc}")
-                continue
-            if verdict is None or verdict:
-                os.write(self._wake, bytes([self.GONE if verdict is None else self.CANCEL]))
-
-
 class Runner:
     """One run of one task: the table in the module docstring."""
 
     def __init__(self, spec: RunnerSpec, store: Store, signals: int, clock: Clock) -> None:
         self.spec, self.store, self.signals, self.clock = spec, store, signals, clock
         self.say = logger(spec.task)
-        self.pulse = Pulse(store, spec, self.say)
+        self.pulse = Pulse(store, spec, self.say, clock)
+        self.fence = fence_of(spec.lost_grace, spec.heartbeat) if spec.lost_grace > 0 else None
+        self.told_to_stop = False  # SIGTERM or SIGINT came, whenever
         self.stop: Stop | None = None
         self.gone = False  # the row is not this run's any more
         self.exit_code: int | None = None
@@ -177,6 +98,30 @@ class Runner:
 
     def run(self) -> int:
         """Run the command to its end; the runner's exit status."""
+        me = self._record_self()
+        try:
+            return self._run()
+        finally:
+            if me is not None:
+                retrying(lambda: self.store.children.forget([me]), (), self.say, "forgetting")
+
+    def _record_self(self) -> int | None:
+        """The runner in the child registry, before it starts anything: a daemon that
+        dies now leaves it to the next boot's sweep (its command is recorded too)."""
+        me = reaper.ProcessId.of(os.getpid())
+        if me is None:
+            return None
+        try:
+            row: int = self.store.children.record(
+                self.spec.boot, me.pid, me.create_time, "task", pgid=os.getpgid(0),
+                name=f"runner {self.spec.task}", host=self.spec.host,
+            )  # fmt: skip
+        except Exception as exc:  # whatever the driver raises: the run goes on
+            self.say(f"the runner could not be recorded in the child registry: {exc}")
+            return None
+        return row
+
+    def _run(self) -> int:
         try:
             reaper.become_subreaper()
         except OSError as exc:  # then a daemonized grandchild may escape the stop
@@ -207,7 +152,11 @@ class Runner:
             row = self.pulse.close()
             if row is not None:
                 retrying(lambda: self.store.children.forget([row]), (), self.say, "forgetting")
-        if self.gone or self.stop is Stop.SIGNAL:
+        self.told_to_stop |= any(sig in STOPPING for sig in take_signals(self.signals))
+        # Told to stop, and the command died of a signal: the stop killed it (the daemon's
+        # teardown signals the whole tree at once), whatever the loop saw first.
+        stopped = self.told_to_stop and (self.exit_code or 0) < 0
+        if self.gone or self.stop is Stop.SIGNAL or stopped:
             cause = Stop.GONE if self.gone else Stop.SIGNAL
             self.say(f"the command is stopped, no outcome recorded: {cause.value}")
             return 0
@@ -279,6 +228,7 @@ class Runner:
 
     def _on_signal(self, sig: int) -> None:
         if sig in STOPPING:
+            self.told_to_stop = True
             self._begin_stop(Stop.SIGNAL)
         elif sig == signal.SIGUSR1:
             self.pulse.check_now()  # SIGCHLD only wakes the loop, which reaps
@@ -290,6 +240,10 @@ class Runner:
 
     def _advance(self) -> None:
         now = self.clock()
+        if self.fence is not None and self.stop is None and now - self.pulse.last_ok > self.fence:
+            self.say(f"no heartbeat went through for {self.fence:g} s: stopping, no outcome")
+            self.gone = True  # any daemon may judge the task lost soon: it must not run on
+            self._begin_stop(Stop.GONE)
         if self.exit_code is None and self.stop is None and now >= self.deadline:
             self._begin_stop(Stop.TIMEOUT)
         if self.exit_code is not None and self.stop is None and self._alive():
@@ -350,31 +304,6 @@ class Runner:
                 with contextlib.suppress(psutil.Error, OSError):
                     if os.getpgid(proc.pid) != self.pgid:
                         proc.send_signal(sig)
-
-
-def take_signals(fd: int) -> bytes:
-    """The bytes waiting on a non-blocking pipe (signal numbers, on the wakeup fd)."""
-    found = b""
-    with contextlib.suppress(BlockingIOError):
-        while data := os.read(fd, 512):
-            found += data
-    return found
-
-
-def catch_signals() -> int:
-    """Handlers that only enqueue: each signal's number arrives as a byte on the returned
-    fd (Python's wakeup fd), for the loop to read."""
-    read, write = os.pipe()
-    os.set_blocking(read, False)
-    os.set_blocking(write, False)
-    signal.set_wakeup_fd(write, warn_on_full_buffer=False)
-    for sig in CAUGHT:
-        signal.signal(sig, _enqueued)
-    return read
-
-
-def _enqueued(signum: int, frame: object) -> None:
-    """The wakeup fd carries the signal; nothing to do here."""
 
 
 def main() -> int:

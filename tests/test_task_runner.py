@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import uuid
@@ -242,13 +243,15 @@ def test_sigterm_stops_the_group_and_records_no_outcome(tasks: Tasks) -> None:
     task = tasks.claimed()
     runner = launch(tasks.spec(task, tasks.gated(task, stubborn=True), kill_grace=0.5))
     command, grandchild = tasks.pids(task)
-    [child] = tasks.store.children.of_boot("boot1")
-    assert (child.pid, child.pgid, child.kind, child.name) == (
-        command,
-        command,
-        "task",
-        f"task {task.id}",
-    )
+    # The runner and its command are both in the child registry, for a later boot's sweep.
+    recorded = {
+        (child.pid, child.pgid, child.kind, child.name)
+        for child in tasks.store.children.of_boot("boot1")
+    }
+    assert recorded == {
+        (runner.pid, runner.pid, "task", f"runner {task.id}"),
+        (command, command, "task", f"task {task.id}"),
+    }
     runner.send_signal(signal.SIGTERM)
     assert ended(runner) == 0
     row = tasks.row(task)
@@ -257,12 +260,57 @@ def test_sigterm_stops_the_group_and_records_no_outcome(tasks: Tasks) -> None:
     assert tasks.store.children.of_boot("boot1") == []
 
 
+def test_a_teardown_that_signals_the_runner_and_its_command_at_once_records_nothing(
+    tasks: Tasks,
+) -> None:
+    task = tasks.claimed()
+    runner = launch(tasks.spec(task, tasks.gated(task)))
+    command, grandchild = tasks.pids(task)
+    # The daemon's teardown signals every descendant at once: the command may be dead of
+    # it before the runner reads its own SIGTERM. It must not record that as a failure.
+    os.kill(runner.pid, signal.SIGSTOP)
+    try:
+        os.killpg(command, signal.SIGTERM)
+        wait_until(lambda: not alive(command), 10, "the command to die")
+        runner.send_signal(signal.SIGTERM)
+    finally:
+        os.kill(runner.pid, signal.SIGCONT)
+    assert ended(runner) == 0
+    row = tasks.row(task)
+    assert (row.status, row.exit_code) == ("running", None)
+    assert_all_gone(command, grandchild)
+
+
+def test_a_runner_whose_heartbeat_cannot_go_through_stops_its_command_by_itself(
+    tasks: Tasks,
+) -> None:
+    if tasks.store.backend != "sqlite":
+        pytest.skip("the database is held away with an SQLite lock")
+    task = tasks.claimed()
+    spec = tasks.spec(task, tasks.gated(task), heartbeat=0.2, lost_grace=1.0)
+    runner = launch(spec)
+    command, grandchild = tasks.pids(task)
+    path = tasks.store.url.removeprefix("sqlite:///")
+    holder = sqlite3.connect(path, timeout=0, isolation_level=None)
+    try:
+        holder.execute("BEGIN EXCLUSIVE")  # no write goes through: the heartbeat fails
+        # Before tasks.lost_grace runs out for any daemon, the command is stopped.
+        wait_until(lambda: not alive(command), 15, "the runner to stop its command")
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    assert ended(runner) == 0
+    row = tasks.row(task)
+    assert (row.status, row.exit_code) == ("running", None)  # no outcome: judged as lost
+    assert_all_gone(command, grandchild)
+
+
 def test_a_row_that_moved_on_stops_the_command_without_an_outcome(tasks: Tasks) -> None:
     task = tasks.claimed()
     runner = launch(tasks.spec(task, tasks.gated(task)))
     command, grandchild = tasks.pids(task)
     # A reconcile pass judged the runner lost and put the task back for a second attempt.
-    assert tasks.store.tasks.lose(task.id, 0.0, retry=True) is not None
+    assert tasks.store.tasks.lose(task.id, 1, 0.0, retry=True) is not None
     assert ended(runner) == 0
     row = tasks.row(task)
     assert (row.status, row.attempt, row.exit_code) == ("pending", 2, None)

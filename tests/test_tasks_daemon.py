@@ -38,7 +38,7 @@ KINDS = [
     {"name": "gated", "command": GATED, "args": ARGS},
     {"name": "gated-retry", "command": GATED, "args": ARGS, "retry_on_restart": True},
 ]
-FAST = {"reconcile_interval": 0.5, "lost_grace": 2.0, "kill_grace": 1.0}
+FAST = {"reconcile_interval": 0.5, "lost_grace": 4.0, "kill_grace": 1.0}
 
 
 def tasks_daemon(daemons: Daemons, **tasks: object) -> Daemon:

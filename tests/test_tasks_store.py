@@ -180,8 +180,8 @@ def test_an_outcome_is_reported_once_even_by_two_daemons_at_once(store: Store) -
 def test_a_runner_not_heard_from_is_lost_once_or_retried_once(store: Store) -> None:
     turn = Turn(store)
     task_id = running(store, turn)
-    assert store.tasks.lose(task_id, 60.0, retry=True) is None  # heard from just now
-    retried = store.tasks.lose(task_id, 0.0, retry=True)
+    assert store.tasks.lose(task_id, 1, 60.0, retry=True) is None  # heard from just now
+    retried = store.tasks.lose(task_id, 1, 0.0, retry=True)
     assert retried is not None and (retried.status, retried.seq) == ("pending", 0)
     row = store.tasks.get(task_id)
     assert row is not None and (row.status, row.attempt, row.host) == ("pending", 2, None)
@@ -189,13 +189,36 @@ def test_a_runner_not_heard_from_is_lost_once_or_retried_once(store: Store) -> N
     [notice] = events(store, turn.session_id, "notice")
     assert notice.seq == retried.notice_seq and "started again" in notice.payload["text"]
     assert store.tasks.claim(task_id, "host-a", "host-a/boot0002") is not None
-    lost = store.tasks.lose(task_id, 0.0, retry=False)
+    # A daemon that judged the first attempt from an older read changes nothing now.
+    assert store.tasks.lose(task_id, 1, 0.0, retry=True) is None
+    assert store.tasks.get(task_id).attempt == 2  # type: ignore[union-attr]
+    lost = store.tasks.lose(task_id, 2, 0.0, retry=False)
     assert lost is not None and lost.status == "lost"
     [result] = events(store, turn.session_id, "task_result")
     assert (result.seq, result.payload["status"]) == (lost.seq, "lost")
     notices = events(store, turn.session_id, "notice")
     assert notices[-1].seq == lost.notice_seq and "was lost" in notices[-1].payload["text"]
-    assert store.tasks.lose(task_id, 0.0, retry=False) is None
+    assert store.tasks.lose(task_id, 2, 0.0, retry=False) is None
+
+
+def test_a_pass_sees_every_kind_of_row_however_many_tasks_run(store: Store) -> None:
+    turn = Turn(store)
+    busy = [running(store, turn) for _ in range(3)]  # heard from: nothing to do
+    stale = running(store, turn)
+    done = running(store, turn)
+    waiting = turn.start(max_running=100).task.id
+    store.tasks.record(done, 1, TaskStatus.SUCCEEDED, exit_code=0, duration=0.1, output_tail="")
+    store.db.execute_sql(
+        "UPDATE task SET heartbeat_at = heartbeat_at - 100 WHERE id = %s"
+        if store.backend != "sqlite"
+        else "UPDATE task SET heartbeat_at = heartbeat_at - 100 WHERE id = ?",
+        (stale,),
+    )
+    # Each kind has a limit of its own: running tasks crowd out neither the others...
+    seen = [row.id for row in store.tasks.to_reconcile(lost_grace=60.0, limit=1)]
+    assert seen == [waiting, done, stale]
+    assert not set(busy) & set(seen)
+    assert store.tasks.live_ids() == {*busy, stale, waiting}
 
 
 def test_cancels_and_a_closed_session(store: Store) -> None:
@@ -210,7 +233,7 @@ def test_cancels_and_a_closed_session(store: Store) -> None:
     assert asked is not None and (asked.status, asked.cancel_requested) == ("running", True)
     assert store.tasks.heartbeat(task_id, 1) is True
     # Its runner went before it acted: the outcome is `cancelled`, never retried.
-    gone = store.tasks.lose(task_id, 0.0, retry=True)
+    gone = store.tasks.lose(task_id, 1, 0.0, retry=True)
     assert gone is not None and gone.status == "cancelled" and gone.notice_seq is None
     assert store.tasks.cancel("t" + "0" * 32) is None
     # An outcome whose session was closed is settled without an event.

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
 SESSION_ID = re.compile(r"[0-9a-f]{32}")
 TASK_ID = re.compile(r"t[0-9a-f]{32}")
+CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")  # all but tab and newline
 HEADERS = ["ID", "KIND", "STATUS", "CREATED", "ENDED", "EXIT", "ARGS"]
 ARGS_WIDTH = 20  # at least, however narrow the terminal
 STATUS_COLOURS: dict[str, str] = {
@@ -206,7 +207,8 @@ def task_lines(task: dict[str, Any]) -> list[str]:
         lines.append(f"reason    {' '.join(task['reason'].split())}")
     lines.append(f"output    {task['output_url']}")
     if task["output_tail"]:
-        lines += ["", "the end of its output:", task["output_tail"].rstrip("\n")]
+        tail = CONTROL.sub("\ufffd", task["output_tail"].rstrip("\n"))  # no terminal escapes
+        lines += ["", "the end of its output:", tail]
     return lines
 
 

@@ -58,6 +58,7 @@ class RunnerSpec:
     boot: str  # the daemon's boot id and host id, the command is recorded under them
     host: str
     create_cwd: bool = False  # `cwd` is the task's own directory: made (0700) if missing
+    lost_grace: float = 0.0  # tasks.lost_grace: the runner fences itself before (0: never)
 
     def to_json(self) -> str:
         """The spec as the runner reads it on its stdin."""
@@ -74,7 +75,7 @@ class RunnerSpec:
             raise ValueError(f"the task spec is not JSON: {exc}") from None
         if not isinstance(data, dict):
             raise ValueError("the task spec must be a JSON object")
-        missing = sorted(set(_TYPES) - set(data) - {"create_cwd"})
+        missing = sorted(set(_TYPES) - set(data) - {"create_cwd", "lost_grace"})
         unknown = sorted(set(data) - set(_TYPES))
         if missing or unknown:
             raise ValueError(f"the task spec lacks {missing} or has unknown fields {unknown}")
@@ -114,6 +115,7 @@ _TYPES: dict[str, type] = {
     "boot": str,
     "host": str,
     "create_cwd": bool,
+    "lost_grace": float,
 }
 
 
@@ -123,6 +125,19 @@ def _is(value: Any, kind: type) -> bool:
     if kind is int:
         return isinstance(value, int) and not isinstance(value, bool)
     return isinstance(value, kind)
+
+
+def heartbeat_of(lost_grace: float) -> float:
+    """Seconds between two heartbeats of a runner: a third of `tasks.lost_grace`, at most
+    5 s, so that a runner is missed only after several tries."""
+    return min(5.0, lost_grace / 3)
+
+
+def fence_of(lost_grace: float, heartbeat: float) -> float:
+    """Seconds without a heartbeat that went through after which a runner stops its
+    command by itself (and records nothing): before `lost_grace` runs out and the task
+    may be judged lost, and started again, by any daemon."""
+    return max(heartbeat, lost_grace - heartbeat)
 
 
 def output_path(state_dir: Path, task_id: str) -> Path:

@@ -171,6 +171,7 @@ class Pool(Requests, RollingRestart):
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
         await self.subagents.release()
+        await self.task_keeper.settle()  # a runner being started is ended with the others
         # From here on `terminate` reaps every child itself.
         asyncio.get_running_loop().remove_signal_handler(signal.SIGCHLD)
         for worker in self.workers.values():

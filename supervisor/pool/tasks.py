@@ -37,14 +37,16 @@ from supervisor.contract.clock import SYSTEM, Clock, sleep_unless
 from supervisor.contract.config import Config
 from supervisor.contract.logs import log
 from supervisor.contract.mcp_env import child_environment
+from supervisor.contract.task_kinds import TaskKind
 from supervisor.contract.task_spec import output_path
 from supervisor.core import tasks as rules
 from supervisor.core.vocabulary import EventType, TaskAction, TaskStatus
 from supervisor.http.metrics import Metrics
 from supervisor.store import Store, TaskInfo, TaskReported
-from supervisor.task_runner import RunnerSpec, launch
+from supervisor.task_runner import RunnerSpec, heartbeat_of, launch
 
-BATCH = 500  # rows looked at in one pass; the next pass takes the rest
+BATCH = 500  # rows of each kind looked at in one pass; the next pass takes the rest
+HUNG_MARGIN = 30.0  # seconds past lost_grace + kill_grace before a silent runner is hung
 PRUNE_EVERY = 3600.0  # seconds between sweeps of old output files
 
 
@@ -75,7 +77,8 @@ class TaskKeeper:
         self.clock = clock
         self.stirred = asyncio.Event()
         self.runners: dict[str, int] = {}  # task id -> its runner's pid, while it runs
-        self._watched: dict[int, str] = {}  # pidfd -> task id
+        self._watched: dict[int, tuple[str, int]] = {}  # pidfd -> (task id, runner pid)
+        self._launching: set[asyncio.Future[Any]] = set()
         self._pruned_at = 0.0
         self.log = log("tasks")
 
@@ -115,30 +118,53 @@ class TaskKeeper:
             self._unwatch_all()
 
     async def reconcile(self) -> None:
-        """One pass over the live and unreported tasks (see the module docstring)."""
-        rows = await asyncio.to_thread(self.store.tasks.to_reconcile, BATCH)
-        now = await asyncio.to_thread(self.store.tasks.now) if rows else 0.0
+        """One pass over the tasks to act on (see the module docstring)."""
         grace = self.config.tasks.lost_grace
+        rows = await asyncio.to_thread(self.store.tasks.to_reconcile, grace, BATCH)
+        now = await asyncio.to_thread(self.store.tasks.now) if rows else 0.0
         for row in rows:
-            kind = self.config.tasks.kind(row.kind)
-            action = rules.decide(
-                row.status,
-                reported=row.reported,
-                heard_ago=None if row.heartbeat_at is None else now - row.heartbeat_at,
-                lost_grace=grace,
-                retry_on_restart=kind is not None and kind.retry_on_restart,
-                attempt=row.attempt,
-                cancel_requested=row.cancel_requested,
-            )
-            if action is None or (action is TaskAction.LOST and row.id in self.runners):
-                continue  # a runner of ours that is alive is not lost, however slow
-            try:
-                await self._carry_out(action, row)
-            except Exception as exc:  # one bad row must not hold up the others
-                self.log.bind(session=row.session).error(
-                    "task {}: {} failed: {}", row.id, action, exc
+            try:  # one bad row must not hold up the others
+                heard_ago = None if row.heartbeat_at is None else now - row.heartbeat_at
+                kind = self.config.tasks.kind(row.kind)
+                action = rules.decide(
+                    row.status,
+                    reported=row.reported,
+                    heard_ago=heard_ago,
+                    lost_grace=grace,
+                    retry_on_restart=kind is not None and kind.retry_on_restart,
+                    attempt=row.attempt,
+                    cancel_requested=row.cancel_requested,
                 )
+                if action in (TaskAction.LOST, TaskAction.RETRY) and self._ours(row, heard_ago):
+                    continue  # its runner is alive and fences itself (see `_ours`)
+                if action is not None:
+                    await self._carry_out(action, row)
+            except Exception as exc:
+                self.log.bind(session=row.session).error("task {}: {}", row.id, exc)
         await self._prune()
+
+    def _ours(self, row: TaskInfo, heard_ago: float | None) -> bool:
+        """Whether a task not heard from is run by a live runner of ours. Such a runner
+        stops its command by itself once it could not renew the heartbeat for most of
+        `tasks.lost_grace` (the database is away); one that did not within a margin is
+        hung: it is killed, and the task judged as any other."""
+        pid = self.runners.get(row.id)
+        if pid is None:
+            return False
+        tasks = self.config.tasks
+        margin = tasks.lost_grace + tasks.kill_grace + HUNG_MARGIN
+        if heard_ago is None or heard_ago < margin:
+            return True
+        self.log.bind(session=row.session).error(
+            "task {}: its runner (pid {}) was not heard from for {:.0f} s: killed",
+            row.id,
+            pid,
+            heard_ago,
+        )
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
+        self.runners.pop(row.id, None)
+        return False
 
     async def _carry_out(self, action: TaskAction, row: TaskInfo) -> None:
         if action is TaskAction.START:
@@ -150,7 +176,9 @@ class TaskKeeper:
         else:
             retry = action is TaskAction.RETRY
             grace = self.config.tasks.lost_grace
-            reported = await asyncio.to_thread(self.store.tasks.lose, row.id, grace, retry)
+            reported = await asyncio.to_thread(
+                self.store.tasks.lose, row.id, row.attempt, grace, retry
+            )
             if reported is None:
                 return
             if reported.notice_seq is not None:
@@ -182,32 +210,25 @@ class TaskKeeper:
             )
             await self._fail(claimed, why)
             return
-        output = output_path(self.directory.parent, claimed.id)
-        spec = RunnerSpec(
-            task=claimed.id,
-            attempt=claimed.attempt,
-            argv=rules.render(kind.command, claimed.args),
-            env=child_environment(kind.env),
-            cwd=kind.cwd or str(self.directory / claimed.id),
-            timeout=kind.timeout,
-            kill_grace=self.config.tasks.kill_grace,
-            max_output=self.config.tasks.max_output,
-            output=str(output),
-            store_url=self.store.url,
-            heartbeat=min(5.0, self.config.tasks.lost_grace / 3),
-            boot=self.boot_id,
-            host=self.host,
-            create_cwd=not kind.cwd,
-        )
         try:
-            process = await asyncio.to_thread(launch, spec)
+            spec = self._spec(claimed, kind)
+        except Exception as exc:  # e.g. an argument the kind's command no longer has
+            await self._fail(claimed, f"its command cannot be made: {exc}")
+            return
+        launching = asyncio.get_running_loop().run_in_executor(None, launch, spec)
+        self._launching.add(launching)
+        launching.add_done_callback(self._launching.discard)
+        try:
+            # Shielded: a stop that cancels this pass still waits for it (`settle`), so
+            # the runner it starts is among the descendants the stop ends.
+            process = await asyncio.shield(launching)
         except OSError as exc:
             await self._fail(claimed, f"its runner could not start: {exc}")
             return
         pid = process.pid
         self.runners[claimed.id] = pid
         self._watch(claimed.id, pid)
-        await asyncio.to_thread(self._record_runner, claimed, pid)
+        await asyncio.to_thread(self._note_runner, claimed, pid)
         self._count(TaskAction.START)
         self.log.bind(session=claimed.session).info(
             "task {} ({}) started: runner pid {}, attempt {}",
@@ -217,15 +238,39 @@ class TaskKeeper:
             claimed.attempt,
         )
 
-    def _record_runner(self, task: TaskInfo, pid: int) -> None:
-        try:
-            started = psutil.Process(pid).create_time()
-        except psutil.Error:
-            return  # it ended already: its exit is watched
-        self.store.children.record(
-            self.boot_id, pid, started, "task", pgid=pid, name=f"runner {task.id}", host=self.host
+    def _spec(self, task: TaskInfo, kind: TaskKind) -> RunnerSpec:
+        assert self.directory is not None
+        rules.check_args(  # the kind may have changed since the task was admitted
+            rules.KindRules(kind.name, tuple(kind.command), dict(kind.args)), task.args
         )
-        self.store.tasks.set_runner(task.id, task.attempt, pid, started)
+        return RunnerSpec(
+            task=task.id,
+            attempt=task.attempt,
+            argv=rules.render(kind.command, task.args),
+            env=child_environment(kind.env),
+            cwd=kind.cwd or str(self.directory / task.id),
+            timeout=kind.timeout,
+            kill_grace=self.config.tasks.kill_grace,
+            max_output=self.config.tasks.max_output,
+            output=str(output_path(self.directory.parent, task.id)),
+            store_url=self.store.url,
+            heartbeat=heartbeat_of(self.config.tasks.lost_grace),
+            boot=self.boot_id,
+            host=self.host,
+            create_cwd=not kind.cwd,
+            lost_grace=self.config.tasks.lost_grace,
+        )
+
+    def _note_runner(self, task: TaskInfo, pid: int) -> None:
+        """The runner's pid in the task's row, for the API (the runner records itself in
+        the child registry, and forgets itself there when it ends)."""
+        with contextlib.suppress(psutil.Error):
+            started = psutil.Process(pid).create_time()
+            self.store.tasks.set_runner(task.id, task.attempt, pid, started)
+
+    async def settle(self) -> None:
+        """Wait for runners being started (a stop: they are among what it ends)."""
+        await asyncio.gather(*self._launching, return_exceptions=True)
 
     async def _fail(self, task: TaskInfo, why: str) -> None:
         self.log.bind(session=task.session).error("task {} ({}): {}", task.id, task.kind, why)
@@ -249,20 +294,24 @@ class TaskKeeper:
         try:
             fd = os.pidfd_open(pid)
         except OSError:  # gone already (reaped): look now
-            self.runners.pop(task_id, None)
+            self._forget(task_id, pid)
             self.stir()
             return
-        self._watched[fd] = task_id
+        self._watched[fd] = (task_id, pid)
         asyncio.get_running_loop().add_reader(fd, self._exited, fd)
 
     def _exited(self, fd: int) -> None:
-        task_id = self._watched.pop(fd, None)
+        watched = self._watched.pop(fd, None)
         with contextlib.suppress(Exception):
             asyncio.get_running_loop().remove_reader(fd)
         os.close(fd)
-        if task_id is not None:
-            self.runners.pop(task_id, None)
+        if watched is not None:
+            self._forget(*watched)
         self.stir()
+
+    def _forget(self, task_id: str, pid: int) -> None:
+        if self.runners.get(task_id) == pid:  # not a later runner of the same task
+            del self.runners[task_id]
 
     def _unwatch_all(self) -> None:
         for fd in list(self._watched):
@@ -299,20 +348,21 @@ class TaskKeeper:
         if self.directory is None or time.monotonic() - self._pruned_at < PRUNE_EVERY:
             return
         self._pruned_at = time.monotonic()
-        removed = await asyncio.to_thread(_prune, self.directory, self.config.tasks.keep)
+        live = await asyncio.to_thread(self.store.tasks.live_ids)
+        removed = await asyncio.to_thread(_prune, self.directory, self.config.tasks.keep, live)
         if removed:
             self.log.info("removed {} task output files older than tasks.keep", removed)
 
 
-def _prune(directory: Path, keep: float) -> int:
-    """Remove what tasks left in `directory` (output files, working directories) that was
-    last changed more than `keep` seconds ago; a live task's output keeps changing."""
+def _prune(directory: Path, keep: float, live: set[str]) -> int:
+    """Remove what tasks left in `directory` (output files, working directories, runner
+    logs) that was last changed more than `keep` seconds ago, but none of a `live` task."""
     cutoff = time.time() - keep
     removed = 0
     with contextlib.suppress(OSError):
         for path in directory.iterdir():
             with contextlib.suppress(OSError):
-                if path.lstat().st_mtime >= cutoff:
+                if path.name.split(".", 1)[0] in live or path.lstat().st_mtime >= cutoff:
                     continue
                 if path.is_dir() and not path.is_symlink():
                     shutil.rmtree(path, ignore_errors=True)

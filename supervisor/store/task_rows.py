@@ -11,6 +11,7 @@ from typing import Any
 import peewee
 
 from supervisor.core.vocabulary import TaskStatus
+from supervisor.store.db import db_now
 from supervisor.store.models import SessionACL, Task
 
 LIVE = (TaskStatus.PENDING, TaskStatus.RUNNING)
@@ -142,15 +143,27 @@ class Reading:
             counts[str(status)] = int(number)
         return counts
 
-    def to_reconcile(self, limit: int = 500) -> list[TaskInfo]:
-        """Rows a reconcile pass looks at: pending, running, and outcomes not reported."""
-        query = (
-            Task.select()
-            .where(Task.status.in_(LIVE) | Task.result_seq.is_null())
-            .order_by(Task.created_at, Task.id)
-            .limit(limit)
-        )
-        return [info_of(row) for row in query]
+    def to_reconcile(self, lost_grace: float, limit: int = 500) -> list[TaskInfo]:
+        """What a reconcile pass looks at, each kind of row with a limit of its own, so
+        that long-running tasks never crowd the others out: pending rows, outcomes not
+        reported, and running rows not heard from for `lost_grace` by the database clock.
+        """
+        now = db_now(Task._meta.database)
+        stale = Task.heartbeat_at.is_null() | (Task.heartbeat_at < now - lost_grace)
+        found: list[TaskInfo] = []
+        for where in (
+            Task.status == TaskStatus.PENDING,
+            Task.result_seq.is_null() & Task.status.not_in(LIVE),
+            (Task.status == TaskStatus.RUNNING) & stale,
+        ):
+            query = Task.select().where(where).order_by(Task.created_at, Task.id).limit(limit)
+            found += [info_of(row) for row in query]
+        return found
+
+    def live_ids(self, limit: int = 100_000) -> set[str]:
+        """The ids of the pending and running tasks."""
+        query = Task.select(Task.id).where(Task.status.in_(LIVE)).limit(limit)
+        return {row.id for row in query}
 
     def listed(
         self, statuses: Sequence[str] = (), limit: int = 100, principal: str | None = None

@@ -29,7 +29,7 @@ from supervisor.core import tasks as rules
 from supervisor.core.vocabulary import EventType, SessionStatus, TaskStatus, Writer
 from supervisor.store import lifecycle
 from supervisor.store.db import db_now, run_write
-from supervisor.store.errors import LeaseLost
+from supervisor.store.errors import LeaseLost, SessionNotFound
 from supervisor.store.eventlog import make_request
 from supervisor.store.models import Session, Task
 from supervisor.store.task_rows import (
@@ -45,6 +45,14 @@ from supervisor.store.task_rows import (
 __all__ = ["Started", "TaskInfo", "TaskReported", "Tasks"]
 
 CALL_ID_MAX = 200  # the column's width
+
+
+def _locked_session(session_id: str) -> Session | None:
+    """The task's session row, locked first (the lock order), or None if it is gone."""
+    try:
+        return lifecycle.locked_row(session_id)
+    except SessionNotFound:
+        return None
 
 
 class Tasks(Reading):
@@ -228,9 +236,7 @@ class Tasks(Reading):
             row = Task.get_or_none(Task.id == task_id)
             if row is None or not TaskStatus(row.status).final or row.result_seq is not None:
                 return None
-            session = Session.get_or_none(Session.id == row.session)
-            if session is not None:
-                lifecycle.locked_row(row.session)
+            session = _locked_session(row.session)
             row = locked(task_id)
             if row is None or not TaskStatus(row.status).final or row.result_seq is not None:
                 return None
@@ -282,22 +288,23 @@ class Tasks(Reading):
 
     # --- a runner gone --------------------------------------------------------------
 
-    def lose(self, task_id: str, lost_grace: float, retry: bool) -> TaskReported | None:
-        """A running task whose runner was not heard from for `lost_grace`: with `retry`
-        (its kind retries and this was its first attempt), pending again with a notice
-        (returned with seq 0 and status `pending`); else `lost` (`cancelled` if a cancel
-        was asked), reported with a notice. None if it was heard from meanwhile."""
+    def lose(
+        self, task_id: str, attempt: int, lost_grace: float, retry: bool
+    ) -> TaskReported | None:
+        """A running task whose run `attempt` was not heard from for `lost_grace`: with
+        `retry` (its kind retries and this was its first attempt), pending again with a
+        notice (returned with seq 0 and status `pending`); else `lost` (`cancelled` if a
+        cancel was asked), reported with a notice. None if it was heard from meanwhile, or
+        the row is another attempt's by now (another daemon judged it first)."""
 
         def work() -> TaskReported | None:
             row = Task.get_or_none(Task.id == task_id)
             if row is None or row.status != TaskStatus.RUNNING:
                 return None
-            session = Session.get_or_none(Session.id == row.session)
-            if session is not None:
-                lifecycle.locked_row(row.session)
+            session = _locked_session(row.session)
             row = locked(task_id)
             now = db_now(self._db)
-            if row is None or row.status != TaskStatus.RUNNING:
+            if row is None or row.status != TaskStatus.RUNNING or row.attempt != attempt:
                 return None
             if row.heartbeat_at is not None and now - row.heartbeat_at < lost_grace:
                 return None
