@@ -239,7 +239,14 @@ def test_the_command_line_lists_shows_and_cancels_tasks(start: Callable[..., Api
     alice = api.client("alice")
     session, empty = create_session(alice), create_session(alice)
     with api.store() as store:
-        done = put(store, session, host=this_host_id(), outcome=TaskStatus.SUCCEEDED, tail="a\nb\n")
+        # The output's end holds a terminal escape: it is shown, never sent to the terminal.
+        done = put(
+            store,
+            session,
+            host=this_host_id(),
+            outcome=TaskStatus.SUCCEEDED,
+            tail="a\n\x1b]0;x\x07b\n",
+        )
         waiting = put(store, session)
     tokens = {"TURNKEEPER_TOKEN": api.tokens["alice"]}
 
@@ -270,7 +277,7 @@ def test_the_command_line_lists_shows_and_cancels_tasks(start: Callable[..., Api
     ]
     assert "exit      0   after 2.5 s" in lines
     assert f"output    /v1/tasks/{done.id}/output" in lines
-    assert lines[-3:] == ["the end of its output:", "a", "b"]
+    assert lines[-3:] == ["the end of its output:", "a", "\ufffd]0;x\ufffdb"]
     as_json = turnkeeper(api.daemon, "tasks", done.id, "--json", **tokens)
     assert json.loads(as_json.stdout) == alice.get(f"/v1/tasks/{done.id}").json()
 
