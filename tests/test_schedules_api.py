@@ -139,7 +139,7 @@ def test_a_schedule_without_a_session_is_its_owners(tmp_path: Path) -> None:
         }
         assert (await admin.call("DELETE", one))[0] == 200
 
-    run(tmp_path, scenario)
+    run(tmp_path, scenario, schedules={"min_interval": 2})
 
 
 BAD = [
@@ -196,6 +196,54 @@ def test_what_cannot_be_made_says_why(tmp_path: Path) -> None:
         assert (status, error["error"]["code"]) == (503, "stopping")
 
     run(tmp_path, scenario, schedules={"max_schedules": 1})
+
+
+@pytest.mark.parametrize(
+    ("least", "refused", "allowed"),
+    [
+        (60.0, {"* * * * * *": 1, "*/30 * * * * *": 30, "0,59 * * * * *": 1}, ["0 * * * * *"]),
+        (2.0, {"* * * * * *": 1, "0,1 */5 * * * *": 1}, ["*/2 * * * * *", "* * * * *"]),
+        (0.0, {}, ["* * * * * *"]),
+    ],
+)
+def test_a_schedule_fires_no_more_often_than_min_interval(
+    tmp_path: Path, least: float, refused: dict[str, int], allowed: list[str]
+) -> None:
+    async def scenario(store: Store, api: Api, who: dict[str, Caller]) -> None:
+        for cron, gap in refused.items():
+            body = {"cron": cron, "text": "x", "session": None}
+            status, answer = await who["alice"].call("POST", "/v1/schedules", json=body)
+            assert status == 422, answer
+            error = answer["error"]
+            assert (error["code"], error["field"]) == ("invalid", "cron")
+            assert error["message"] == (
+                f"cron: {cron!r} runs {gap} s apart, more often than schedules.min_interval "
+                f"allows (at least {least:g} s between two runs)"
+            )
+        for cron in allowed:
+            await who["alice"].make(cron=cron, session=None)
+        assert len(store.schedules.visible()) == len(allowed)
+
+    run(tmp_path, scenario, schedules={"min_interval": least})
+
+
+def test_one_principal_cannot_use_up_everyones_schedules(tmp_path: Path) -> None:
+    async def scenario(store: Store, api: Api, who: dict[str, Caller]) -> None:
+        alice, bob = who["alice"], who["bob"]
+        first = await alice.make(cron="0 9 * * *")
+        await alice.make(cron="0 10 * * *")
+        status, error = await alice.call(
+            "POST", "/v1/schedules", json={"cron": "0 11 * * *", "text": "x"}
+        )
+        assert (status, error["error"]["code"]) == (409, "too_many_own_schedules")
+        assert error["error"]["message"] == (
+            "alice has made 2 schedules already (schedules.max_per_owner); delete one of them first"
+        )
+        await bob.make(cron="0 11 * * *")  # his own room
+        assert (await alice.call("DELETE", f"/v1/schedules/{first['id']}"))[0] == 200
+        await alice.make(cron="0 11 * * *")
+
+    run(tmp_path, scenario, schedules={"max_per_owner": 2})
 
 
 def test_schedules_turned_off_are_refused(tmp_path: Path) -> None:

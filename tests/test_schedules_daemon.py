@@ -72,6 +72,7 @@ def bad_input_is_a_clear_error(api: Api, session: str) -> None:
     ok = {"cron": EVERY_2S, "text": "x", "session": session}
     for change, field, says in [
         ({"cron": "61 * * * *"}, "cron", "is not a cron expression: Bad minute"),
+        ({"cron": "* * * * * *"}, "cron", "runs 1 s apart, more often than schedules.min_interval"),
         ({"timezone": "Mars/Olympus"}, "timezone", "unknown time zone 'Mars/Olympus'"),
         ({"misfire": "sometimes"}, "misfire", "'run_once' or 'skip'"),
         ({"session": "0" * 32}, "session", "no session '" + "0" * 32 + "'"),
@@ -90,7 +91,8 @@ def bad_input_is_a_clear_error(api: Api, session: str) -> None:
 def test_a_schedule_fires_on_time_once_across_restarts(
     start: Callable[..., Api], tmp_path: Path
 ) -> None:
-    api = start(recovery={"breaker_threshold": 100})
+    # Every 2 s needs schedules.min_interval down from its 60 s.
+    api = start(recovery={"breaker_threshold": 100}, schedules={"min_interval": 2})
     daemon, alice = api.daemon, api.client("alice")
     session = create_session(alice, title="reports")
     bad_input_is_a_clear_error(api, session)

@@ -101,6 +101,30 @@ def test_a_scheduler_held_up_past_late_coalesces_like_a_stop() -> None:
     assert len(fires) + sum(f.passed_over for f in fires) == int((LATE + 10.5) // 2)
 
 
+def test_a_time_another_daemon_was_up_for_is_on_time_for_one_that_booted_after_it() -> None:
+    # This daemon boots at T0 + 0.5; T0 is due. Was another one up at T0?
+    def outcome(*up: tuple[float, float]) -> FireOutcome:
+        facts = Facts(since=T0 - 1, started=T0 + 0.5, now=T0 + 0.6, misfire=Misfire.SKIP, up=up)
+        (fire,) = decide(Every(2), facts)
+        return fire.outcome
+
+    assert outcome() is SKIPPED  # none: missed
+    assert outcome((T0 - 100, T0 + 0.2)) is FIRED  # renewed after it
+    assert outcome(rules.up_span(T0 - 100, T0 - 0.5, live=True)) is FIRED  # renewing still
+    assert outcome(rules.up_span(T0 - 100, T0 - 0.5, live=False)) is SKIPPED  # lost before it
+    assert outcome(rules.up_span(T0 - 100, T0 - rules.RENEWED - 0.1, live=True)) is SKIPPED
+    assert outcome(rules.up_span(T0 + 0.1, T0 + 0.4, live=True)) is SKIPPED  # came after it
+    assert rules.up_span(5.0, 7.0, live=True) == (5.0, 7.0 + rules.RENEWED)
+
+
+def test_a_time_before_a_missed_one_is_missed_too() -> None:
+    # Another daemon was up until T0 + 3 and fired nothing; this one boots at T0 + 10.5.
+    facts = Facts(since=T0, started=T0 + 10.5, now=T0 + 10.6, up=((T0 - 100, T0 + 3),))
+    (fire,) = decide(Every(2), facts)
+    assert shape([fire]) == [(10, CAUGHT_UP, 4)]  # T0 + 2 coalesces with the rest
+    assert "(while no daemon ran)" in fire.reason
+
+
 def test_a_new_schedule_fires_nothing_before_it_was_armed() -> None:
     facts = Facts(since=T0 + 3, started=T0 - 50, now=T0 + 3.5)
     assert decide(Every(2), facts) == []
@@ -127,6 +151,12 @@ def test_an_unknown_misfire_value_misses_by_skipping() -> None:
     steps=st.lists(st.floats(0.01, 400), min_size=1, max_size=8),
     misfire=st.sampled_from(list(Misfire)),
     grace=st.sampled_from([0.0, 5.0, 60.0, 3600.0]),
+    up=st.lists(
+        st.tuples(st.floats(T0 - 100, T0 + 10_000), st.floats(0, 3000)).map(
+            lambda span: (span[0], span[0] + span[1])
+        ),
+        max_size=3,
+    ),
 )
 def test_each_time_is_decided_once_in_order_whatever_the_passes(
     period: float,
@@ -135,6 +165,7 @@ def test_each_time_is_decided_once_in_order_whatever_the_passes(
     steps: list[float],
     misfire: Misfire,
     grace: float,
+    up: list[tuple[float, float]],
 ) -> None:
     """Passes at any moments: every due time is accounted for once (a row, or passed over
     by the row of a newer missed time), rows go forward, at most one decision of a pass
@@ -144,7 +175,7 @@ def test_each_time_is_decided_once_in_order_whatever_the_passes(
     rows: list[Fire] = []
     for step in steps:
         now += step
-        facts = Facts(decided, started, now, misfire, grace)
+        facts = Facts(decided, started, now, misfire, grace, tuple(up))
         due, more = rules.due(times, facts)
         fires = rules.decide(due, more, facts)
         assert not more and len(fires) + sum(f.passed_over for f in fires) == len(due)
@@ -152,15 +183,17 @@ def test_each_time_is_decided_once_in_order_whatever_the_passes(
         assert all(decided < f.scheduled_for <= now for f in fires)
         late = [f for f in fires if f.outcome is not FIRED]
         assert late == fires[: len(late)] and len(late) <= 1
-        threshold = max(started, now - LATE)
+        missed = [t for t in due if t < now - LATE or not rules.was_up(t, facts)]
         for f in late:
-            assert f.scheduled_for == max(t for t in due if t < threshold)
+            assert f.scheduled_for == max(missed)
             if f.outcome is CAUGHT_UP:
                 assert misfire is Misfire.RUN_ONCE and now - f.scheduled_for <= grace
-        assert all(f.scheduled_for >= threshold for f in fires if f.outcome is FIRED)
+        on_time = [f.scheduled_for for f in fires if f.outcome is FIRED]
+        assert all(t >= now - LATE and rules.was_up(t, facts) for t in on_time)
+        assert all(t > max(missed, default=since) for t in on_time)
         rows += fires
         decided = rows[-1].scheduled_for if rows else decided
-        again = Facts(decided, started, now, misfire, grace)
+        again = Facts(decided, started, now, misfire, grace, tuple(up))
         assert rules.decide(*rules.due(times, again), again) == []
     every, _ = times.back(now, since, 1_000_000)
     assert sum(1 + f.passed_over for f in rows) == len(every)
@@ -218,6 +251,16 @@ def test_six_fields_have_seconds_first() -> None:
     assert cron.back(T0 + 4, T0, 1) == ([T0 + 4], True)
     assert check("0 * * * *").after(T0 + 1) == T0 + 3600
     assert check("* * * * *").after(T0) == T0 + 60
+
+
+def test_the_shortest_gap_of_the_next_times() -> None:
+    assert check("*/2 * * * * *").upcoming(T0, 3) == [T0 + 2, T0 + 4, T0 + 6]
+    assert rules.shortest_gap(check("* * * * * *").upcoming(T0, rules.GAP_SAMPLE)) == 1
+    assert rules.shortest_gap(check("0,40 * * * * *").upcoming(T0, rules.GAP_SAMPLE)) == 20
+    assert rules.shortest_gap(check("*/5 * * * *").upcoming(T0, rules.GAP_SAMPLE)) == 300
+    # Seconds 59 and 0 of two minutes in a row: 1 s apart across the minute.
+    assert rules.shortest_gap(check("0,30,59 * * * * *").upcoming(T0, 10)) == 1
+    assert rules.shortest_gap(check("0 0 1 1 *").upcoming(T0, 1)) is None
 
 
 def test_times_are_wall_times_of_the_time_zone() -> None:

@@ -12,6 +12,7 @@ A bad expression or an unknown time zone is a `CronError` naming the field (`cro
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterator
 from datetime import UTC, datetime, tzinfo
@@ -66,6 +67,11 @@ class Cron:
     def after(self, moment: float) -> float | None:
         """The first time strictly after `moment`; None if none comes in 50 years."""
         return next(self._steps(moment, reverse=False), None)
+
+    def upcoming(self, moment: float, count: int) -> list[float]:
+        """Its first `count` times after `moment`, oldest first (fewer if none comes in 50
+        years after one of them)."""
+        return list(itertools.islice(self._steps(moment, reverse=False), count))
 
     def back(self, upto: float, since: float, limit: int) -> tuple[list[float], bool]:
         """The times in (since, upto], newest first, at most `limit`; and whether older

@@ -105,3 +105,5 @@ class TasksConfig(_Section):
 class SchedulesConfig(_Section):
     misfire_grace: Annotated[float, Field(ge=0)] = 3600.0
     max_schedules: Annotated[int, Field(ge=0)] = 1000  # in all; 0 turns schedules off
+    max_per_owner: Annotated[int, Field(ge=1)] = 100  # made by one principal
+    min_interval: Annotated[float, Field(ge=0)] = 60.0  # seconds between two times, at least

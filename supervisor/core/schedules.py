@@ -11,9 +11,14 @@ Rules
 - `since` is the newest time already decided (a fire row: fired, caught up or skipped),
   or, before the first, the moment the schedule was armed (its creation): no time at or
   before it fires. Due are the times in (since, now].
-- A due time is missed when it came before the scheduler started (no daemon ran, or none
-  fired it), or more than `LATE` seconds ago (the database or the loop held the scheduler
-  up); the later ones are on time.
+- A due time is missed when no daemon was up at it, or it came more than `LATE` seconds
+  ago (the database or the loop held the scheduler up); the others are on time. A daemon
+  was up at a time when this scheduler had started by then, or when another registered
+  daemon (`Facts.up`, from the hosts table: `up_span`) had started by then and renewed
+  its row after it (or, still live, at most `RENEWED` seconds before it: it renews every
+  second). So a daemon that boots just after a time another one was up for does not
+  judge it missed (and skip it) before that one fires it. A time before a missed one is
+  missed too: times are decided in order, the missed ones coalesce.
 - On time: each fires (`fired`), oldest first.
 - Missed, misfire `run_once`: the newest missed time fires once (`caught_up`) if it is no
   older than `misfire_grace`; the older ones are skipped. Past the grace, or misfire
@@ -23,6 +28,16 @@ Rules
   ones that get no row of their own too (at most `MAX_MISSED` of them are counted).
 - A fire's message carries the schedule and the scheduled time; its idempotency key is
   derived from both (`idempotency_key`), so injecting it again appends nothing.
+- A fire committed but not injected (its daemon died in between) is owed: a booting
+  daemon finishes every owed fire at once, and each daemon, on its passes, those at
+  least `OWED_AGE` seconds old on the database clock (not a live daemon's injection in
+  flight; were it raced, the key above, or for a new session the fire row's lock, keeps
+  it to one message).
+- A schedule's times are at least `schedules.min_interval` apart, checked when it is made:
+  the shortest gap between two consecutive of its next `GAP_SAMPLE` times (`shortest_gap`).
+  Sustained frequency is what costs (a turn, and maybe a session, per time); a shorter gap
+  further out than the sample is rare by construction. With 5 fields every gap is at
+  least 60 s; with 6, two seconds in one minute are under 60 s apart and show at once.
 - A turn of a session of kind `scheduled` is never continued: interrupted (`interruption`),
   it ends with a notice (`INTERRUPTED_NOTICE`), and the schedule's next fire runs on time.
 """
@@ -32,12 +47,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from itertools import pairwise
 from typing import Any, Protocol
 
 from supervisor.core.vocabulary import Cause, FireOutcome, Misfire
 
 LATE = 60.0  # seconds past its time that a time the scheduler was up for is still on time
 MAX_MISSED = 10_000  # missed times counted at most, newest first (older: "at least")
+OWED_AGE = 10.0  # seconds a committed fire waits for its own daemon before any finishes it
+RENEWED = 3.0  # seconds past its last renewal a live daemon counts as up (it renews every 1 s)
+GAP_SAMPLE = 200  # next times of a new schedule whose gaps are checked against min_interval
 RELEASED_GRACE = 10.0  # seconds a released turn (no owner) waits before it counts as left
 NOT_CONTINUED = "not_continued"  # the reason of the notice and turn_ended that end one
 INTERRUPTED_NOTICE = (
@@ -68,6 +87,7 @@ class Facts:
     now: float
     misfire: Misfire = Misfire.RUN_ONCE
     grace: float = 3600.0  # schedules.misfire_grace
+    up: tuple[tuple[float, float], ...] = ()  # when other daemons were up (`up_span`)
 
 
 @dataclass(frozen=True)
@@ -98,21 +118,36 @@ def due(times: Times, facts: Facts) -> tuple[list[float], bool]:
     return times.back(facts.now, facts.since, MAX_MISSED)
 
 
+def up_span(started_at: float, last_seen: float, live: bool) -> tuple[float, float]:
+    """When a registered daemon (a hosts row, on the database clock) was surely up: from
+    its start to its last renewal, or `RENEWED` past it while it is live (a crashed one
+    looks live until its row runs out: this bounds what it is believed for)."""
+    return started_at, last_seen + (RENEWED if live else 0.0)
+
+
+def was_up(moment: float, facts: Facts) -> bool:
+    """Whether a daemon was up at `moment`: this scheduler, or another (`Facts.up`)."""
+    return moment >= facts.started or any(a <= moment <= b for a, b in facts.up)
+
+
 def decide(newest_first: Sequence[float], more: bool, facts: Facts) -> list[Fire]:
     """What to record for the due times (`due`), oldest first (see the module's rules)."""
-    threshold = max(facts.started, facts.now - LATE)
-    missed = [t for t in newest_first if t < threshold]
-    on_time = sorted(t for t in newest_first if t >= threshold)
-    fires = [Fire(t, FireOutcome.FIRED, "on time") for t in on_time]
+    late = facts.now - LATE
+    split = next(
+        (i for i, t in enumerate(newest_first) if t < late or not was_up(t, facts)),
+        len(newest_first),
+    )
+    on_time, missed = newest_first[:split], newest_first[split:]
+    fires = [Fire(t, FireOutcome.FIRED, "on time") for t in reversed(on_time)]
     if not missed:
         return fires
     newest = missed[0]
     older = len(missed) - 1
     count = f"{'at least ' if more else ''}{len(missed)} time{'' if len(missed) == 1 else 's'}"
     why = (
-        "while no daemon ran"
-        if newest < facts.started
-        else f"the scheduler was held up over {LATE:g} s"
+        f"the scheduler was held up over {LATE:g} s"
+        if was_up(newest, facts)
+        else "while no daemon ran"
     )
     head = f"missed {count} ({why}), the newest {_when(newest)}"
     age = facts.now - newest
@@ -132,6 +167,11 @@ def decide(newest_first: Sequence[float], more: bool, facts: Facts) -> list[Fire
 def next_due(times: Times, since: float, now: float) -> float | None:
     """When the schedule is due next: its first time after both `since` and `now`."""
     return times.after(max(since, now))
+
+
+def shortest_gap(times: Sequence[float]) -> float | None:
+    """The shortest gap between two consecutive `times` (ascending); None for fewer than 2."""
+    return min((b - a for a, b in pairwise(times)), default=None)
 
 
 def idempotency_key(schedule_id: str, scheduled_for: float) -> str:

@@ -3,7 +3,10 @@
 - `POST /v1/schedules` `{"cron", "text", "session": ID | null, "timezone": "UTC",
   "misfire": "run_once" | "skip"}`: 201 with the schedule and its next time. On a session
   it needs write access to it; with `session: null` each run makes a new session of kind
-  `scheduled` that its owner (the caller) holds admin on.
+  `scheduled` that its owner (the caller) holds admin on. Times closer together than
+  `schedules.min_interval` are a 422 on `cron`; past `schedules.max_per_owner` schedules
+  of the caller's a 409 `too_many_own_schedules`, past `schedules.max_schedules` in all a
+  409 `too_many_schedules`.
 - `GET /v1/schedules`: those the caller may read (read access to their session, or its
   own that make a new session each run); `admin` sees all.
 - `GET /v1/schedules/{id}`, `DELETE /v1/schedules/{id}` (write access to its session, or
@@ -28,7 +31,7 @@ from pydantic_core import PydanticCustomError
 
 from supervisor.contract.config import Config
 from supervisor.contract.cron import MAX_CRON, MAX_TIMEZONE, Cron, CronError, zone
-from supervisor.core.schedules import next_due
+from supervisor.core.schedules import GAP_SAMPLE, next_due, shortest_gap
 from supervisor.core.vocabulary import FireOutcome, Misfire, Permission
 from supervisor.http.answers import ApiError, answer, read_body, whole
 from supervisor.http.auth import ADMIN
@@ -160,6 +163,7 @@ class ScheduleRoutes:
     async def create(self, request: web.Request) -> web.Response:
         self.refuse()
         body = await read_body(request, CreateSchedule, self.config.http.read_timeout)
+        await asyncio.to_thread(self._often_enough, body)
         principal = request["principal"]
         if body.session is not None:
             await self._writable(principal, body.session)
@@ -173,6 +177,7 @@ class ScheduleRoutes:
                 owner=principal,
                 misfire=body.misfire,
                 limit=self.config.schedules.max_schedules,
+                per_owner=self.config.schedules.max_per_owner,
             )
         except ScheduleRefused as exc:
             raise ApiError(409, exc.code, str(exc)) from None
@@ -202,6 +207,23 @@ class ScheduleRoutes:
         if not await asyncio.to_thread(self.store.schedules.delete, info.id):
             raise ApiError(404, "not_found", f"no schedule {info.id!r}")
         return answer(ScheduleDeleted(id=info.id))
+
+    def _often_enough(self, body: CreateSchedule) -> None:
+        """A 422 for an expression whose times come closer than schedules.min_interval
+        (see `supervisor.core.schedules`: over its next GAP_SAMPLE times)."""
+        least = self.config.schedules.min_interval
+        if least <= 0:
+            return
+        upcoming = Cron(body.cron, body.timezone).upcoming(time.time(), GAP_SAMPLE)
+        gap = shortest_gap(upcoming)
+        if gap is not None and gap < least:
+            raise ApiError(
+                422,
+                "invalid",
+                f"cron: {body.cron!r} runs {gap:g} s apart, more often than "
+                f"schedules.min_interval allows (at least {least:g} s between two runs)",
+                field="cron",
+            )
 
     # --- who may ----------------------------------------------------------------------
 

@@ -3,9 +3,12 @@
 The rules are `supervisor.core.schedules`'s; this module reads the facts, asks them, and
 carries the fires out. One pass:
 
-1. at boot (and after a pass that failed), finish the fires committed but not injected
-   (a crash between the two): each is injected with the idempotency key of its
-   (schedule, time), so one injected before appends nothing;
+1. finish the fires committed but not injected (a crash between the two): at boot (and
+   after a pass that failed) all of them, and every `OWED_EVERY` seconds those
+   `rules.OWED_AGE` old on the database clock (another daemon's that died in between;
+   a live one's in flight is left to it). Each is injected with the idempotency key of
+   its (schedule, time) (for a new session: under its fire row's lock), so one injected
+   before, or by another daemon at the same moment, appends nothing;
 2. end the interrupted turns of sessions of kind `scheduled` with a notice: such a turn
    is never continued (the engine leaves them out of recovery), the next fire runs;
 3. for every schedule, decide its due times (`rules.decide`), commit them as fire rows
@@ -41,6 +44,7 @@ SLACK = 0.01  # seconds the loop wakes past a time: never early, so never a spin
 MAX_REST = 60.0  # seconds it sleeps at most (schedules another daemon made, clock jumps)
 RETRY = 1.0  # seconds before a failed pass is tried again
 RECHECK = 15.0  # seconds between looks for interrupted scheduled turns, while any run
+OWED_EVERY = 5.0  # seconds between looks for old owed fires (a daemon died mid-fire)
 OWED_BATCH = 500  # owed fires finished in one pass; the next pass takes the rest
 TITLE_CHARS = 80  # characters of a fire's text in the title of the session it makes
 
@@ -80,6 +84,7 @@ class Scheduler:
         self.started = clock.time()  # set again when `run` starts
         self.passes = 0  # passes done (tests wait on it)
         self.owed = True  # fires committed and not injected may wait: at boot, after a failure
+        self.owed_at = float("-inf")  # monotonic: the next look for old owed fires
         self.recheck_at = float("-inf")  # monotonic: the next look for interrupted turns
         self._crons: dict[tuple[str, str], Cron | CronError] = {}
         self.log = log("schedules")
@@ -117,9 +122,13 @@ class Scheduler:
 
     async def step(self) -> float:
         """One pass (see the module's docstring); seconds until the next one is due."""
-        if self.owed:
-            await self.finish_owed()
-        rest = MAX_REST
+        if self.owed:  # all of them: none can be this boot's in flight
+            self.owed = await self.finish_owed(0.0)
+            self.owed_at = self.clock.monotonic() + (0.0 if self.owed else OWED_EVERY)
+        elif self.clock.monotonic() >= self.owed_at:  # another daemon's, left a while ago
+            more = await self.finish_owed(rules.OWED_AGE)
+            self.owed_at = self.clock.monotonic() + (0.0 if more else OWED_EVERY)
+        rest = self.owed_at - self.clock.monotonic()
         if self.clock.monotonic() >= self.recheck_at:
             running = await self.end_interrupted()
             self.recheck_at = self.clock.monotonic() + (RECHECK if running else MAX_REST)
@@ -128,7 +137,12 @@ class Scheduler:
             return rest  # schedules are off: none fires
         schedules = await asyncio.to_thread(self.store.schedules.all)
         newest = await asyncio.to_thread(self.store.schedules.newest, [s.id for s in schedules])
-        plans = await asyncio.to_thread(self._plan, schedules, newest, self.clock.time())
+        now = self.clock.time()
+        up: tuple[tuple[float, float], ...] = ()
+        if now - rules.LATE < self.started:  # later, every due time this one was up for
+            hosts = await asyncio.to_thread(self.store.hosts.all)
+            up = tuple(rules.up_span(h.started_at, h.last_seen, h.live) for h in hosts)
+        plans = await asyncio.to_thread(self._plan, schedules, newest, now, up)
         for plan in plans:
             if plan.fires:
                 await self.carry_out(plan)
@@ -139,33 +153,46 @@ class Scheduler:
         return rest
 
     def _plan(
-        self, schedules: list[ScheduleInfo], newest: dict[str, FireInfo], now: float
+        self,
+        schedules: list[ScheduleInfo],
+        newest: dict[str, FireInfo],
+        now: float,
+        up: tuple[tuple[float, float], ...],
     ) -> list[Plan]:
         """Each schedule's fires and next time (in a thread: stepping cron takes a while)."""
         plans = []
         grace = self.config.schedules.misfire_grace
+        crons: dict[tuple[str, str], Cron | CronError] = {}
         for schedule in schedules:
-            cron = self._cron(schedule)
+            cron = self._cron(schedule, crons)
             if cron is None:
                 continue
             last = newest.get(schedule.id)
             since = max(schedule.armed_from, last.scheduled_for if last else float("-inf"))
-            facts = rules.Facts(since, self.started, now, rules.misfire(schedule.misfire), grace)
+            how = rules.misfire(schedule.misfire)
+            facts = rules.Facts(since, self.started, now, how, grace, up)
             times, more = rules.due(cron, facts)
             fires = rules.decide(times, more, facts)
             plans.append(Plan(schedule, fires, rules.next_due(cron, since, now)))
+        self._crons = crons  # the current schedules' only: a deleted one's goes
         return plans
 
-    def _cron(self, schedule: ScheduleInfo) -> Cron | None:
-        """The schedule's checked expression; None (logged once) if it no longer checks."""
+    def _cron(
+        self, schedule: ScheduleInfo, crons: dict[tuple[str, str], Cron | CronError]
+    ) -> Cron | None:
+        """The schedule's checked expression, kept in `crons` (from the last pass's when
+        it was there); None (logged once) if it no longer checks."""
         key = (schedule.cron, schedule.timezone)
-        if key not in self._crons:
-            try:
-                self._crons[key] = Cron(*key)
-            except CronError as exc:  # a time zone this machine does not have, say
-                self._crons[key] = exc
-                self.log.error("schedule {} cannot fire: {}", schedule.id, exc)
-        found = self._crons[key]
+        if key not in crons:
+            if key in self._crons:
+                crons[key] = self._crons[key]
+            else:
+                try:
+                    crons[key] = Cron(*key)
+                except CronError as exc:  # a time zone this machine does not have, say
+                    crons[key] = exc
+                    self.log.error("schedule {} cannot fire: {}", schedule.id, exc)
+        found = crons[key]
         return found if isinstance(found, Cron) else None
 
     async def carry_out(self, plan: Plan) -> None:
@@ -245,22 +272,23 @@ class Scheduler:
                 return f"its owner {owner} no longer has write access to its session"
         return None
 
-    async def finish_owed(self) -> None:
-        """Inject the fires committed but not injected (a crash came in between)."""
-        self.owed = False
-        owed = await asyncio.to_thread(self.store.schedules.owed, OWED_BATCH)
+    async def finish_owed(self, age: float) -> bool:
+        """Inject the fires committed but not injected (a crash came in between) at least
+        `age` seconds ago (database clock); whether more are left for the next pass."""
+        owed = await asyncio.to_thread(self.store.schedules.owed, OWED_BATCH, age)
         for fire in owed:
             schedule = await asyncio.to_thread(self.store.schedules.get, fire.schedule)
             if schedule is None:
                 await asyncio.to_thread(self.store.schedules.dropped, fire.id, "schedule deleted")
                 continue
             self.log.info(
-                "schedule {}: finishing its fire for {}, committed before a stop",
+                "schedule {}: finishing its fire for {}, committed by {} before a stop",
                 schedule.id,
                 _when(fire),
+                fire.fired_by,
             )
             await self.inject(schedule, fire)
-        self.owed = len(owed) == OWED_BATCH
+        return len(owed) == OWED_BATCH
 
     async def end_interrupted(self) -> bool:
         """End the interrupted turns of scheduled sessions with a notice; whether any

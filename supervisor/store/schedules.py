@@ -4,8 +4,9 @@ The rules are `supervisor.core.schedules`'s. A fire row is keyed by (schedule,
 scheduled_for) and written only for a time after the schedule's newest one, under the
 schedule row's lock, before its message is injected: a time that another daemon (or an
 earlier boot) decided is never decided again. A fire with neither `seq` (its message is in
-its session) nor `reason` (why it never will be) is owed its message; a restart finishes
-it with the same idempotency key, so a crash in between injects it once.
+its session) nor `reason` (why it never will be) is owed its message; a booting daemon
+finishes it, and any daemon once it is old enough (`fired_at` is the database clock's),
+with the same idempotency key, so a crash in between injects it once.
 
 A fire of a schedule with no session makes a session of kind `scheduled`, its owner's ACL
 row, its message and the fire's `seq` in one transaction.
@@ -34,7 +35,7 @@ from supervisor.core.vocabulary import (
     Writer,
 )
 from supervisor.store import lifecycle
-from supervisor.store.db import chunks, run_write
+from supervisor.store.db import chunks, db_now, run_write
 from supervisor.store.errors import SessionClosed
 from supervisor.store.eventlog import make_request
 from supervisor.store.models import Schedule, ScheduleFire, Session, SessionACL
@@ -44,7 +45,8 @@ PRUNE_EVERY = 64  # a schedule's old rows are pruned after one in so many fires,
 
 
 class ScheduleRefused(Exception):
-    """A schedule that may not be made: schedules are off, or there are too many."""
+    """A schedule that may not be made: schedules are off, or there are too many (in all,
+    or of its owner)."""
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
@@ -119,10 +121,12 @@ class Schedules:
         owner: str,
         misfire: str,
         limit: int,
+        per_owner: int,
     ) -> ScheduleInfo:
         """A new schedule, armed from now. `cron` and `timezone` are checked already
         (`supervisor.contract.cron`); ScheduleRefused past `limit` schedules in all (0:
-        schedules are off), SessionNotFound or SessionClosed for its session."""
+        schedules are off) or `per_owner` made by `owner`, SessionNotFound or
+        SessionClosed for its session."""
         schedule_id = "s" + uuid.uuid4().hex
         now = time.time()
 
@@ -130,6 +134,12 @@ class Schedules:
             if limit <= 0:
                 raise ScheduleRefused(
                     "schedules_off", "schedules are turned off here (schedules.max_schedules = 0)"
+                )
+            if Schedule.select().where(Schedule.owner == owner).count() >= per_owner:
+                raise ScheduleRefused(
+                    "too_many_own_schedules",
+                    f"{owner} has made {per_owner} schedules already (schedules.max_per_owner); "
+                    "delete one of them first",
                 )
             if Schedule.select().count() >= limit:
                 raise ScheduleRefused(
@@ -239,12 +249,13 @@ class Schedules:
                 .scalar()
             )
             written: list[FireInfo] = []
+            now = db_now(self._db)  # the clock `owed` judges a fire's age by
             for scheduled_for, outcome, reason in fires:
                 if newest is not None and scheduled_for <= newest:
                     continue
                 newest = scheduled_for
                 row = FireInfo(
-                    0, schedule_id, scheduled_for, outcome, None, None, time.time(), by,
+                    0, schedule_id, scheduled_for, outcome, None, None, now, by,
                     reason if outcome == FireOutcome.SKIPPED else "",
                 )  # fmt: skip
                 fire_id = ScheduleFire.insert(
@@ -289,14 +300,17 @@ class Schedules:
         )
         return [_fire(row) for row in reversed(list(query))]
 
-    def owed(self, limit: int = 1000) -> list[FireInfo]:
-        """Fires committed whose message is not in a session yet, oldest first."""
+    def owed(self, limit: int = 1000, age: float = 0.0) -> list[FireInfo]:
+        """Fires committed whose message is not in a session yet, oldest first; with
+        `age`, those committed at least so many seconds ago (the database clock)."""
         query = (
             ScheduleFire.select()
             .where(ScheduleFire.seq.is_null() & (ScheduleFire.reason == ""))
             .order_by(ScheduleFire.id)
             .limit(limit)
         )
+        if age > 0:
+            query = query.where(ScheduleFire.fired_at <= db_now(self._db) - age)
         return [_fire(row) for row in query]
 
     def injected(self, fire_id: int, session_id: str, seq: int) -> None:
