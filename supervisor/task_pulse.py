@@ -101,12 +101,13 @@ class Pulse:
             self._asked.clear()
             if self._closing:
                 return
+            before = self._clock()  # the row's heartbeat_at is no older than this
             try:
                 verdict = self._store.tasks.heartbeat(spec.task, spec.attempt)
             except Exception as exc:
                 self._say(f"the heartbeat failed (again in {spec.heartbeat:g} s): {exc}")
                 continue
-            self.last_ok = self._clock()
+            self.last_ok = before
             if verdict is None or verdict:
                 os.write(self._wake, bytes([self.GONE if verdict is None else self.CANCEL]))
 
@@ -129,6 +130,9 @@ def catch_signals() -> int:
     signal.set_wakeup_fd(write, warn_on_full_buffer=False)
     for sig in CAUGHT:
         signal.signal(sig, _enqueued)
+    # `launch` starts the runner with SIGUSR1 blocked (its default would kill a runner not
+    # ready for it); one sent meanwhile is pending, and arrives now, to the handler.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})
     return read
 
 

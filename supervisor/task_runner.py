@@ -88,6 +88,7 @@ class Runner:
         self.pulse = Pulse(store, spec, self.say, clock)
         self.fence = fence_of(spec.lost_grace, spec.heartbeat) if spec.lost_grace > 0 else None
         self.told_to_stop = False  # SIGTERM or SIGINT came, whenever
+        self.proc: subprocess.Popen[bytes] | None = None
         self.stop: Stop | None = None
         self.gone = False  # the row is not this run's any more
         self.exit_code: int | None = None
@@ -121,16 +122,30 @@ class Runner:
             return None
         return row
 
+    def _first_heartbeat(self) -> bool | None:
+        """The row checked before anything starts: None (do not start) if it is not this
+        run's, or if no heartbeat went through before the fence (any daemon may judge the
+        task lost by now); else whether a cancel was asked."""
+        while True:
+            before = self.clock()
+            try:
+                verdict = self.store.tasks.heartbeat(self.spec.task, self.spec.attempt)
+            except Exception as exc:
+                if self.fence is not None and self.clock() - self.pulse.last_ok > self.fence:
+                    self.say(f"no heartbeat went through ({exc}): the command is not started")
+                    return None
+                self.say(f"the first heartbeat failed (again in {self.spec.heartbeat:g} s): {exc}")
+                time.sleep(self.spec.heartbeat)
+                continue
+            self.pulse.last_ok = before
+            return verdict
+
     def _run(self) -> int:
         try:
             reaper.become_subreaper()
         except OSError as exc:  # then a daemonized grandchild may escape the stop
             self.say(f"cannot become a subreaper: {exc}")
-        try:
-            first = self.store.tasks.heartbeat(self.spec.task, self.spec.attempt)
-        except Exception as exc:  # the claim was just made: start, and record later
-            self.say(f"the first heartbeat failed, starting anyway: {exc}")
-            first = False
+        first = self._first_heartbeat()
         if first is None or any(sig in STOPPING for sig in take_signals(self.signals)):
             self.say("its row moved on, or it was told to stop: the command is not started")
             return 0
@@ -155,7 +170,11 @@ class Runner:
         self.told_to_stop |= any(sig in STOPPING for sig in take_signals(self.signals))
         # Told to stop, and the command died of a signal: the stop killed it (the daemon's
         # teardown signals the whole tree at once), whatever the loop saw first.
-        stopped = self.told_to_stop and (self.exit_code or 0) < 0
+        stopped = (
+            self.told_to_stop
+            and (self.exit_code or 0) < 0
+            and self.stop not in (Stop.TIMEOUT, Stop.CANCEL)  # those settled it before
+        )
         if self.gone or self.stop is Stop.SIGNAL or stopped:
             cause = Stop.GONE if self.gone else Stop.SIGNAL
             self.say(f"the command is stopped, no outcome recorded: {cause.value}")
@@ -180,7 +199,7 @@ class Runner:
             env=child_environment(self.spec.env),
             process_group=0,
         )
-        self.pgid, self.started = proc.pid, self.clock()
+        self.pgid, self.started, self.proc = proc.pid, self.clock(), proc
         self.deadline = self.started + self.spec.timeout
         return proc
 
@@ -222,13 +241,13 @@ class Runner:
                     else:
                         self._on_verdicts()
                 reaper.reap_orphans(keep=(proc.pid,))
-                if self.exit_code is None and proc.poll() is not None:
-                    self.exit_code, self.ended = proc.returncode, self.clock()
+                self._poll()
                 self._advance()
 
     def _on_signal(self, sig: int) -> None:
         if sig in STOPPING:
             self.told_to_stop = True
+            self._poll()  # a command that exited by itself first keeps its outcome
             self._begin_stop(Stop.SIGNAL)
         elif sig == signal.SIGUSR1:
             self.pulse.check_now()  # SIGCHLD only wakes the loop, which reaps
@@ -238,12 +257,18 @@ class Runner:
             self.gone = self.gone or verdict == Pulse.GONE
             self._begin_stop(Stop.GONE if verdict == Pulse.GONE else Stop.CANCEL)
 
+    def _poll(self) -> None:
+        if self.exit_code is None and self.proc is not None and self.proc.poll() is not None:
+            self.exit_code, self.ended = self.proc.returncode, self.clock()
+
     def _advance(self) -> None:
         now = self.clock()
-        if self.fence is not None and self.stop is None and now - self.pulse.last_ok > self.fence:
-            self.say(f"no heartbeat went through for {self.fence:g} s: stopping, no outcome")
+        fenced = self.fence is not None and now - self.pulse.last_ok > self.fence
+        if fenced and self.stop is None and self.exit_code is None:
+            self.say(f"no heartbeat went through for {self.fence:g} s: SIGKILL, no outcome")
             self.gone = True  # any daemon may judge the task lost soon: it must not run on
             self._begin_stop(Stop.GONE)
+            self.kill_at = now  # nothing is recorded: no grace to wait for
         if self.exit_code is None and self.stop is None and now >= self.deadline:
             self._begin_stop(Stop.TIMEOUT)
         if self.exit_code is not None and self.stop is None and self._alive():

@@ -281,13 +281,43 @@ def test_a_teardown_that_signals_the_runner_and_its_command_at_once_records_noth
     assert_all_gone(command, grandchild)
 
 
+def test_a_command_that_exited_by_itself_as_the_sigterm_came_keeps_its_outcome(
+    tasks: Tasks,
+) -> None:
+    task = tasks.claimed()
+    runner = launch(tasks.spec(task, tasks.gated(task)))
+    command, grandchild = tasks.pids(task)
+    os.kill(runner.pid, signal.SIGSTOP)  # it reads the exit and the SIGTERM in one look
+    try:
+        tasks.gate(task).touch()
+        wait_until(lambda: not alive(command), 10, "the command to exit by itself")
+        runner.send_signal(signal.SIGTERM)
+    finally:
+        os.kill(runner.pid, signal.SIGCONT)
+    assert ended(runner) == 0
+    row = tasks.row(task)
+    assert (row.status, row.exit_code) == ("succeeded", 0)
+    assert_all_gone(command, grandchild)
+
+
+def test_a_sigusr1_sent_as_the_runner_starts_waits_for_its_handler(tasks: Tasks) -> None:
+    task = tasks.claimed()
+    runner = launch(tasks.spec(task, tasks.gated(task)))
+    runner.send_signal(signal.SIGUSR1)  # before the interpreter is up: it must not kill it
+    tasks.pids(task)  # the command started: the runner lived through it
+    assert runner.poll() is None
+    tasks.gate(task).touch()
+    assert ended(runner) == 0
+    assert tasks.row(task).status == "succeeded"
+
+
 def test_a_runner_whose_heartbeat_cannot_go_through_stops_its_command_by_itself(
     tasks: Tasks,
 ) -> None:
     if tasks.store.backend != "sqlite":
         pytest.skip("the database is held away with an SQLite lock")
     task = tasks.claimed()
-    spec = tasks.spec(task, tasks.gated(task), heartbeat=0.2, lost_grace=1.0)
+    spec = tasks.spec(task, tasks.gated(task), heartbeat=0.3, lost_grace=2.5)
     runner = launch(spec)
     command, grandchild = tasks.pids(task)
     path = tasks.store.url.removeprefix("sqlite:///")

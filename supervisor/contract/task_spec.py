@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -128,16 +129,17 @@ def _is(value: Any, kind: type) -> bool:
 
 
 def heartbeat_of(lost_grace: float) -> float:
-    """Seconds between two heartbeats of a runner: a third of `tasks.lost_grace`, at most
+    """Seconds between two heartbeats of a runner: a sixth of `tasks.lost_grace`, at most
     5 s, so that a runner is missed only after several tries."""
-    return min(5.0, lost_grace / 3)
+    return min(5.0, lost_grace / 6)
 
 
 def fence_of(lost_grace: float, heartbeat: float) -> float:
-    """Seconds without a heartbeat that went through after which a runner stops its
-    command by itself (and records nothing): before `lost_grace` runs out and the task
-    may be judged lost, and started again, by any daemon."""
-    return max(heartbeat, lost_grace - heartbeat)
+    """Seconds since the start of the last heartbeat that went through after which a
+    runner SIGKILLs its command by itself (and records nothing): a heartbeat and a second
+    before `lost_grace` runs out and the task may be judged lost, and started again, by any
+    daemon."""
+    return max(heartbeat, lost_grace - heartbeat - 1.0)
 
 
 def output_path(state_dir: Path, task_id: str) -> Path:
@@ -158,6 +160,9 @@ def launch(spec: RunnerSpec) -> subprocess.Popen[bytes]:
     make_private_dir(log_path.parent)
     env = child_environment({name: os.environ[name] for name in RUNNER_ENV if name in os.environ})
     log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+    # SIGUSR1 blocked in the runner until it has its handler (the thread's mask is what the
+    # child starts with, across exec): a cancel sent at once waits for it, pending.
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
     try:
         proc = subprocess.Popen(
             [sys.executable, "-m", RUNNER_MODULE],
@@ -168,6 +173,7 @@ def launch(spec: RunnerSpec) -> subprocess.Popen[bytes]:
             start_new_session=True,
         )
     finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         os.close(log)
     assert proc.stdin is not None
     try:

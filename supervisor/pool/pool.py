@@ -319,7 +319,8 @@ class Pool(Requests, RollingRestart):
 
     def _on_child_exit(self) -> None:
         # SIGCHLD. The workers' exit statuses are `_bury`'s to read: they are kept.
-        reaped = reap_orphans([*(w.pid for w in self.workers.values()), *self.burying])
+        runners = self.task_keeper.runners.values()  # reaped by the task keeper
+        reaped = reap_orphans([*(w.pid for w in self.workers.values()), *self.burying, *runners])
         if reaped:
             self.log.info("reaped exited orphans: pid {}", ", ".join(map(str, reaped)))
 

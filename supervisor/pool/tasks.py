@@ -26,6 +26,7 @@ import contextlib
 import os
 import shutil
 import signal
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -46,6 +47,7 @@ from supervisor.store import Store, TaskInfo, TaskReported
 from supervisor.task_runner import RunnerSpec, heartbeat_of, launch
 
 BATCH = 500  # rows of each kind looked at in one pass; the next pass takes the rest
+SETTLE = 5.0  # seconds a stop waits at most for starts in flight
 HUNG_MARGIN = 30.0  # seconds past lost_grace + kill_grace before a silent runner is hung
 PRUNE_EVERY = 3600.0  # seconds between sweeps of old output files
 
@@ -78,7 +80,8 @@ class TaskKeeper:
         self.stirred = asyncio.Event()
         self.runners: dict[str, int] = {}  # task id -> its runner's pid, while it runs
         self._watched: dict[int, tuple[str, int]] = {}  # pidfd -> (task id, runner pid)
-        self._launching: set[asyncio.Future[Any]] = set()
+        self._starting: set[asyncio.Future[None]] = set()
+        self._processes: dict[int, subprocess.Popen[bytes]] = {}  # runner pid -> process
         self._pruned_at = 0.0
         self.log = log("tasks")
 
@@ -161,14 +164,18 @@ class TaskKeeper:
             pid,
             heard_ago,
         )
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pid, signal.SIGKILL)
+        _kill_runner(pid)
         self.runners.pop(row.id, None)
         return False
 
     async def _carry_out(self, action: TaskAction, row: TaskInfo) -> None:
         if action is TaskAction.START:
-            await self._start(row)
+            # The start is a unit a stop lets finish (`settle`): a claim committed with no
+            # runner started would be reported lost though it never ran.
+            starting = asyncio.ensure_future(self._start(row))
+            self._starting.add(starting)
+            starting.add_done_callback(self._starting.discard)
+            await asyncio.shield(starting)
         elif action is TaskAction.REPORT:
             reported = await asyncio.to_thread(self.store.tasks.report, row.id)
             if reported is not None:
@@ -215,18 +222,14 @@ class TaskKeeper:
         except Exception as exc:  # e.g. an argument the kind's command no longer has
             await self._fail(claimed, f"its command cannot be made: {exc}")
             return
-        launching = asyncio.get_running_loop().run_in_executor(None, launch, spec)
-        self._launching.add(launching)
-        launching.add_done_callback(self._launching.discard)
         try:
-            # Shielded: a stop that cancels this pass still waits for it (`settle`), so
-            # the runner it starts is among the descendants the stop ends.
-            process = await asyncio.shield(launching)
+            process = await asyncio.to_thread(launch, spec)
         except OSError as exc:
             await self._fail(claimed, f"its runner could not start: {exc}")
             return
         pid = process.pid
         self.runners[claimed.id] = pid
+        self._processes[pid] = process  # reaped when it exits (`_exited`)
         self._watch(claimed.id, pid)
         await asyncio.to_thread(self._note_runner, claimed, pid)
         self._count(TaskAction.START)
@@ -268,9 +271,11 @@ class TaskKeeper:
             started = psutil.Process(pid).create_time()
             self.store.tasks.set_runner(task.id, task.attempt, pid, started)
 
-    async def settle(self) -> None:
-        """Wait for runners being started (a stop: they are among what it ends)."""
-        await asyncio.gather(*self._launching, return_exceptions=True)
+    async def settle(self, timeout: float = SETTLE) -> None:
+        """Wait (a while) for the starts in flight: a stop ends their runners with the
+        other descendants, and their claims are not left without a runner."""
+        if self._starting:
+            await asyncio.wait(set(self._starting), timeout=timeout)
 
     async def _fail(self, task: TaskInfo, why: str) -> None:
         self.log.bind(session=task.session).error("task {} ({}): {}", task.id, task.kind, why)
@@ -312,6 +317,9 @@ class TaskKeeper:
     def _forget(self, task_id: str, pid: int) -> None:
         if self.runners.get(task_id) == pid:  # not a later runner of the same task
             del self.runners[task_id]
+        process = self._processes.pop(pid, None)
+        if process is not None:
+            process.poll()  # reaped here: the pool's orphan reaper leaves runners to us
 
     def _unwatch_all(self) -> None:
         for fd in list(self._watched):
@@ -352,6 +360,18 @@ class TaskKeeper:
         removed = await asyncio.to_thread(_prune, self.directory, self.config.tasks.keep, live)
         if removed:
             self.log.info("removed {} task output files older than tasks.keep", removed)
+
+
+def _kill_runner(pid: int) -> None:
+    """SIGKILL a hung runner and its command: the command leads a group of its own."""
+    groups = {pid}
+    with contextlib.suppress(psutil.Error):
+        for child in psutil.Process(pid).children(recursive=True):
+            with contextlib.suppress(OSError):
+                groups.add(os.getpgid(child.pid))
+    for group in groups:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(group, signal.SIGKILL)
 
 
 def _prune(directory: Path, keep: float, live: set[str]) -> int:
