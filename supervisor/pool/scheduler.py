@@ -141,7 +141,10 @@ class Scheduler:
         up: tuple[tuple[float, float], ...] = ()
         if now - rules.LATE < self.started:  # later, every due time this one was up for
             hosts = await asyncio.to_thread(self.store.hosts.all)
-            up = tuple(rules.up_span(h.started_at, h.last_seen, h.live) for h in hosts)
+            mine = self.host_prefix[:-1]  # this daemon's own row: it was not up before now
+            up = tuple(
+                rules.up_span(h.started_at, h.last_seen, h.live) for h in hosts if h.host_id != mine
+            )
         plans = await asyncio.to_thread(self._plan, schedules, newest, now, up)
         for plan in plans:
             if plan.fires:
