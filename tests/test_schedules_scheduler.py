@@ -319,6 +319,23 @@ def test_a_boot_just_after_a_time_another_daemon_was_up_for_fires_it_on_time(
     assert not run.count("skipped") and run.count("fired") == 2
 
 
+def test_a_daemons_own_host_row_is_not_a_daemon_that_was_up_before_it(store: Store) -> None:
+    clock = FakeClock(wall=W + 0.5)  # it registered before W, and started after it
+    session = store.sessions.create("alice").id
+    schedule = make(store, session, misfire="skip")
+    armed(store, schedule, W - 1)
+    up(store, "h2", started=W - 3, last_seen=W + 0.4, expires=W + 1000)  # its own row
+    run = Run(store, clock, "h2/bbbbbbbb")
+
+    async def body() -> None:
+        await clock.advance(2.0)
+        await idle(clock, 1)
+
+    scenario(clock, [run], body)
+    fires = store.schedules.fires(schedule.id)
+    assert [(f.scheduled_for, f.outcome) for f in fires] == [(W, "skipped"), (W + 2, "fired")]
+
+
 def test_the_scheduler_forgets_the_expressions_of_deleted_schedules(store: Store) -> None:
     clock = FakeClock(wall=W + 0.5)
     made = [make(store, None, cron=f"{minute} 3 * * *") for minute in range(5)]
