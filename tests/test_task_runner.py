@@ -321,9 +321,9 @@ def test_a_runner_whose_heartbeat_cannot_go_through_stops_its_command_by_itself(
     runner = launch(spec)
     command, grandchild = tasks.pids(task)
     path = tasks.store.url.removeprefix("sqlite:///")
-    holder = sqlite3.connect(path, timeout=0, isolation_level=None)
+    holder = sqlite3.connect(path, timeout=30, isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")  # no write goes through: the heartbeat fails
     try:
-        holder.execute("BEGIN EXCLUSIVE")  # no write goes through: the heartbeat fails
         # Before tasks.lost_grace runs out for any daemon, the command is stopped.
         wait_until(lambda: not alive(command), 15, "the runner to stop its command")
     finally:
