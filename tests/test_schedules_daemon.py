@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import itertools
 import json
+import math
 import signal
 import subprocess
 import time
@@ -122,12 +123,23 @@ def test_a_schedule_fires_on_time_once_across_restarts(
         began = time.time()
         time.sleep(10.0)
         ended = time.time()
-        window = [f for f in fires(store, reports) if began <= f.fired_at <= ended]
-        assert 4 <= len(window) <= 6, window  # 5, give or take the window's edges
+        # The times due in those 10 s: 5, each fired (a late one is waited for), none twice.
+        due = [t for t in range(math.ceil(began), math.ceil(ended)) if t % 2 == 0]
+        assert len(due) == 5
+        wait_until(
+            lambda: {f.scheduled_for for f in fires(store, reports)} >= set(map(float, due)),
+            20,
+            "the fires of the 10 s",
+        )
+        window = [f for f in fires(store, reports) if began <= f.scheduled_for < ended]
+        assert sorted(f.scheduled_for for f in window) == due, window
+        assert all(began - 10 <= f.fired_at <= ended + 10 for f in window)
         first = fires(store, reports)
         assert {f.outcome for f in first} == {"fired"}
         assert all(b.scheduled_for - a.scheduled_for == 2 for a, b in itertools.pairwise(first))
-        assert all(0 <= f.fired_at - f.scheduled_for < 3 for f in first)  # on time, give or take
+        # On time, give or take a machine so busy that the loop runs seconds late (a fire
+        # later than a minute would count as missed).
+        assert all(0 <= f.fired_at - f.scheduled_for < 10 for f in first), first
         made = {s.id for s in store.sessions.list(limit=1000) if s.kind == "scheduled"}
         assert made and store.acl.entries(next(iter(made))) == {"alice": "admin"}
         wait_until(
