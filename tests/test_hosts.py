@@ -377,13 +377,17 @@ def test_input_sent_to_one_host_runs_on_the_worker_of_the_host_that_owns_the_ses
     with cluster["host-a"].client() as a, cluster["host-b"].client() as b:
         sid = a.post("/v1/sessions", json={"title": "owned by a"}).json()["id"]
         assert a.post(f"/v1/sessions/{sid}/inject", json={"text": "first"}).status_code == 202
-        wait_until(lambda: settled(cluster, [sid]), WAIT_S, "the first turn on host-a")
+        wait_until(lambda: settled(cluster, [sid]), WAIT_S, "the first turn")
+        # A new session has no owner yet: whichever daemon's pass sees its input first
+        # takes it (host-a's, nearly always; host-b's probe on a busy machine). The input
+        # that follows goes through the other one.
         owner = cluster.store.sessions.get(sid).owner
-        assert owner is not None and owner.startswith("host-a/"), owner
+        assert owner is not None and owner.split("/")[0] in ("host-a", "host-b"), owner
+        other = b if owner.startswith("host-a/") else a
         delays = []
         for i in range(5):
             sent = time.monotonic()
-            answer = b.post(f"/v1/sessions/{sid}/inject", json={"text": f"via b {i}"})
+            answer = other.post(f"/v1/sessions/{sid}/inject", json={"text": f"via b {i}"})
             assert answer.status_code == 202, answer.text
             wait_until(lambda: settled(cluster, [sid]), WAIT_S, "the turn sent through host-b")
             delays.append(time.monotonic() - sent)
@@ -391,4 +395,4 @@ def test_input_sent_to_one_host_runs_on_the_worker_of_the_host_that_owns_the_ses
     assert info.owner == owner, "the session moved instead of waking its owner"
     replies = [e.payload["text"] for e in cluster.events(sid) if e.type == "model_response"]
     assert replies == ["echo: first", *(f"echo: via b {i}" for i in range(5))], replies
-    print(f"\ninject on host-b -> turn ended on host-a ({cluster.store.backend}): {delays}")
+    print(f"\ninject on one host -> turn ended on the other ({cluster.store.backend}): {delays}")
