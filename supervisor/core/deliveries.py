@@ -1,0 +1,97 @@
+"""Outbound deliveries: the rules, as pure code (issue 18's groundwork).
+
+A delivery carries one committed event of a session to an operator-configured target (a
+URL of `[[delivery.targets]]`, never one from a request), as a signed POST. What an
+attempt's answer means, when the next attempt is due, and the signature, are decided
+here; the daemon only carries them out.
+
+  answer of an attempt                      verdict      then
+  ----------------------------------------  -----------  ----------------------------------
+  2xx                                       DELIVERED    done
+  408, 429                                  RETRY        again after the backoff, or DEAD
+  other 4xx                                 DEAD         at once: sending it again will not
+                                                         help (the operator may retry it)
+  5xx, 1xx, 3xx, no answer (network, time)  RETRY        again after the backoff, or DEAD
+                                                         once `max_attempts` were made
+
+The backoff after the n-th failed attempt is `min(cap, base * 2 ** (n - 1))`, with full
+jitter on its upper half (so that deliveries held back by one outage do not all come
+back at the same instant): a wait in [d / 2, d]. The jitter is a number in [0, 1] the
+caller passes in.
+
+The signature is `sha256=` and the HMAC-SHA256, hex, of `<timestamp>.<body>` with the
+target's secret: the receiver recomputes it from the timestamp header and the raw body,
+and refuses a timestamp too far from its clock (a replay).
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import hmac
+from dataclasses import dataclass
+
+
+class Verdict(enum.Enum):
+    """What one attempt's answer means for its delivery."""
+
+    DELIVERED = "delivered"
+    RETRY = "retry"
+    DEAD = "dead"
+
+
+RETRYABLE_4XX = frozenset({408, 429})
+
+
+def verdict(status: int | None) -> Verdict:
+    """The verdict on an attempt answered with HTTP `status` (None: no answer at all)."""
+    if status is not None and 200 <= status < 300:
+        return Verdict.DELIVERED
+    if status is not None and 400 <= status < 500 and status not in RETRYABLE_4XX:
+        return Verdict.DEAD
+    return Verdict.RETRY
+
+
+@dataclass(frozen=True)
+class Policy:
+    """`delivery.max_attempts` and `delivery.backoff` (base and cap, in seconds)."""
+
+    max_attempts: int = 5
+    base: float = 5.0
+    cap: float = 600.0
+
+    def __post_init__(self) -> None:
+        if not (self.max_attempts >= 1 and 0 < self.base <= self.cap):
+            raise ValueError(f"need max_attempts >= 1 and 0 < base <= cap: {self}")
+
+    def delay(self, failed: int, jitter: float) -> float:
+        """Seconds to wait after the `failed`-th failed attempt (at least 1), with `jitter`
+        in [0, 1]: a wait in [d / 2, d] for the doubling, capped, delay d."""
+        if failed < 1 or not 0.0 <= jitter <= 1.0:
+            raise ValueError(f"need failed >= 1 and 0 <= jitter <= 1: {failed}, {jitter}")
+        try:
+            full = min(self.cap, self.base * 2.0 ** (failed - 1))
+        except OverflowError:
+            full = self.cap
+        return full / 2 + jitter * full / 2
+
+    def after(self, attempts: int, answer: Verdict) -> Verdict:
+        """The delivery's verdict after `attempts` attempts, the last answered `answer`:
+        a RETRY past `max_attempts` is DEAD."""
+        if answer is Verdict.RETRY and attempts >= self.max_attempts:
+            return Verdict.DEAD
+        return answer
+
+
+def signature(secret: bytes, timestamp: int, body: bytes) -> str:
+    """The signature header's value for `body` sent at `timestamp` (epoch seconds)."""
+    digest = hmac.new(secret, f"{timestamp}.".encode() + body, hashlib.sha256).hexdigest()
+    return f"sha256={digest}"
+
+
+def verify(secret: bytes, timestamp: int, body: bytes, given: str, now: float, skew: float) -> bool:
+    """What a receiver checks: the signature matches and the timestamp is within `skew`
+    seconds of `now` (compared in constant time)."""
+    if abs(now - timestamp) > skew:
+        return False
+    return hmac.compare_digest(signature(secret, timestamp, body), given)
