@@ -81,6 +81,17 @@ def scoped_key(principal: str, key: str) -> str:
     return hashlib.sha256(f"{principal}\n{key}".encode()).hexdigest()
 
 
+CALL_ID_MAX = 200  # the width of the columns that keep a tool call's id
+
+
+def call_key(call_id: str | None) -> str | None:
+    """The stored form of a model's tool call id: its own, unless too long for the column
+    or holding a NUL (a model's ids are its own), then hashed."""
+    if call_id is not None and (len(call_id) > CALL_ID_MAX or "\x00" in call_id):
+        return "sha256:" + hashlib.sha256(call_id.encode("utf-8", "replace")).hexdigest()
+    return call_id
+
+
 def request_digest(canonical: str) -> str:
     """What an idempotency key's first request was, to tell a replay from a reuse."""
     return hashlib.sha256(canonical.encode()).hexdigest()

@@ -13,7 +13,6 @@ so that two daemons (or a report and a cancel) take turns instead of deadlocking
 
 from __future__ import annotations
 
-import hashlib
 import time
 import uuid
 
@@ -32,6 +31,7 @@ from supervisor.store import lifecycle
 from supervisor.store.db import chunks, db_now, run_write
 from supervisor.store.errors import LeaseLost
 from supervisor.store.eventlog import make_request
+from supervisor.store.events import call_key
 from supervisor.store.models import Session, SessionACL, Subagent
 from supervisor.store.subagent_rows import (
     Reported,
@@ -46,8 +46,6 @@ from supervisor.store.subagent_rows import (
     locked_session,
     running_children,
 )
-
-CALL_ID_MAX = 200  # the column's width
 
 __all__ = ["Reported", "Spawned", "SubagentInfo", "Subagents", "cancel_within", "descendants"]
 
@@ -81,9 +79,7 @@ class Subagents:
         child instead of starting another.
         """
         task = rules.check_task(task)
-        key = call_id  # a model's ids are its own: one too long or with a NUL is hashed
-        if key is not None and (len(key) > CALL_ID_MAX or "\x00" in key):
-            key = "sha256:" + hashlib.sha256(key.encode("utf-8", "replace")).hexdigest()
+        key = call_key(call_id)
         title = (title or " ".join(task.split())[:80]).replace("\x00", "")[:200]
 
         def work() -> Spawned:

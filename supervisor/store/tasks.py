@@ -17,7 +17,6 @@ outcome had no session to go to (it was closed or deleted).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 import uuid
@@ -31,6 +30,7 @@ from supervisor.store import lifecycle
 from supervisor.store.db import db_now, run_write
 from supervisor.store.errors import LeaseLost, SessionNotFound
 from supervisor.store.eventlog import make_request
+from supervisor.store.events import call_key
 from supervisor.store.models import Session, Task
 from supervisor.store.task_rows import (
     LIVE,
@@ -43,8 +43,6 @@ from supervisor.store.task_rows import (
 )
 
 __all__ = ["Started", "TaskInfo", "TaskReported", "Tasks"]
-
-CALL_ID_MAX = 200  # the column's width
 
 
 def _locked_session(session_id: str) -> Session | None:
@@ -80,9 +78,7 @@ class Tasks(Reading):
         `max_running` or for a session that is not open. With `call_id`, the same tool call
         of the same turn made again (a continued turn) gets the task it started.
         """
-        key = call_id
-        if key is not None and (len(key) > CALL_ID_MAX or "\x00" in key):
-            key = "sha256:" + hashlib.sha256(key.encode("utf-8", "replace")).hexdigest()
+        key = call_key(call_id)
 
         def work() -> Started:
             session = lifecycle.locked_row(session_id)
