@@ -244,14 +244,20 @@ def test_sigterm_stops_the_group_and_records_no_outcome(tasks: Tasks) -> None:
     runner = launch(tasks.spec(task, tasks.gated(task, stubborn=True), kill_grace=0.5))
     command, grandchild = tasks.pids(task)
     # The runner and its command are both in the child registry, for a later boot's sweep.
-    recorded = {
-        (child.pid, child.pgid, child.kind, child.name)
-        for child in tasks.store.children.of_boot("boot1")
-    }
-    assert recorded == {
+    # The command may be ready before the runner has committed its row: wait for both.
+    expected = {
         (runner.pid, runner.pid, "task", f"runner {task.id}"),
         (command, command, "task", f"task {task.id}"),
     }
+
+    def recorded() -> set[tuple[int, int | None, str, str]]:
+        return {
+            (child.pid, child.pgid, child.kind, child.name)
+            for child in tasks.store.children.of_boot("boot1")
+        }
+
+    wait_until(lambda: recorded() == expected, 30, "both rows in the child registry")
+    assert recorded() == expected
     runner.send_signal(signal.SIGTERM)
     assert ended(runner) == 0
     row = tasks.row(task)
