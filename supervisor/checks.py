@@ -24,6 +24,7 @@ from pathlib import Path
 from supervisor import trust
 from supervisor.agent_probe import Probe, load_agents
 from supervisor.contract.config import Config, McpServer, parse_listen
+from supervisor.contract.delivery_targets import DeliveryTarget
 from supervisor.contract.mcp_env import child_environment
 from supervisor.contract.task_kinds import TaskKind
 
@@ -60,6 +61,8 @@ def verdicts(
             yield from mcp_verdicts(server, environ)
         for kind in config.tasks.kinds:
             yield from task_verdicts(kind, environ)
+        for target in config.delivery.targets:
+            yield target_verdict(target, environ)
         if config.auth.tokens_file:
             who = trust.effective_user() if user is None else user
             yield tokens_verdict(Path(config.auth.tokens_file), who)
@@ -124,6 +127,21 @@ def task_verdicts(kind: TaskKind, environ: Mapping[str, str]) -> Generator[Verdi
         yield Verdict(f"{key}.command", False, f"{key}.command: {problem}", fix)
     else:
         yield Verdict(f"{key}.command", True, f"{key}.command: {found}")
+
+
+def target_verdict(target: DeliveryTarget, environ: Mapping[str, str]) -> Verdict:
+    """A delivery target's secret: its variable is set, and not empty (its value is never
+    shown)."""
+    key = f"delivery.targets.{target.name}.secret_env"
+    if not environ.get(target.secret_env):
+        problem = "is not set" if target.secret_env not in environ else "is empty"
+        return Verdict(
+            key,
+            False,
+            f"{key}: the variable {target.secret_env} {problem} (the HMAC key of {target.url})",
+            f"set {target.secret_env} in the daemon's environment (the unit's EnvironmentFile)",
+        )
+    return Verdict(key, True, f"{key}: {target.secret_env} is set")
 
 
 def resolve_command(program: str, env: Mapping[str, str], cwd: str) -> tuple[str, str]:

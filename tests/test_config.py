@@ -24,6 +24,7 @@ from supervisor.contract.config import (
     render_config,
     resolve_paths,
 )
+from supervisor.contract.delivery_targets import DeliveryTarget
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "etc" / "turnkeeper.toml"
@@ -86,7 +87,7 @@ def test_example_file_lists_every_key_in_order() -> None:
         assert isinstance(model, type)
         keys = {field.serialization_alias or key for key, field in model.model_fields.items()}
         # A list of tables is shown as a commented example block (see the tests below).
-        assert set(raw[name]) == keys - {"kinds"}, name
+        assert set(raw[name]) == keys - {"kinds", "targets"}, name
 
 
 def test_example_task_kind_block_is_a_valid_kind(tmp_path: Path) -> None:
@@ -106,6 +107,55 @@ def test_example_task_kind_block_is_a_valid_kind(tmp_path: Path) -> None:
         "cwd": "",
         "retry_on_restart": False,
     }
+
+
+def test_example_delivery_target_block_is_a_valid_and_complete_target(tmp_path: Path) -> None:
+    lines = EXAMPLE.read_text().splitlines()
+    start = lines.index("# [[delivery.targets]]")
+    block = []
+    for line in lines[start:]:
+        if not line.startswith("# "):
+            break
+        block.append(line.removeprefix("# "))
+    assert set(tomllib.loads("\n".join(block))["delivery"]["targets"][0]) == set(
+        DeliveryTarget.model_fields
+    )
+    cfg = load_config(write(tmp_path, "\n".join(block)), environ={})
+    target = cfg.delivery.targets[0]
+    assert target.name == "bridge" and target.events == ["answer", "notice"]
+    assert target.timeout == 10.0
+
+
+@pytest.mark.parametrize(
+    ("body", "names"),
+    [
+        ('url = "ftp://x/y"', "delivery.targets[0].url"),
+        ('url = "http://user:pw@127.0.0.1/"', "delivery.targets[0].url"),
+        ('url = "http://127.0.0.1:99999/"', "delivery.targets[0].url"),
+        ('url = "http://127.0.0.1/"\nevents = ["model_response"]', "delivery.targets[0].events"),
+        ('url = "http://127.0.0.1/"\nevents = []', "delivery.targets[0].events"),
+        ('url = "http://127.0.0.1/"\nsecret_env = "A B"', "delivery.targets[0].secret_env"),
+    ],
+)
+def test_a_bad_delivery_target_is_one_line_naming_its_key(
+    tmp_path: Path, body: str, names: str
+) -> None:
+    text = '[[delivery.targets]]\nname = "t"\nsecret_env = "S"\n' + body + "\n"
+    if "secret_env" in body:
+        text = text.replace('secret_env = "S"\n', "", 1)
+    with pytest.raises(ConfigError) as caught:
+        load_config(write(tmp_path, text), environ={})
+    assert names in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_two_delivery_targets_of_one_name_and_a_cap_below_the_base_are_refused(
+    tmp_path: Path,
+) -> None:
+    one = '[[delivery.targets]]\nname = "t"\nurl = "http://127.0.0.1/"\nsecret_env = "S"\n'
+    with pytest.raises(ConfigError, match=r"delivery\.targets\[1\]\.name.*duplicate"):
+        load_config(write(tmp_path, one + one), environ={})
+    with pytest.raises(ConfigError, match=r"delivery\.backoff_cap"):
+        load_config(write(tmp_path, "[delivery]\nbackoff = 10\nbackoff_cap = 5\n"), environ={})
 
 
 def example_server_block() -> str:

@@ -31,21 +31,21 @@ def seqs_of(store: Store, sid: str) -> list[int]:
 
 def test_appends_by_another_store_move_the_known_row(store: Store, db_url: str) -> None:
     sid, token = leased(store)
-    assert store.events.append(sid, "notice", {"by": "a"}, token=token) == 1
-    assert store.events.append(sid, "notice", {"by": "a"}, token=token) == 2
+    assert store.events.append(sid, "checkpoint", {"by": "a"}, token=token) == 1
+    assert store.events.append(sid, "checkpoint", {"by": "a"}, token=token) == 2
     with Store(db_url) as other:  # another process, as far as the database can tell
-        assert other.events.append(sid, "notice", {"by": "b"}, token=token) == 3
-        assert other.events.append(sid, "notice", {"by": "b"}, token=token) == 4
-    assert store.events.append(sid, "notice", {"by": "a"}, token=token) == 5
+        assert other.events.append(sid, "checkpoint", {"by": "b"}, token=token) == 3
+        assert other.events.append(sid, "checkpoint", {"by": "b"}, token=token) == 4
+    assert store.events.append(sid, "checkpoint", {"by": "a"}, token=token) == 5
     assert seqs_of(store, sid) == [1, 2, 3, 4, 5]
     assert store.sessions.get(sid).last_seq == 5
 
 
 def test_events_of_other_transactions_move_the_known_row(store: Store) -> None:
     sid, token = leased(store)
-    assert store.events.append(sid, "notice", {}, token=token) == 1
+    assert store.events.append(sid, "checkpoint", {}, token=token) == 1
     assert store.acl.grant(sid, "bob", "read", by="alice") == 2  # its own transaction
-    assert store.events.append(sid, "notice", {}, token=token) == 3
+    assert store.events.append(sid, "checkpoint", {}, token=token) == 3
     assert seqs_of(store, sid) == [1, 2, 3]
 
 
@@ -59,25 +59,25 @@ def test_a_lease_moved_since_the_known_row_fences_the_old_token(store: Store) ->
     assert (caught.value.token, caught.value.current) == (old, new.token)
     assert store.sessions.get(sid).last_seq == 1
     # Lease-less writes still append, and the new holder's after them.
-    assert store.events.append(sid, "notice", {}, writer="intake") == 2
-    assert store.events.append(sid, "notice", {}, token=new.token) == 3
+    assert store.events.append(sid, "checkpoint", {}, writer="intake") == 2
+    assert store.events.append(sid, "checkpoint", {}, token=new.token) == 3
     with pytest.raises(LeaseLost):
-        store.events.append(sid, "notice", {}, token=old)
+        store.events.append(sid, "checkpoint", {}, token=old)
     assert seqs_of(store, sid) == [1, 2, 3]
 
 
 def test_a_refused_commit_leaves_the_row_and_the_log_as_they_were(store: Store) -> None:
     sid, token = leased(store)
-    assert store.events.append(sid, "notice", {}, token=token) == 1
+    assert store.events.append(sid, "checkpoint", {}, token=token) == 1
     # A row at seq 2 that the session row does not account for: the next insert clashes.
     Event.insert(
-        session_id=sid, seq=2, type="notice", payload="{}", created_at=0.0, writer="worker"
+        session_id=sid, seq=2, type="checkpoint", payload="{}", created_at=0.0, writer="worker"
     ).execute()
     with pytest.raises(StorageUnavailable):
-        store.events.append(sid, "notice", {"lost": True}, token=token)
+        store.events.append(sid, "checkpoint", {"lost": True}, token=token)
     assert store.sessions.get(sid).last_seq == 1  # the bump was rolled back with the insert
     Event.delete().where((Event.session_id == sid) & (Event.seq == 2)).execute()
-    assert store.events.append(sid, "notice", {}, token=token) == 2
+    assert store.events.append(sid, "checkpoint", {}, token=token) == 2
     assert [e.payload for e in store.events.read(sid)] == [{}, {}]
 
 
@@ -87,9 +87,9 @@ def test_write_events_raises_the_drivers_errors_as_peewees(store: Store) -> None
 
     sid, token = leased(store)
     Event.insert(
-        session_id=sid, seq=1, type="notice", payload="{}", created_at=0.0, writer="worker"
+        session_id=sid, seq=1, type="checkpoint", payload="{}", created_at=0.0, writer="worker"
     ).execute()
-    request = make_request(sid, "notice", {}, token=token)
+    request = make_request(sid, "checkpoint", {}, token=token)
     with pytest.raises(peewee.IntegrityError):
         run_write(store.db, lambda: write_events(store.db, [request]))
     assert store.sessions.get(sid).last_seq == 0
@@ -97,8 +97,8 @@ def test_write_events_raises_the_drivers_errors_as_peewees(store: Store) -> None
 
 def test_a_blocking_append_queues_behind_the_ones_in_flight(store: Store) -> None:
     sid, token = leased(store)
-    futures = [store.events.submit(sid, "notice", {"n": n}, token=token) for n in range(50)]
-    last = store.events.append(sid, "notice", {"n": 50}, token=token)
+    futures = [store.events.submit(sid, "checkpoint", {"n": n}, token=token) for n in range(50)]
+    last = store.events.append(sid, "checkpoint", {"n": 50}, token=token)
     assert [f.result() for f in futures] == list(range(1, 51))
     assert last == 51
     assert [e.payload["n"] for e in store.events.read(sid, limit=100)] == list(range(51))
@@ -108,12 +108,12 @@ def test_a_blocking_append_inside_a_transaction_of_its_thread_is_not_part_of_it(
     store: Store,
 ) -> None:
     sid, token = leased(store)
-    assert store.events.append(sid, "notice", {}, token=token) == 1
+    assert store.events.append(sid, "checkpoint", {}, token=token) == 1
     # A read transaction (SQLite: one that takes no write lock, which the append needs).
     options = {"lock_type": "DEFERRED"} if store.backend == "sqlite" else {}
     with store.db.atomic(**options) as outer:
         assert Event.select().where(Event.session_id == sid).count() == 1
-        assert store.events.append(sid, "notice", {}, token=token) == 2
+        assert store.events.append(sid, "checkpoint", {}, token=token) == 2
         outer.rollback()
     assert seqs_of(store, sid) == [1, 2]  # durable when it returned, whatever came after
 
@@ -124,8 +124,8 @@ def test_a_payload_that_is_not_json_is_refused_before_the_database(store: Store)
     cycle["self"] = cycle
     for bad in (cycle, {"x": float("nan")}, {"x": object()}, {(1, 2): "key"}):
         with pytest.raises(ValueError, match="not JSON-serializable"):
-            store.events.append(sid, "notice", bad, token=token)
-    assert store.events.append(sid, "notice", {"ü": "✓", "n": [1, 2.5, None]}, token=token) == 1
+            store.events.append(sid, "checkpoint", bad, token=token)
+    assert store.events.append(sid, "checkpoint", {"ü": "✓", "n": [1, 2.5, None]}, token=token) == 1
     assert store.events.read(sid)[0].payload == {"ü": "✓", "n": [1, 2.5, None]}
 
 
@@ -138,9 +138,9 @@ def test_a_stale_known_row_is_dropped_and_the_locked_row_decides(store: Store, s
 
     sid, token = leased(store)
     for _ in range(3):
-        store.events.append(sid, "notice", {}, token=token)
+        store.events.append(sid, "checkpoint", {}, token=token)
     sql = sql_for(store.db)
-    batch = [make_request(sid, "notice", {"n": n}, token=token) for n in range(size)]
+    batch = [make_request(sid, "checkpoint", {"n": n}, token=token) for n in range(size)]
     # Behind the log (dropped once its bump matched nothing); a token since replaced.
     for stale, kept in (((1, token), {}), ((3, token - 1), {sid: (3, token - 1)})):
         known = {sid: stale}

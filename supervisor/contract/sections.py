@@ -23,6 +23,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from supervisor.contract.delivery_targets import DeliveryConfig
 from supervisor.contract.limits import MAX_NAME, MAX_SERVERS, PRINTABLE
 from supervisor.contract.paths import parse_listen
 from supervisor.contract.task_kinds import SchedulesConfig, TasksConfig
@@ -248,6 +249,7 @@ class Config(_Section):
     subagents: SubagentsConfig = Field(default_factory=SubagentsConfig)
     tasks: TasksConfig = Field(default_factory=TasksConfig)
     schedules: SchedulesConfig = Field(default_factory=SchedulesConfig)
+    delivery: DeliveryConfig = Field(default_factory=DeliveryConfig)
     log: LogConfig = Field(default_factory=LogConfig)
 
     # The file it was read from (None: built-in defaults), set by `load_config`.

@@ -29,7 +29,54 @@ from __future__ import annotations
 import enum
 import hashlib
 import hmac
+import json
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
+
+from supervisor.core.vocabulary import DeliveryKind, EventType
+
+SIGNATURE_HEADER = "X-Turnkeeper-Signature"
+TIMESTAMP_HEADER = "X-Turnkeeper-Timestamp"
+DEFAULT_KINDS = (DeliveryKind.ANSWER, DeliveryKind.NOTICE)
+
+
+def kind_of(event_type: str, payload: Mapping[str, Any]) -> DeliveryKind | None:
+    """What a target could be sent of this event, if anything: `answer` for a turn's final
+    answer (a `model_response` asking for no tool, not cut by the token limit: what
+    recovery calls an answered tail), the event type for the other kinds, else None."""
+    if event_type == EventType.MODEL_RESPONSE:
+        if payload.get("tool_calls") or payload.get("finish_reason") == "length":
+            return None
+        return DeliveryKind.ANSWER
+    try:
+        return DeliveryKind(event_type)
+    except ValueError:
+        return None
+
+
+def text_of(payload: Mapping[str, Any]) -> str:
+    """The text a delivery carries: the event's `text`, else its `summary`, else empty."""
+    for key in ("text", "summary"):
+        value = payload.get(key)
+        if isinstance(value, str):
+            return value
+    return ""
+
+
+def body(
+    delivery_id: str, session: str, seq: int, kind: str, text: str, created_at: float
+) -> bytes:
+    """The JSON a target is sent (compact, keys in a fixed order: what is signed)."""
+    document = {
+        "delivery_id": delivery_id,
+        "session": session,
+        "seq": seq,
+        "type": kind,
+        "text": text,
+        "created_at": created_at,
+    }
+    return json.dumps(document, ensure_ascii=False, separators=(",", ":")).encode()
 
 
 class Verdict(enum.Enum):

@@ -43,6 +43,10 @@ task           a background command of an operator-defined kind (`[[tasks.kinds]
 schedule       a cron expression that injects a message into a session on time.
 fire           one scheduled time of a schedule, committed once before its message is
                injected (`FireOutcome`); not trigger or tick.
+delivery       one committed event of a session pushed to an operator-configured target
+               (`[[delivery.targets]]`) as a signed POST, written with its event
+               (`DeliveryStatus`); not webhook call or notification.
+target         where deliveries go: a name, a URL and a secret of the configuration.
 """
 
 from __future__ import annotations
@@ -178,6 +182,35 @@ class FireOutcome(StrEnum):
     FIRED = "fired"  # on time
     CAUGHT_UP = "caught_up"  # missed while down, run once after (misfire `run_once`)
     SKIPPED = "skipped"  # missed while down and not run (misfire `skip`, or past the grace)
+
+
+class DeliveryStatus(StrEnum):
+    """Where a delivery is (the `delivery` outbox). PENDING is live; the others are final
+    until an operator retries a dead one."""
+
+    PENDING = "pending"  # written with its event; sent, or sent again after the backoff
+    DELIVERED = "delivered"  # its target answered 2xx
+    DEAD = "dead"  # refused (4xx but 408/429) or failed `delivery.max_attempts` times
+
+
+class DeliveryKind(StrEnum):
+    """What a target may ask to be sent (`events` of `[[delivery.targets]]`): an event type,
+    or `answer`, the final answer of a turn (a `model_response` that asks for no tool and
+    was not cut by the token limit)."""
+
+    ANSWER = "answer"
+    NOTICE = "notice"
+    TURN_ENDED = "turn_ended"
+    TASK_RESULT = "task_result"
+    SUBAGENT_RESULT = "subagent_result"
+
+
+class AttemptOutcome(StrEnum):
+    """How one attempt at a delivery went (`turnkeeper_delivery_attempts_total{outcome}`)."""
+
+    DELIVERED = "delivered"  # 2xx
+    FAILED = "failed"  # no answer, 5xx, 408, 429...: sent again after the backoff
+    DEAD = "dead"  # refused, or the last attempt failed: no more attempts
 
 
 class Permission(StrEnum):

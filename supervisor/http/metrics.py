@@ -28,6 +28,8 @@ from prometheus_client.registry import Collector
 from supervisor.contract.control import APPEND_BUCKETS
 from supervisor.core.vocabulary import (
     MCP_REPORTED,
+    AttemptOutcome,
+    DeliveryStatus,
     FireOutcome,
     SessionCount,
     SlotState,
@@ -47,6 +49,7 @@ class _State(Collector):
         self.sessions: Callable[[], Mapping[str, int]] | None = None
         self.subagents: Callable[[], Mapping[str, int]] | None = None  # `subagents.counts`
         self.tasks: Callable[[], Mapping[str, int]] | None = None  # `tasks.counts`
+        self.deliveries: Callable[[], Mapping[str, int]] | None = None  # `deliveries.counts`
         self.mcp: Callable[[], Mapping[str, int]] = dict
         self.host_id = ""  # this daemon's daemon.host_id
         self.hosts: Callable[[], list[dict[str, Any]]] | None = None  # `hosts.read`
@@ -97,6 +100,15 @@ class _State(Collector):
                 "status",
                 TaskStatus,
                 self.tasks,
+            )
+        if self.deliveries is not None:
+            yield _by_label(
+                "turnkeeper_deliveries",
+                "Deliveries in the outbox by status (pending: not yet answered 2xx; dead: "
+                "refused or out of attempts, until retried).",
+                "status",
+                DeliveryStatus,
+                self.deliveries,
             )
         yield from self._hosts()
 
@@ -239,6 +251,21 @@ class Metrics:
             "turnkeeper_task_reconcile",
             "The task keeper's steps, by action (start, report, lost, retry).",
             ["action"],
+            registry=r,
+        )
+        self.delivery_attempts = Counter(
+            "turnkeeper_delivery_attempts",
+            "Attempts at deliveries, by outcome: delivered (2xx), failed (sent again after "
+            "the backoff), dead (refused, or the last attempt).",
+            ["outcome"],
+            registry=r,
+        )
+        for attempt in AttemptOutcome:
+            self.delivery_attempts.labels(attempt)
+        self.delivery_lag = Histogram(
+            "turnkeeper_delivery_lag_seconds",
+            "From the commit of an event to its target's 2xx, for each delivered one.",
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 15, 60, 300, 1800),
             registry=r,
         )
         self.breaker_tripped = Gauge(

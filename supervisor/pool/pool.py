@@ -37,6 +37,7 @@ from supervisor.core.engine import HEARTBEATS_MISSED
 from supervisor.core.slots import Slot, SlotState, all_fatal
 from supervisor.core.vocabulary import AssignReason
 from supervisor.http.metrics import Metrics
+from supervisor.pool.courier import Courier
 from supervisor.pool.handle import WorkerHandle
 from supervisor.pool.housekeeping import Housekeeper
 from supervisor.pool.ownership import Ownership
@@ -116,6 +117,8 @@ class Pool(Requests, RollingRestart):
             clock=clock,
         )
         self.on_event.append(self.task_keeper.admitted)
+        self.courier = Courier(config, store, recovery.owner_prefix, metrics, clock=clock)
+        self.on_event.append(self.courier.nudge)
         self.housekeeper = Housekeeper(
             self._tend, self.ownership.dispatch, self.ownership.next_pass_in, self._wanted, clock
         )
@@ -141,6 +144,7 @@ class Pool(Requests, RollingRestart):
             asyncio.create_task(self.subagents.run(), name="pool-subagents"),
             asyncio.create_task(self.scheduler.run(), name="pool-schedules"),
             asyncio.create_task(self.task_keeper.run(), name="pool-tasks"),
+            asyncio.create_task(self.courier.run(), name="pool-deliveries"),
         ]
 
     async def wait_ready(self, timeout: float) -> bool:

@@ -14,6 +14,7 @@ from supervisor.store import migrations
 from supervisor.store.acl import PERMISSIONS, Acl
 from supervisor.store.boots import Boot, Boots, Child, Children
 from supervisor.store.db import backend, db_now, open_database, run_write, sqlite_path
+from supervisor.store.deliveries import Deliveries, DeliveryInfo, Outgoing
 from supervisor.store.errors import (
     BadStoreURL,
     IdempotencyConflict,
@@ -46,6 +47,8 @@ __all__ = [
     "Boots",
     "Child",
     "Children",
+    "Deliveries",
+    "DeliveryInfo",
     "EventLog",
     "EventRecord",
     "FireInfo",
@@ -59,6 +62,7 @@ __all__ = [
     "LeaseLost",
     "Leases",
     "Me",
+    "Outgoing",
     "ReplayedSeq",
     "Reported",
     "ScheduleInfo",
@@ -127,6 +131,7 @@ class Store:
         self.subagents = Subagents(self.db)
         self.schedules = Schedules(self.db)
         self.tasks = Tasks(self.db)
+        self.deliveries = Deliveries(self.db)
 
     def now(self) -> float:
         """The database clock (epoch seconds): the only clock leases are judged by."""

@@ -14,12 +14,13 @@ Two ways to take a session's seqs:
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
 import peewee
 
-from supervisor.core.vocabulary import INPUT_EVENTS, EventType, SessionStatus
+from supervisor.core.vocabulary import INPUT_EVENTS, DeliveryStatus, EventType, SessionStatus
 from supervisor.store.db import DRIVER_ERRORS
 from supervisor.store.errors import (
     IdempotencyConflict,
@@ -124,6 +125,7 @@ def _plain(req: AppendRequest, token: int) -> bool:
     """Whether `req` changes its session row only by taking the next seq, with `token`."""
     return (
         req.type not in ROW_EVENTS
+        and req.kind is None  # a delivery candidate reads its row for the session's target
         and req.idempotency_key is None
         and (req.token is None or req.token == token)
     )
@@ -139,6 +141,23 @@ def _event(req: AppendRequest, seq: int) -> tuple[Any, ...]:
         req.created_at,
         req.writer,
         req.token,
+    )
+
+
+def _delivery(req: AppendRequest, row: SessionRow, now: float) -> tuple[Any, ...]:
+    """The outbox row of an event its session's target is sent: pending, due at once."""
+    return (
+        "d" + uuid.uuid4().hex,
+        row.deliver_to,
+        req.session_id,
+        row.last_seq,
+        req.kind,
+        DeliveryStatus.PENDING,
+        0,
+        0.0,
+        req.created_at,
+        "",
+        now,
     )
 
 
@@ -175,11 +194,33 @@ def _from_locked_rows(
     rows: dict[str, SessionRow] = {}
     if session_ids:
         cursor.execute(sql.lock_rows(len(session_ids)), session_ids)
-        for sid, last, token, pending, active, turn, attempts, resend, status in cursor.fetchall():
+        for (
+            sid,
+            last,
+            token,
+            pending,
+            active,
+            turn,
+            attempts,
+            resend,
+            status,
+            to,
+            kinds,
+        ) in cursor.fetchall():
             rows[sid] = SessionRow(
-                int(last), int(token), bool(pending), active, turn, int(attempts), resend, status
+                int(last),
+                int(token),
+                bool(pending),
+                active,
+                turn,
+                int(attempts),
+                resend,
+                status,
+                to,
+                kinds or "",
             )
     keys: list[tuple[str, str, int, str | None]] = []
+    deliveries: list[tuple[Any, ...]] = []
     last_user: dict[str, int] = {}  # user messages (any input) appended in this batch
     for i in todo:
         req = requests[i]
@@ -202,6 +243,8 @@ def _from_locked_rows(
             row.pending = latest > req.read_to
         outcomes[i] = row.last_seq
         events.append(_event(req, row.last_seq))
+        if row.delivers(req.kind):
+            deliveries.append(_delivery(req, row, now))
         if req.idempotency_key is not None:
             keys.append((req.session_id, req.idempotency_key, row.last_seq, req.idempotency_digest))
     touched = sorted({event[0] for event in events if event[0] in rows})
@@ -225,6 +268,8 @@ def _from_locked_rows(
         )
     if keys:
         cursor.executemany(sql.insert_key, keys)
+    if deliveries:  # the outbox: in the transaction of the events they carry
+        cursor.executemany(sql.insert_delivery, deliveries)
     for sid, r in rows.items():
         learned[sid] = (r.last_seq, r.lease_token)
     for i, first_index in duplicate_of.items():

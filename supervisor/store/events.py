@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from supervisor.core.deliveries import kind_of
 from supervisor.core.vocabulary import INPUT_EVENTS, TURN_EVENTS, EventType, SessionStatus, Writer
 
 EVENT_TYPES = frozenset(EventType)
@@ -114,6 +115,9 @@ class AppendRequest:
     # `turn_started` only: the last seq the turn read before it started. The session stays
     # pending if a user message came after it (the turn did not see that message).
     read_to: int | None = None
+    # What a delivery target could be sent of it (`DeliveryKind`), if anything: such an
+    # append reads its session row under the lock, for the session's target.
+    kind: str | None = None
     # Resolved by the committer: a thread's Future, or an asyncio future of `loop`, or a
     # held `waiter` lock it releases once `outcome` is set.
     future: Any = None
@@ -166,6 +170,7 @@ def make_request(
         idempotency_digest=idempotency_digest,
         created_at=time.time() if created_at is None else created_at,
         read_to=_read_to(type, payload),
+        kind=kind_of(type, payload),
     )
 
 
@@ -190,6 +195,14 @@ class SessionRow:
     attempt_count: int
     resend_requested_at: float | None = None
     status: str = "open"  # read only: appends never change it
+    deliver_to: str | None = None  # read only: the target its deliveries go to
+    deliver_kinds: str = ""  # read only: the `DeliveryKind`s it sends, space-separated
+
+    def delivers(self, kind: str | None) -> bool:
+        """Whether an event of delivery kind `kind` gets a delivery row."""
+        return (
+            kind is not None and self.deliver_to is not None and kind in self.deliver_kinds.split()
+        )
 
 
 def advance(row: SessionRow, event: AppendRequest) -> None:

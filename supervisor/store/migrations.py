@@ -26,7 +26,9 @@ from supervisor.store.events import scoped_key
 from supervisor.store.models import (
     HOST_ID_LEN,
     MODELS,
+    TARGET_LEN,
     BaseModel,
+    Delivery,
     Event,
     Host,
     IntakeKey,
@@ -37,7 +39,7 @@ from supervisor.store.models import (
     Task,
 )
 
-LATEST = 7
+LATEST = 8
 
 
 def _resend_mark(db: peewee.Database) -> None:
@@ -109,6 +111,20 @@ def _tasks_and_schedules(db: peewee.Database) -> None:
     create_tables(db, [Task, Schedule, ScheduleFire])
 
 
+def _deliveries(db: peewee.Database) -> None:
+    """8: the delivery outbox, and each session's target."""
+    create_tables(db, [Delivery])
+    migrator = SchemaMigrator.from_database(db)
+    run_migrations(
+        migrator.add_column(
+            "session", "deliver_to", peewee.CharField(max_length=TARGET_LEN, null=True)
+        ),
+        migrator.add_column(
+            "session", "deliver_kinds", peewee.CharField(max_length=200, default="")
+        ),
+    )
+
+
 # version -> the step that migrates version-1 to version.
 STEPS: dict[int, Callable[[peewee.Database], None]] = {
     2: _resend_mark,
@@ -117,6 +133,7 @@ STEPS: dict[int, Callable[[peewee.Database], None]] = {
     5: _hosts,
     6: _subagents,
     7: _tasks_and_schedules,
+    8: _deliveries,
 }
 
 _LOCK_NAME = "turnkeeper_migrate"

@@ -13,6 +13,7 @@ from supervisor.store.db import JSON_TEXT
 
 ID_LEN = 64
 HOST_ID_LEN = 40  # a lease owner is "<host_id>/<boot>/<worker>" within ID_LEN
+TARGET_LEN = 40  # a delivery target's name
 
 
 class JSONTextField(peewee.TextField):
@@ -69,6 +70,11 @@ class Session(BaseModel):
     # Recovery ended a turn it could not continue and asked the user to resend (a
     # `notice`); cleared by the user's next message.
     resend_requested_at = peewee.DoubleField(null=True)
+    # The delivery target the session is bound to, and what it is sent (`DeliveryKind`s,
+    # space-separated), as the target's configuration said: read by every append under
+    # its lock, so a delivery is written in the transaction of its event.
+    deliver_to = peewee.CharField(max_length=TARGET_LEN, null=True)
+    deliver_kinds = peewee.CharField(max_length=200, default="")
 
     class Meta:
         table_name = "session"
@@ -284,6 +290,39 @@ class ScheduleFire(BaseModel):
         indexes = ((("schedule", "scheduled_for"), True),)
 
 
+class Delivery(BaseModel):
+    """One event of a session to push to a target: the outbox (`DeliveryStatus`).
+
+    Written by the append of its event, in the same transaction (`next_at` 0: due at
+    once). A daemon claims it (`claimed_by`, `claim_expires_at` on the database clock)
+    while it is sent; each failed attempt counts in `attempts` and moves `next_at` by the
+    backoff. Unique on (session, seq, target): an event goes to a target once.
+    """
+
+    id = peewee.CharField(max_length=ID_LEN, primary_key=True)  # the Idempotency-Key
+    target = peewee.CharField(max_length=TARGET_LEN)
+    session = peewee.CharField(max_length=ID_LEN)
+    seq = peewee.BigIntegerField()
+    kind = peewee.CharField(max_length=32)  # `DeliveryKind`
+    status = peewee.CharField(max_length=16, default="pending")
+    attempts = peewee.IntegerField(default=0)
+    next_at = peewee.DoubleField(default=0.0)  # database clock; 0: at once
+    created_at = peewee.DoubleField()  # its event's
+    claimed_by = peewee.CharField(max_length=ID_LEN, null=True)  # "<host>/<boot8>"
+    claim_expires_at = peewee.DoubleField(null=True)
+    last_code = peewee.IntegerField(null=True)  # the last attempt's HTTP status, if any
+    last_error = peewee.TextField(default="")  # what the last failed attempt met, in words
+    delivered_at = peewee.DoubleField(null=True)
+    updated_at = peewee.DoubleField()
+
+    class Meta:
+        table_name = "delivery"
+        indexes = (
+            (("session", "seq", "target"), True),
+            (("status", "target", "next_at"), False),
+        )
+
+
 class ChildProcess(BaseModel):
     """A live worker or MCP child, identified safely against pid reuse by create_time."""
 
@@ -314,5 +353,6 @@ MODELS: list[type[BaseModel]] = [
     Task,
     Schedule,
     ScheduleFire,
+    Delivery,
     ChildProcess,
 ]

@@ -8,7 +8,6 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Collection
-from dataclasses import dataclass
 from typing import Any
 
 import peewee
@@ -27,6 +26,7 @@ from supervisor.store.db import chunks, run_write
 from supervisor.store.errors import SessionClosed, SessionNotFound
 from supervisor.store.eventlog import make_request, write_events
 from supervisor.store.models import Session, SessionACL
+from supervisor.store.session_info import INFO_FIELDS, SessionInfo, info_of
 
 KINDS = tuple(SessionKind)
 QUARANTINE_NOTICE = (
@@ -34,57 +34,6 @@ QUARANTINE_NOTICE = (
     "it will not be run again by itself. An operator can lift this with "
     "`turnkeeper sessions release ID`; then send your message again."
 )
-
-
-@dataclass(frozen=True)
-class SessionInfo:
-    """A session row as the rest of turnkeeper sees it."""
-
-    id: str
-    kind: str
-    parent: str | None
-    title: str
-    agent: str
-    status: str
-    created_at: float
-    updated_at: float
-    last_seq: int
-    owner: str | None
-    lease_token: int
-    lease_expires_at: float | None
-    pending: bool
-    active_turn_id: str | None
-    attempt_turn_id: str | None
-    attempt_count: int
-    quarantined_at: float | None
-    quarantine_reason: str | None
-    resend_requested_at: float | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        """The API shape of a session."""
-        return {
-            "id": self.id,
-            "kind": self.kind,
-            "parent": self.parent,
-            "title": self.title,
-            "agent": self.agent,
-            "status": self.status,
-            "created_at": self.created_at,
-            "updated_at": self.updated_at,
-            "last_seq": self.last_seq,
-            "pending": self.pending,
-            "active_turn_id": self.active_turn_id,
-            "resend_requested_at": self.resend_requested_at,
-        }
-
-
-INFO_FIELDS = tuple(SessionInfo.__dataclass_fields__)
-
-
-def _info(row: Session) -> SessionInfo:
-    values = {name: getattr(row, name) for name in SessionInfo.__dataclass_fields__}
-    values["pending"] = bool(values["pending"])
-    return SessionInfo(**values)
 
 
 class Sessions:
@@ -106,9 +55,11 @@ class Sessions:
         agent: str = "",
         parent: str | None = None,
         events: list[tuple[str, dict[str, Any]]] = (),  # type: ignore[assignment]
+        deliver: tuple[str, str] | None = None,  # its target, and the kinds it is sent
     ) -> SessionInfo:
         """A new session, its creator's `admin` ACL row and its first `events` (type,
         payload), in one transaction: an autonomous run starts whole or not at all."""
+        deliver_to, deliver_kinds = deliver or (None, "")
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {', '.join(KINDS)}, not {kind!r}")
         if not principal:
@@ -125,6 +76,8 @@ class Sessions:
                 agent=agent,
                 created_at=now,
                 updated_at=now,
+                deliver_to=deliver_to,
+                deliver_kinds=deliver_kinds,
             ).execute()
             SessionACL.insert(
                 session=session_id, principal=principal, permission=Permission.ADMIN
@@ -165,7 +118,7 @@ class Sessions:
             )
             seen = {row.id for row in rows}  # pending ones are read already
             more = running.order_by(Session.updated_at, Session.id).limit(limit)
-            rows += [_info(row) for row in more if row.id not in seen][: limit - len(rows)]
+            rows += [info_of(row) for row in more if row.id not in seen][: limit - len(rows)]
         return rows
 
     def needing_turns(self, limit: int = 1000) -> list[SessionInfo]:
@@ -177,7 +130,7 @@ class Sessions:
             .order_by(Session.updated_at, Session.id)
             .limit(limit)
         )
-        return [_info(row) for row in query]
+        return [info_of(row) for row in query]
 
     def some(self, session_ids: Collection[str]) -> list[SessionInfo]:
         """The open ones of these sessions that have work (pending, or a turn in flight)."""
@@ -188,14 +141,14 @@ class Sessions:
                 & (Session.status == SessionStatus.OPEN)
                 & (Session.pending | Session.active_turn_id.is_null(False))
             )
-            rows += [_info(row) for row in query]
+            rows += [info_of(row) for row in query]
         return rows
 
     def many(self, session_ids: Collection[str]) -> dict[str, SessionInfo]:
         """These sessions, whatever their state, by id (those that exist)."""
         parts = chunks(list(session_ids))
         rows = (row for part in parts for row in Session.select().where(Session.id.in_(part)))
-        return {row.id: _info(row) for row in rows}
+        return {row.id: info_of(row) for row in rows}
 
     def idle_autonomous(self, limit: int = 1000) -> list[SessionInfo]:
         """Open autonomous sessions with no turn in flight and no input waiting."""
@@ -210,7 +163,7 @@ class Sessions:
             .order_by(Session.updated_at)
             .limit(limit)
         )
-        return [_info(row) for row in query]
+        return [info_of(row) for row in query]
 
     def quarantine(self, session_id: str, reason: str) -> None:
         """Stop a session that keeps killing its workers: not continued, not re-assigned.
@@ -396,4 +349,4 @@ class Sessions:
         query = Session.select().order_by(Session.created_at.desc(), Session.id).limit(limit)
         if principal is not None:
             query = query.join(SessionACL).where(SessionACL.principal == principal)
-        return [_info(row) for row in query]
+        return [info_of(row) for row in query]

@@ -19,8 +19,11 @@ ROW_COLUMNS = (
     "attempt_count",
     "resend_requested_at",
     "status",
+    "deliver_to",
+    "deliver_kinds",
 )
-READ_ONLY = ("lease_token", "status")  # read under the lock; an append never sets them
+# Read under the lock; an append never sets them.
+READ_ONLY = ("lease_token", "status", "deliver_to", "deliver_kinds")
 EVENT_COLUMNS = (
     "session_id",
     "seq",
@@ -60,6 +63,11 @@ class Sql:
         self.bump = (
             f"UPDATE {self.session} SET last_seq = {p}, updated_at = {p} "
             f"WHERE id = {p} AND last_seq = {p} AND lease_token = {p}"
+        )
+        self.insert_delivery = (
+            f"INSERT INTO {q[0]}delivery{q[1]} (id, target, {q[0]}session{q[1]}, seq, kind, "
+            "status, attempts, next_at, created_at, last_error, updated_at) "
+            f"VALUES ({', '.join([p] * 11)})"
         )
         # SQLite: take the write lock up front, so a write never upgrades a read lock.
         self.begin = "BEGIN IMMEDIATE" if self.kind == "sqlite" else "BEGIN"

@@ -1,0 +1,103 @@
+"""The `[delivery]` section: where replies are pushed, and how hard to try.
+
+A target is the operator's: a name, a URL and the environment variable holding its HMAC
+secret (checked at start: `supervisor.checks`). A request only names a target (a
+session's `deliver_to`); no URL ever comes from a request.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+from urllib.parse import urlsplit
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
+from pydantic import model_validator as _model_validator
+from pydantic_core import PydanticCustomError
+
+from supervisor.core.deliveries import DEFAULT_KINDS
+from supervisor.core.vocabulary import DeliveryKind
+
+TARGET_NAME = r"^[a-z0-9][a-z0-9_.-]{0,39}$"
+ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]{0,127}$"
+MAX_TARGETS = 64
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+
+class DeliveryTarget(_Section):
+    """One endpoint deliveries are POSTed to (`[[delivery.targets]]`)."""
+
+    name: Annotated[str, StringConstraints(pattern=TARGET_NAME)]
+    url: Annotated[str, StringConstraints(max_length=2000)]
+    secret_env: Annotated[str, StringConstraints(pattern=ENV_NAME)]
+    timeout: Annotated[float, Field(gt=0, le=300)] = 10.0
+    events: Annotated[list[DeliveryKind], Field(min_length=1)] = Field(
+        default_factory=lambda: list(DEFAULT_KINDS)
+    )
+
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, url: str) -> str:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise PydanticCustomError(
+                "target_url", "must be an http:// or https:// URL with a host, not {url!r}",
+                {"url": url},
+            )  # fmt: skip
+        if parts.username or parts.password or parts.fragment:
+            raise PydanticCustomError(
+                "target_url",
+                "must hold no user, password or #fragment (the secret goes in secret_env)",
+            )
+        try:
+            parts.port  # noqa: B018 (a port out of range raises)
+        except ValueError as exc:
+            raise PydanticCustomError(
+                "target_url", "bad port: {error}", {"error": str(exc)}
+            ) from None
+        return url
+
+    @field_validator("events")
+    @classmethod
+    def _unique_events(cls, events: list[DeliveryKind]) -> list[DeliveryKind]:
+        return list(dict.fromkeys(events))
+
+
+class DeliveryConfig(_Section):
+    max_attempts: Annotated[int, Field(ge=1, le=100)] = 5
+    backoff: Annotated[float, Field(gt=0)] = 5.0  # after the first failed attempt; doubling
+    backoff_cap: Annotated[float, Field(gt=0)] = 600.0
+    poll_interval: Annotated[float, Field(gt=0, le=60)] = 1.0
+    concurrency: Annotated[int, Field(ge=1, le=256)] = 16  # attempts in flight per target
+    keep: Annotated[float, Field(gt=0)] = 7 * 86400.0  # delivered rows kept this long
+    targets: list[DeliveryTarget] = Field(default_factory=list, max_length=MAX_TARGETS)
+
+    @field_validator("targets")
+    @classmethod
+    def _unique_names(cls, targets: list[DeliveryTarget]) -> list[DeliveryTarget]:
+        first: dict[str, int] = {}
+        for index, target in enumerate(targets):
+            if target.name in first:
+                raise PydanticCustomError(
+                    "duplicate_name",
+                    "duplicate delivery target '{name}', already used by delivery.targets[{first}]",
+                    {"name": target.name, "first": first[target.name], "at": (index, "name")},
+                )
+            first[target.name] = index
+        return targets
+
+    @_model_validator(mode="after")
+    def _cap_not_below_base(self) -> DeliveryConfig:
+        if self.backoff_cap < self.backoff:
+            raise PydanticCustomError(
+                "backoff_cap",
+                "backoff_cap ({cap}) must not be below backoff ({base})",
+                {"cap": self.backoff_cap, "base": self.backoff, "at": ("backoff_cap",)},
+            )
+        return self
+
+    def target(self, name: Any) -> DeliveryTarget | None:
+        """The target called `name`; None when there is none."""
+        return next((t for t in self.targets if t.name == name), None)

@@ -1,0 +1,274 @@
+"""The courier: sends the outbox's deliveries to their targets, once each, in seq order per
+session, whatever restarts, down targets or other daemons do.
+
+The rules are `supervisor.core.deliveries`'s; this module claims rows, POSTs them and
+writes down what their targets answered. One pass, for each configured target with room
+(`delivery.concurrency` attempts in flight):
+
+1. claim the due deliveries of the target (`Deliveries.claim`: each the oldest pending one
+   of its session, so the next of a session is claimable only once this one is finished;
+   a claim of this host's earlier boot, one that was in flight when the daemon died, is
+   free at once);
+2. POST each, signed, with `Idempotency-Key: <delivery_id>` (a delivery sent again after
+   a crash carries the same key: the receiver dedupes);
+3. record its verdict (delivered, dead, or pending again after the backoff) under the
+   claim, count the attempt, observe the lag of a delivered one, and look again at once:
+   the session's next delivery may go.
+
+A target that does not answer holds back only its own deliveries: each attempt is a task
+of its own, bounded by the target's `timeout`, and each target has its own room. Between
+passes the courier sleeps until an event it may carry is committed (`nudge`, the pool's
+event signal), an operator retries one (`stir`), or `delivery.poll_interval` passes (what
+another daemon or process committed, a retry that came due). Logged under subsystem
+`deliveries`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+from supervisor.contract.clock import SYSTEM, Clock, sleep_unless
+from supervisor.contract.config import Config
+from supervisor.contract.delivery_targets import DeliveryTarget
+from supervisor.contract.logs import log
+from supervisor.core import deliveries as rules
+from supervisor.core.vocabulary import AttemptOutcome, DeliveryKind, DeliveryStatus
+from supervisor.http.metrics import Metrics
+from supervisor.store import Outgoing, Store
+
+CLAIM_MARGIN = 15.0  # seconds a claim outlives its target's timeout (recording the verdict)
+RETRY = 1.0  # seconds before a pass that failed (a busy database) is tried again
+PRUNE_EVERY = 600.0  # seconds between forgetting delivered rows older than delivery.keep
+USER_AGENT = "turnkeeper-delivery"
+# Events that may carry a delivery (`DeliveryKind`s, by the event type the pool signals).
+CARRIERS = frozenset({"model_response", *DeliveryKind})
+
+Finished = Callable[[str, AttemptOutcome], None]
+
+
+class Courier:
+    """Sends this database's deliveries (see the module's docstring)."""
+
+    def __init__(
+        self,
+        config: Config,
+        store: Store,
+        owner: str,
+        metrics: Metrics,
+        *,
+        clock: Clock = SYSTEM,
+        jitter: Callable[[], float] = random.random,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.config = config  # read on every pass: a reload may replace it
+        self.store = store
+        self.owner = owner  # "<host>/<boot>": what claims say
+        self.mine = owner.split("/", 1)[0] + "/"  # this host's earlier boots' claims are dead
+        self.metrics = metrics
+        self.clock = clock
+        self.jitter = jitter
+        self.transport = transport
+        self.in_flight: dict[str, set[asyncio.Task[None]]] = {}
+        self.on_finished: list[Finished] = []  # tests and benchmarks watch attempts
+        self._wake = asyncio.Event()
+        self._synced = False
+        self._pruned_at = -PRUNE_EVERY
+        self.log = log("deliveries")
+
+    # --- signals --------------------------------------------------------------------
+
+    def nudge(self, session_id: str, event: dict[str, Any]) -> None:
+        """The pool's event signal: an event that may carry a delivery was committed."""
+        if event.get("type") in CARRIERS:
+            self._wake.set()
+
+    def stir(self) -> None:
+        """Look again now (an operator retried a delivery)."""
+        self._wake.set()
+
+    # --- the loop -------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Pass after pass until cancelled (the pool's stop); then give the claims back."""
+        self.metrics.state.deliveries = self.store.deliveries.counts
+        async with httpx.AsyncClient(
+            transport=self.transport,
+            follow_redirects=False,
+            trust_env=False,  # no proxy from the environment: a target is a URL as written
+            headers={"User-Agent": USER_AGENT},
+        ) as client:
+            try:
+                while True:
+                    self._wake.clear()
+                    try:
+                        await self._pass(client)
+                        wait = self.config.delivery.poll_interval
+                    except Exception as exc:  # a busy database: the next pass tries again
+                        self.log.warning("a pass failed, trying again in {} s: {}", RETRY, exc)
+                        wait = RETRY
+                    await sleep_unless(self.clock, wait, self._wake)
+            finally:
+                await self._settle()
+
+    async def _settle(self) -> None:
+        """Stop the attempts in flight and give their claims back: whoever claims them next
+        (this host's next boot, another daemon) sends them again, with the same key."""
+        running = [task for tasks in self.in_flight.values() for task in tasks]
+        for task in running:
+            task.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
+        try:
+            await asyncio.shield(asyncio.to_thread(self.store.deliveries.release, self.owner))
+        except Exception as exc:
+            self.log.warning("could not give back this boot's claims (they run out): {}", exc)
+
+    async def _pass(self, client: httpx.AsyncClient) -> None:
+        settings = self.config.delivery
+        targets = {t.name: t for t in settings.targets}
+        if not self._synced and targets:
+            kinds = {name: [str(k) for k in t.events] for name, t in targets.items()}
+            changed = await asyncio.to_thread(self.store.deliveries.sync_kinds, kinds)
+            if changed:
+                self.log.info("{} bound sessions now get what their target's events say", changed)
+            self._synced = True
+        for name, target in targets.items():
+            running = self.in_flight.setdefault(name, set())
+            room = settings.concurrency - len(running)
+            if room <= 0:
+                continue
+            lease = {name: target.timeout + CLAIM_MARGIN}
+            claimed = await asyncio.to_thread(
+                self.store.deliveries.claim, self.owner, lease, room, self.mine
+            )
+            for outgoing in claimed:
+                task = asyncio.create_task(
+                    self._attempt(client, target, outgoing), name=f"delivery {outgoing.delivery.id}"
+                )
+                running.add(task)
+                task.add_done_callback(running.discard)
+        if self.clock.monotonic() - self._pruned_at >= PRUNE_EVERY:
+            self._pruned_at = self.clock.monotonic()
+            before = time.time() - settings.keep
+            forgotten = await asyncio.to_thread(self.store.deliveries.prune, before)
+            if forgotten:
+                self.log.info("forgot {} delivered rows older than delivery.keep", forgotten)
+
+    # --- one attempt ----------------------------------------------------------------
+
+    async def _attempt(
+        self, client: httpx.AsyncClient, target: DeliveryTarget, outgoing: Outgoing
+    ) -> None:
+        delivery = outgoing.delivery
+        content = rules.body(
+            delivery.id,
+            delivery.session,
+            delivery.seq,
+            delivery.kind,
+            rules.text_of(outgoing.payload),
+            delivery.created_at,
+        )
+        code, error = await self._post(client, target, delivery.id, content)
+        settings = self.config.delivery
+        policy = rules.Policy(settings.max_attempts, settings.backoff, settings.backoff_cap)
+        attempts = delivery.attempts + 1
+        verdict = policy.after(attempts, rules.verdict(code))
+        status, outcome, next_in = {
+            rules.Verdict.DELIVERED: (DeliveryStatus.DELIVERED, AttemptOutcome.DELIVERED, 0.0),
+            rules.Verdict.DEAD: (DeliveryStatus.DEAD, AttemptOutcome.DEAD, 0.0),
+            rules.Verdict.RETRY: (DeliveryStatus.PENDING, AttemptOutcome.FAILED, None),
+        }[verdict]
+        if next_in is None:
+            next_in = policy.delay(attempts, min(1.0, max(0.0, self.jitter())))
+        try:
+            kept = await asyncio.to_thread(
+                self.store.deliveries.finish,
+                delivery.id,
+                self.owner,
+                status,
+                next_in=next_in,
+                code=code,
+                error=error,
+            )
+        except Exception as exc:  # the claim runs out; the delivery is sent again, same key
+            self.log.warning("could not record delivery {}: {}", delivery.id, exc)
+            return
+        self.metrics.delivery_attempts.labels(outcome).inc()
+        if status is DeliveryStatus.DELIVERED:
+            self.metrics.delivery_lag.observe(max(0.0, time.time() - delivery.created_at))
+        self._say(delivery.id, target.name, attempts, status, next_in, error, kept)
+        for watcher in self.on_finished:
+            watcher(delivery.id, outcome)
+        self._wake.set()  # the session's next delivery may go now
+
+    async def _post(
+        self, client: httpx.AsyncClient, target: DeliveryTarget, key: str, content: bytes
+    ) -> tuple[int | None, str]:
+        """(HTTP status or None, what went wrong in words or "")."""
+        secret = os.environ.get(target.secret_env, "")
+        if not secret:  # checked at start; unset since (a reload): nothing is sent unsigned
+            return None, f"{target.secret_env} is not set: nothing sent"
+        stamp = int(time.time())
+        headers = {
+            "Content-Type": "application/json",
+            "Idempotency-Key": key,
+            rules.TIMESTAMP_HEADER: str(stamp),
+            rules.SIGNATURE_HEADER: rules.signature(secret.encode(), stamp, content),
+        }
+        try:
+            response = await client.post(
+                target.url, content=content, headers=headers, timeout=target.timeout
+            )
+        except httpx.TimeoutException:
+            return None, f"no answer within {target.timeout} s"
+        except httpx.HTTPError as exc:
+            return None, f"{type(exc).__name__}: {exc}"[:200]
+        code = response.status_code
+        return code, "" if 200 <= code < 300 else f"HTTP {code} {response.reason_phrase}"[:200]
+
+    def _say(
+        self,
+        delivery_id: str,
+        target: str,
+        attempts: int,
+        status: DeliveryStatus,
+        next_in: float,
+        error: str,
+        kept: bool,
+    ) -> None:
+        if not kept:
+            self.log.warning(
+                "delivery {} to {}: its claim ran out before the verdict was written; "
+                "whoever holds it now sends it again (same Idempotency-Key)",
+                delivery_id,
+                target,
+            )
+        elif status is DeliveryStatus.DELIVERED:
+            self.log.debug(
+                "delivery {} to {}: delivered (attempt {})", delivery_id, target, attempts
+            )
+        elif status is DeliveryStatus.DEAD:
+            self.log.warning(
+                "delivery {} to {}: dead after {} attempt(s): {} (retry it with "
+                "`turnkeeper deliveries retry {}`)",
+                delivery_id,
+                target,
+                attempts,
+                error,
+                delivery_id,
+            )
+        else:
+            self.log.info(
+                "delivery {} to {}: attempt {} failed ({}), again in {:.1f} s",
+                delivery_id,
+                target,
+                attempts,
+                error,
+                next_in,
+            )
