@@ -181,9 +181,15 @@ class Client:
 
     # --- routes ---------------------------------------------------------------------
 
-    def create_session(self, title: str = "", kind: str = "attached") -> dict[str, Any]:
-        """A new session; the caller becomes its admin."""
-        return self._json("POST", "/v1/sessions", json={"title": title, "kind": kind})
+    def create_session(
+        self, title: str = "", kind: str = "attached", deliver_to: str | None = None
+    ) -> dict[str, Any]:
+        """A new session (bound to delivery target `deliver_to`, if given); the caller
+        becomes its admin."""
+        body: dict[str, Any] = {"title": title, "kind": kind}
+        if deliver_to is not None:
+            body["deliver_to"] = deliver_to
+        return self._json("POST", "/v1/sessions", json=body)
 
     def list_sessions(self, limit: int = 100) -> list[dict[str, Any]]:
         """The sessions the caller may read, newest first."""

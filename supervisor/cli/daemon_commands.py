@@ -53,13 +53,19 @@ session_argument = click.argument("session_id", metavar="SESSION")
 @click.command("new")
 @click.option("--title", default="", help="A title to recognise the session by.")
 @click.option("--kind", default="attached", show_default=True, type=click.Choice(KINDS))
+@click.option(
+    "--deliver-to",
+    default=None,
+    metavar="TARGET",
+    help="Push its replies to this delivery target (a name of [[delivery.targets]]).",
+)
 @json_option
 @click.pass_context
 @reports_errors
-def new(ctx: click.Context, title: str, kind: str, as_json: bool) -> None:
+def new(ctx: click.Context, title: str, kind: str, deliver_to: str | None, as_json: bool) -> None:
     """Create a session through the daemon; prints its id (--json: the whole session)."""
     with connect(ctx) as client:
-        session = client.create_session(title, kind)
+        session = client.create_session(title, kind, deliver_to)
     if as_json:
         emit_json(session)
     else:

@@ -20,6 +20,7 @@ from supervisor import __version__
 from supervisor.cli import (
     config_commands,
     daemon_commands,
+    deliveries_command,
     doctor_command,
     hosts_command,
     schedules_command,
@@ -280,6 +281,7 @@ hosts_command.register(main)
 subagents_command.register(main)
 schedules_command.register(main)
 tasks_command.register(main)
+deliveries_command.register(main)
 config_commands.register(main)
 doctor_command.register(main)
 accept_config_everywhere(main)  # last: after every command is registered

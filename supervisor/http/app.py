@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
@@ -19,11 +18,11 @@ from aiohttp import web
 
 from supervisor.contract.config import Config
 from supervisor.contract.logs import log
-from supervisor.core import autonomy
 from supervisor.core.vocabulary import EventType, Permission, Rejection, SessionStatus, Writer
 from supervisor.http import answers, attach, auth, follow, hosts, openapi, pages, subagents, tasks
 from supervisor.http.answers import MAX_SEQ, RETRY_AFTER, ApiError, answer, read_body, whole
 from supervisor.http.auth import ADMIN, Tokens
+from supervisor.http.deliveries import DeliveryRoutes, Stirrer
 from supervisor.http.lifecycle import Lifecycle, refuse_closed
 from supervisor.http.metrics import CONTENT_TYPE, Metrics
 from supervisor.http.schedules import ScheduleRoutes
@@ -31,16 +30,14 @@ from supervisor.http.schemas import (
     AclChange,
     AclEntries,
     BootState,
-    CreateSession,
     Health,
     Inject,
     Injected,
     Readiness,
-    SessionList,
-    SessionOut,
     Status,
     Woken,
 )
+from supervisor.http.session_routes import SessionRoutes
 from supervisor.http.storage import StorageHealth
 from supervisor.store import (
     EVENT_TYPES,
@@ -76,12 +73,12 @@ class PoolView(Protocol):
     def status(self) -> dict[str, Any]:
         """The slots and workers, for /v1/status."""
 
+    @property
+    def courier(self) -> Stirrer:
+        """The sender of deliveries: `stir()` after a retry."""
+
     def breaker(self) -> dict[str, Any]:
         """The breaker, for /v1/status."""
-
-
-def _session_out(info: SessionInfo) -> SessionOut:
-    return SessionOut.model_validate(info.to_dict())
 
 
 class Api:
@@ -124,9 +121,15 @@ class Api:
             ],
         )
         r = app.router
-        r.add_post("/v1/sessions", self.create)
-        r.add_get("/v1/sessions", self.list)
-        r.add_get("/v1/sessions/{id}", self.get)
+        # /v1/sessions (POST, GET) and /v1/sessions/{id} (GET, PUT)
+        SessionRoutes(
+            self.config,
+            self.store,
+            self.storage,
+            self._session,
+            self._refuse_while_stopping,
+            self.pool,
+        ).add(r)
         r.add_post("/v1/sessions/{id}/inject", self.inject)
         r.add_post("/v1/sessions/{id}/wake", self.wake)
         r.add_delete("/v1/sessions/{id}", self.lifecycle.close)
@@ -139,6 +142,7 @@ class Api:
         # /v1/sessions/{id}/tasks, /v1/tasks/{id} (GET, DELETE) and /v1/tasks/{id}/output
         tasks.Routes(self.store, self._session, self.pool, self.config, self.host_id).add(r)
         ScheduleRoutes(self.config, self.store, self._refuse_while_stopping).add(r)
+        DeliveryRoutes(self.config, self.store, self._refuse_while_stopping, self.pool).add(r)
         r.add_get("/v1/status", self.status)
         r.add_get("/healthz", self.healthz)
         r.add_get("/readyz", self.readyz)
@@ -207,53 +211,6 @@ class Api:
         return whole(request.query.get(name), name, default, low, high)
 
     # --- routes ---------------------------------------------------------------------
-
-    async def create(self, request: web.Request) -> web.Response:
-        self._refuse_while_stopping()
-        body = await read_body(request, CreateSession, self.config.http.read_timeout)
-        allowed = self.config.agent.allowed_classes()
-        if body.agent and body.agent not in allowed:
-            # Decided here, before anything is stored or imported: an agent is code.
-            raise ApiError(
-                422,
-                "invalid",
-                f"agent: {body.agent!r} is not an agent this daemon runs; "
-                f"allowed: {', '.join(allowed)} (the operator lists them in agent.allowed)",
-                field="agent",
-            )
-        first: list[tuple[str, dict[str, Any]]] = []
-        if body.run is not None:
-            now = time.time()
-            r = body.run
-            deadline = None if r.deadline_seconds is None else now + r.deadline_seconds
-            run = autonomy.Run(r.goal, r.prompt, r.max_turns, r.max_tokens, deadline)
-            first = [
-                (EventType.CHECKPOINT, run.start_payload(now)),
-                (EventType.USER_MESSAGE, {"text": r.goal}),
-            ]
-        info = await asyncio.to_thread(
-            self.store.sessions.create,
-            request["principal"],
-            kind=body.kind,
-            title=body.title,
-            agent=body.agent,
-            events=first,
-        )
-        self.storage.worked()
-        if first and self.pool is not None:
-            self.pool.wake(info.id)
-        return answer(_session_out(info), 201, {"Location": f"/v1/sessions/{info.id}"})
-
-    async def list(self, request: web.Request) -> web.Response:
-        limit = self._int(request, "limit", 100, 1, 1000)
-        principal = request["principal"]
-        sessions = await asyncio.to_thread(
-            self.store.sessions.list, None if principal == ADMIN else principal, limit
-        )
-        return answer(SessionList(sessions=[_session_out(s) for s in sessions]))
-
-    async def get(self, request: web.Request) -> web.Response:
-        return answer(_session_out(await self._session(request)))
 
     async def inject(self, request: web.Request) -> web.Response:
         self._refuse_while_stopping()

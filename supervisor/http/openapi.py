@@ -17,7 +17,8 @@ from pydantic.json_schema import models_json_schema
 
 from supervisor import __version__
 from supervisor.core.vocabulary import TaskStatus
-from supervisor.http import schedules
+from supervisor.http import deliveries, schedules
+from supervisor.http.deliveries import DeliveryList, DeliveryOut
 from supervisor.http.schedules import ScheduleDeleted, ScheduleList, ScheduleOut
 from supervisor.http.schemas import (
     ANSWERS,
@@ -44,11 +45,12 @@ from supervisor.http.schemas import (
 ERRORS = {
     400: "Malformed JSON.",
     401: "No valid bearer token.",
-    403: "The caller may see the session but not do this.",
-    404: "No such session, task or schedule (or the caller may not read its session).",
+    403: "The caller may see the session but not do this, or only the admin token may.",
+    404: "No such session, task, schedule or delivery (or the caller may not read its session).",
     409: "The session is closed or quarantined (`error.code` says which and the message "
     "how to go on), the Idempotency-Key was used for another request, a task's output "
-    "is on another host, or schedules are off or at schedules.max_schedules.",
+    "is on another host, schedules are off or at schedules.max_schedules, or a delivery "
+    "was delivered already or its target is no longer configured.",
     413: "The body is over http.max_body.",
     422: "A field is invalid; `error.field` names it.",
     429: "The principal holds http.max_streams_per_principal attach streams already.",
@@ -81,6 +83,21 @@ TASK_STATUS = {
     "schema": {"type": "string", "pattern": f"^({_STATUSES})(,({_STATUSES}))*$"},
 }
 AFTER = _query("after", 0)
+DELIVERY_ID = {
+    **SESSION_ID,
+    "schema": {"type": "string", "pattern": deliveries.DELIVERY_ID_PATTERN},
+}
+DELIVERY_STATUS = {
+    "name": "status",
+    "in": "query",
+    "schema": {"type": "string", "enum": list(deliveries.STATUSES)},
+}
+OF_SESSION = {
+    "name": "session",
+    "in": "query",
+    "schema": {"type": "string", "pattern": SESSION_ID_PATTERN},
+    "description": "Only this session's deliveries; required of a principal that is not admin.",
+}
 IDEMPOTENCY_KEY = {
     "name": "Idempotency-Key",
     "in": "header",
@@ -105,6 +122,11 @@ PATHS: list[tuple[str, str, str, str, list[Any], str | None, dict[int, Answer], 
      [LIMIT], None, {200: (SessionList, "Newest first.")}, "401 422", AUTH),
     ("get", "/v1/sessions/{id}", "getSession", "One session.",
      [SESSION_ID], None, {200: (SessionOut, "The session.")}, "401 403 404", AUTH),
+    ("put", "/v1/sessions/{id}", "updateSession",
+     "Bind the session to a delivery target the operator configured, or unbind it (null); "
+     "write access. Its events from the next commit on are delivered (or not).",
+     [SESSION_ID], "SessionUpdate", {200: (SessionOut, "The session.")},
+     "400 401 403 404 413 422 503", AUTH),
     ("delete", "/v1/sessions/{id}", "closeSession",
      "Close the session (admin): its turn in flight ends as an interrupt ends it, it runs "
      "no turn and takes no message any more, its history is kept. Idempotent.",
@@ -170,6 +192,19 @@ PATHS: list[tuple[str, str, str, str, list[Any], str | None, dict[int, Answer], 
     ("delete", "/v1/schedules/{id}", "deleteSchedule",
      "Delete a schedule (write access to its session, or its own): it fires no more.",
      [SCHEDULE_ID], None, {200: (ScheduleDeleted, "Deleted.")}, "401 403 404 503", AUTH),
+    ("get", "/v1/deliveries", "listDeliveries",
+     "The delivery outbox, newest first: every delivery for the admin token; any other "
+     "principal names a session it may read.",
+     [DELIVERY_STATUS, OF_SESSION, LIMIT], None, {200: (DeliveryList, "Newest first.")},
+     "401 403 404 422", AUTH),
+    ("get", "/v1/deliveries/{id}", "getDelivery",
+     "One delivery (read access to its session).",
+     [DELIVERY_ID], None, {200: (DeliveryOut, "The delivery.")}, "401 404", AUTH),
+    ("post", "/v1/deliveries/{id}/retry", "retryDelivery",
+     "Send a delivery again (admin): a dead one is pending again with its attempts "
+     "counted from 0, a pending one is due now. A delivered one is a 409.",
+     [DELIVERY_ID], None, {200: (DeliveryOut, "The delivery, pending.")},
+     "401 403 404 409 503", AUTH),
     ("get", "/v1/status", "status",
      "Boot, worker slots, sessions by state, the hosts on the database (admin only).",
      [], None, {200: (Status, "The daemon's state.")}, "401 403", AUTH),
@@ -200,7 +235,8 @@ def _content(answer: type[BaseModel] | str) -> dict[str, Any]:
 
 def _components() -> dict[str, Any]:
     """Every request and answer model's JSON schema, refs pointing into components."""
-    requests, answers = (*REQUESTS, *schedules.REQUESTS), (*ANSWERS, *schedules.ANSWERS)
+    requests = (*REQUESTS, *schedules.REQUESTS)
+    answers = (*ANSWERS, *schedules.ANSWERS, *deliveries.ANSWERS)
     models = [(m, "validation") for m in requests] + [(m, "serialization") for m in answers]
     _, top = models_json_schema(models, ref_template="#/components/schemas/{model}")  # type: ignore[arg-type]
     schemas: dict[str, Any] = top["$defs"]

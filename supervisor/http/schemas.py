@@ -27,6 +27,7 @@ SESSION_ID_PATTERN = r"^[0-9a-f]{32}$"
 TASK_ID_PATTERN = r"^t[0-9a-f]{32}$"
 AGENT_PATTERN = r"^$|^[\w.]+:\w+$"
 PRINCIPAL_PATTERN = r"^[A-Za-z0-9_.@-]{1,100}$"
+MAX_TARGET = 100  # characters of a delivery target's name as a request may send it
 
 
 class _Request(BaseModel):
@@ -65,12 +66,29 @@ class CreateSession(_Request):
     run: RunBody | None = Field(
         default=None, description="required for kind autonomous, and only there"
     )
+    deliver_to: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=MAX_TARGET,
+        description="the name of a delivery target the operator configured "
+        "([[delivery.targets]]): the session's events are pushed there from its first on",
+    )
 
     @model_validator(mode="after")
     def _run_for_autonomous(self) -> CreateSession:
         if (self.kind == SessionKind.AUTONOMOUS) != (self.run is not None):
             raise ValueError("run (goal, max_turns, ...) goes with kind autonomous, and only there")
         return self
+
+
+class SessionUpdate(_Request):
+    """Bind the session to a delivery target, or unbind it (null)."""
+
+    deliver_to: str | None = Field(
+        min_length=1,
+        max_length=MAX_TARGET,
+        description="a target's name ([[delivery.targets]]); null: no more deliveries",
+    )
 
 
 class Inject(_Request):
@@ -122,6 +140,7 @@ class SessionOut(BaseModel):
         description="recovery ended a turn it could not continue and asked the user to "
         "resend; cleared by the next message"
     )
+    deliver_to: str | None = Field(description="the delivery target it is bound to, if any")
 
 
 class SessionList(BaseModel):
@@ -323,7 +342,7 @@ class Readiness(BaseModel):
     error: str | None = Field(default=None, description="why the database takes no writes")
 
 
-REQUESTS: tuple[type[BaseModel], ...] = (CreateSession, Inject, AclChange)
+REQUESTS: tuple[type[BaseModel], ...] = (CreateSession, SessionUpdate, Inject, AclChange)
 ANSWERS: tuple[type[BaseModel], ...] = (
     ErrorBody,
     SessionOut,

@@ -75,7 +75,9 @@ class Courier:
         self.clock = clock
         self.jitter = jitter
         self.transport = transport
-        self.in_flight: dict[str, set[asyncio.Task[None]]] = {}
+        self.in_flight: dict[str, set[asyncio.Task[None]]] = {}  # attempts, by target
+        self.sending: set[str] = set()  # the deliveries those attempts carry
+        self._claiming: asyncio.Future[list[Outgoing]] | None = None  # a claim's transaction
         self.on_finished: list[Finished] = []  # tests and benchmarks watch attempts
         self._wake = asyncio.Event()
         self._synced = False
@@ -124,6 +126,8 @@ class Courier:
         for task in running:
             task.cancel()
         await asyncio.gather(*running, return_exceptions=True)
+        if self._claiming is not None:  # a claim in flight commits anyway: its rows too
+            await asyncio.gather(self._claiming, return_exceptions=True)
         try:
             await asyncio.shield(asyncio.to_thread(self.store.deliveries.release, self.owner))
         except Exception as exc:
@@ -132,11 +136,8 @@ class Courier:
     async def _pass(self, client: httpx.AsyncClient) -> None:
         settings = self.config.delivery
         targets = {t.name: t for t in settings.targets}
-        if not self._synced and targets:
-            kinds = {name: [str(k) for k in t.events] for name, t in targets.items()}
-            changed = await asyncio.to_thread(self.store.deliveries.sync_kinds, kinds)
-            if changed:
-                self.log.info("{} bound sessions now get what their target's events say", changed)
+        if not self._synced:
+            await self._first_pass(targets)
             self._synced = True
         for name, target in targets.items():
             running = self.in_flight.setdefault(name, set())
@@ -144,10 +145,14 @@ class Courier:
             if room <= 0:
                 continue
             lease = {name: target.timeout + CLAIM_MARGIN}
-            claimed = await asyncio.to_thread(
-                self.store.deliveries.claim, self.owner, lease, room, self.mine
+            # Shielded: a stop cannot end the claim's thread, so `_settle` waits for it.
+            self._claiming = asyncio.ensure_future(
+                asyncio.to_thread(self.store.deliveries.claim, self.owner, lease, room, self.mine)
             )
+            claimed = await asyncio.shield(self._claiming)
             for outgoing in claimed:
+                if outgoing.delivery.id in self.sending:
+                    continue  # its attempt is still running (it ends within the claim)
                 task = asyncio.create_task(
                     self._attempt(client, target, outgoing), name=f"delivery {outgoing.delivery.id}"
                 )
@@ -160,9 +165,40 @@ class Courier:
             if forgotten:
                 self.log.info("forgot {} delivered rows older than delivery.keep", forgotten)
 
+    async def _first_pass(self, targets: dict[str, DeliveryTarget]) -> None:
+        """At boot: the bound sessions get what their target's `events` say now, and
+        deliveries to targets this daemon does not know are named (another daemon on the
+        database may send them; otherwise they wait until the target is configured)."""
+        deliveries = self.store.deliveries
+        if targets:
+            kinds = {name: [str(k) for k in t.events] for name, t in targets.items()}
+            changed = await asyncio.to_thread(deliveries.sync_kinds, kinds)
+            if changed:
+                self.log.info("{} bound sessions now get what their target's events say", changed)
+        waiting = await asyncio.to_thread(deliveries.pending_by_target)
+        for name, count in sorted(waiting.items()):
+            if name not in targets:
+                self.log.warning(
+                    "{} pending deliveries are for target {!r}, which this daemon's "
+                    "configuration does not name: they wait for a daemon that has it "
+                    "([[delivery.targets]])",
+                    count,
+                    name,
+                )
+
     # --- one attempt ----------------------------------------------------------------
 
     async def _attempt(
+        self, client: httpx.AsyncClient, target: DeliveryTarget, outgoing: Outgoing
+    ) -> None:
+        delivery = outgoing.delivery
+        self.sending.add(delivery.id)
+        try:
+            await self._attempt_once(client, target, outgoing)
+        finally:
+            self.sending.discard(delivery.id)
+
+    async def _attempt_once(
         self, client: httpx.AsyncClient, target: DeliveryTarget, outgoing: Outgoing
     ) -> None:
         delivery = outgoing.delivery
@@ -222,10 +258,13 @@ class Courier:
             rules.SIGNATURE_HEADER: rules.signature(secret.encode(), stamp, content),
         }
         try:
-            response = await client.post(
-                target.url, content=content, headers=headers, timeout=target.timeout
-            )
-        except httpx.TimeoutException:
+            # httpx's timeout bounds each read; this bounds the whole attempt (a target
+            # that answers a byte at a time), so it ends well within its claim.
+            async with asyncio.timeout(target.timeout):
+                response = await client.post(
+                    target.url, content=content, headers=headers, timeout=target.timeout
+                )
+        except (httpx.TimeoutException, TimeoutError):
             return None, f"no answer within {target.timeout} s"
         except httpx.HTTPError as exc:
             return None, f"{type(exc).__name__}: {exc}"[:200]

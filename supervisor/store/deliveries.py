@@ -299,6 +299,16 @@ class Deliveries:
         found: dict[str, int] = {str(row[0]): int(row[1]) for row in query.iterator()}
         return {status.value: int(found.get(status.value, 0)) for status in DeliveryStatus}
 
+    def pending_by_target(self) -> dict[str, int]:
+        """How many deliveries are pending, by target."""
+        query = (
+            Delivery.select(Delivery.target, peewee.fn.COUNT(Delivery.id))
+            .where(Delivery.status == DeliveryStatus.PENDING)
+            .group_by(Delivery.target)
+            .tuples()
+        )
+        return {str(row[0]): int(row[1]) for row in query.iterator()}
+
     def oldest_pending(self) -> float | None:
         """The `created_at` of the oldest pending delivery (for lag), None if none."""
         value = (

@@ -1,0 +1,198 @@
+"""The routes of the delivery outbox: list deliveries, read one, retry one.
+
+- `GET /v1/deliveries?status=&session=&limit=`: newest first. The admin token sees every
+  delivery; any other principal names a `session` it may read and sees its deliveries.
+- `GET /v1/deliveries/{id}` (read on its session): one delivery.
+- `POST /v1/deliveries/{id}/retry` (admin): a dead delivery is pending again with its
+  attempts counted from 0, a pending one is due now; the sender looks again at once. A
+  delivered one is a 409: it is not sent twice.
+
+A delivery is seen through its session's ACL: one of a session the caller may not read is
+a 404, as if it did not exist. Which sessions are delivered where is bound by
+`PUT /v1/sessions/{id}` (`session_routes.py`); the sending is the pool's courier.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import Callable
+from typing import Protocol
+
+from aiohttp import web
+from pydantic import BaseModel, Field
+
+from supervisor.contract.config import Config
+from supervisor.core.vocabulary import DeliveryKind, DeliveryStatus
+from supervisor.http.answers import ApiError, answer, whole
+from supervisor.http.auth import ADMIN
+from supervisor.http.schemas import SESSION_ID_PATTERN
+from supervisor.store import DeliveryInfo, SessionNotFound, Store
+
+DELIVERY_ID_PATTERN = r"^d[0-9a-f]{32}$"
+DELIVERY_ID = re.compile(DELIVERY_ID_PATTERN)
+SESSION_ID = re.compile(SESSION_ID_PATTERN)
+MAX_LISTED = 1000  # deliveries one answer lists (`limit`)
+LISTED = 100  # ... unless told
+STATUSES = tuple(status.value for status in DeliveryStatus)
+
+
+class DeliveryOut(BaseModel):
+    """One event of a session pushed (or to push) to a delivery target."""
+
+    id: str = Field(
+        pattern=DELIVERY_ID_PATTERN, description="also its Idempotency-Key at the target"
+    )
+    target: str = Field(description="the delivery target's name")
+    session: str = Field(pattern=SESSION_ID_PATTERN)
+    seq: int = Field(ge=1, description="its event's seq in the session")
+    kind: DeliveryKind = Field(description="what it carries: an event type, or answer")
+    status: DeliveryStatus = Field(
+        description="pending (sent, or sent again after the backoff), delivered (2xx), "
+        "or dead (refused, or failed delivery.max_attempts times)"
+    )
+    attempts: int = Field(ge=0, description="attempts made since it was written or retried")
+    next_at: float = Field(description="when it is due next (database clock); 0: at once")
+    created_at: float = Field(description="its event's commit time")
+    last_code: int | None = Field(description="the HTTP status of the last attempt, if any")
+    last_error: str = Field(description="what the last failed attempt met, in words")
+    delivered_at: float | None
+    updated_at: float
+
+
+class DeliveryList(BaseModel):
+    """Deliveries, newest first."""
+
+    deliveries: list[DeliveryOut]
+
+
+ANSWERS: tuple[type[BaseModel], ...] = (DeliveryOut, DeliveryList)
+
+
+def delivery_out(delivery: DeliveryInfo) -> DeliveryOut:
+    """A delivery as the API answers it."""
+    return DeliveryOut.model_validate(delivery.to_dict())
+
+
+class Stirrer(Protocol):
+    def stir(self) -> None:
+        """Look at the outbox again now."""
+
+
+class Sender(Protocol):
+    """What the retry needs of the pool (`supervisor.http.app.PoolView` is one)."""
+
+    @property
+    def courier(self) -> Stirrer:
+        """The sender of deliveries."""
+
+
+class DeliveryRoutes:
+    """The handlers of the three routes (the module docstring)."""
+
+    def __init__(
+        self, config: Config, store: Store, refuse: Callable[[], None], pool: Sender | None
+    ) -> None:
+        self.config = config
+        self.store = store
+        self.refuse = refuse  # the API's: 503 once the daemon is stopping
+        self.pool = pool
+
+    def add(self, router: web.UrlDispatcher) -> None:
+        router.add_get("/v1/deliveries", self.list)
+        router.add_get("/v1/deliveries/{id}", self.get)
+        router.add_post("/v1/deliveries/{id}/retry", self.retry)
+
+    async def list(self, request: web.Request) -> web.Response:
+        limit = whole(request.query.get("limit"), "limit", LISTED, 1, MAX_LISTED)
+        status = request.query.get("status")
+        if status is not None and status not in STATUSES:
+            raise ApiError(
+                422,
+                "invalid",
+                f"status: {status[:40]!r} is not a delivery status ({', '.join(STATUSES)})",
+                field="status",
+            )
+        session = request.query.get("session")
+        principal = request["principal"]
+        if session is None and principal != ADMIN:
+            raise ApiError(
+                403,
+                "forbidden",
+                "only the admin principal may list every delivery; "
+                "give session=ID of a session you may read",
+            )
+        if session is not None:
+            await self._readable(principal, session)
+        found = await asyncio.to_thread(
+            self.store.deliveries.list, status=status, session=session, limit=limit
+        )
+        return answer(DeliveryList(deliveries=[delivery_out(d) for d in found]))
+
+    async def get(self, request: web.Request) -> web.Response:
+        delivery = await self._delivery(request)
+        principal = request["principal"]
+        if principal != ADMIN:
+            held = await asyncio.to_thread(self.store.acl.permission, delivery.session, principal)
+            if held is None:
+                raise self._missing(delivery.id)
+        return answer(delivery_out(delivery))
+
+    async def retry(self, request: web.Request) -> web.Response:
+        self.refuse()
+        if request["principal"] != ADMIN:
+            raise ApiError(403, "forbidden", "only the admin principal may retry a delivery")
+        delivery = await self._delivery(request)
+        if self.config.delivery.target(delivery.target) is None:
+            raise ApiError(
+                409,
+                "unknown_target",
+                f"delivery {delivery.id} is for target {delivery.target!r}, which is not "
+                "configured any more ([[delivery.targets]]); it would never be sent",
+            )
+        retried = await asyncio.to_thread(self.store.deliveries.retry, delivery.id)
+        if retried is None:
+            raise self._missing(delivery.id)
+        if retried.status == DeliveryStatus.DELIVERED:
+            raise ApiError(
+                409,
+                "delivered",
+                f"delivery {retried.id} was already delivered; it is not sent twice",
+            )
+        if self.pool is not None:
+            self.pool.courier.stir()
+        return answer(delivery_out(retried))
+
+    # --- who may ----------------------------------------------------------------------
+
+    async def _delivery(self, request: web.Request) -> DeliveryInfo:
+        """The delivery the path names (not yet checked against its session's ACL)."""
+        delivery_id = request.match_info["id"]
+        if not DELIVERY_ID.match(delivery_id):
+            raise self._missing(delivery_id)
+        found = await asyncio.to_thread(self.store.deliveries.get, delivery_id)
+        if found is None:
+            raise self._missing(delivery_id)
+        return found
+
+    async def _readable(self, principal: str, session_id: str) -> None:
+        """The caller may read `session_id`, else a 404 as if it did not exist; a malformed
+        id is a 422 on `session`."""
+        if not SESSION_ID.match(session_id):
+            raise ApiError(
+                422, "invalid", "session: must be a session id (32 hex digits)", field="session"
+            )
+        missing = ApiError(404, "not_found", f"no session {session_id!r}")
+        try:
+            await asyncio.to_thread(self.store.sessions.get, session_id)
+        except SessionNotFound:
+            raise missing from None
+        if principal == ADMIN:
+            return
+        held = await asyncio.to_thread(self.store.acl.permission, session_id, principal)
+        if held is None:  # any access includes read
+            raise missing
+
+    @staticmethod
+    def _missing(delivery_id: str) -> ApiError:
+        return ApiError(404, "not_found", f"no delivery {delivery_id[:40]!r}")
