@@ -132,6 +132,7 @@ def test_example_delivery_target_block_is_a_valid_and_complete_target(tmp_path: 
         ('url = "ftp://x/y"', "delivery.targets[0].url"),
         ('url = "http://user:pw@127.0.0.1/"', "delivery.targets[0].url"),
         ('url = "http://127.0.0.1:99999/"', "delivery.targets[0].url"),
+        ('url = "http://bücher..de/in"', "delivery.targets[0].url"),
         ('url = "http://127.0.0.1/"\nevents = ["model_response"]', "delivery.targets[0].events"),
         ('url = "http://127.0.0.1/"\nevents = []', "delivery.targets[0].events"),
         ('url = "http://127.0.0.1/"\nsecret_env = "A B"', "delivery.targets[0].secret_env"),

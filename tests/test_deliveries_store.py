@@ -74,13 +74,15 @@ def test_the_row_is_written_with_its_event_for_a_kind_its_target_wants(store: St
     append = store.events.append
     answer = append(sid, "model_response", {"text": "the answer", "tool_calls": []})
     append(sid, "model_response", {"text": "let me look", "tool_calls": [{"id": "c1"}]})
-    append(sid, "model_response", {"text": "cut", "finish_reason": "length"})
+    cut = append(sid, "model_response", {"text": "cut", "finish_reason": "length"})
     append(sid, "tool_call", {"name": "x"})  # no kind: the fast path of a known row
     told = notice(store, sid)
     append(sid, "turn_ended", {"outcome": "completed"}, turn_id="t1")  # not wanted
     got = rows(store, sid)
+    # A cut answer is an answer too: its continuation follows as the next one.
     assert [(d.seq, d.kind, d.target) for d in got] == [
         (answer, "answer", HOOK),
+        (cut, "answer", HOOK),
         (told, "notice", HOOK),
     ]
     created = {e.seq: e.created_at for e in store.events.read(sid)}

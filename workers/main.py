@@ -62,6 +62,8 @@ def main(spec: WorkerSpec) -> None:
     os.environ.pop("NOTIFY_SOCKET", None)
     faulthandler.enable(all_threads=True)  # SIGABRT (a hang) prints every thread's stack
     config = Config.model_validate(spec.config)
+    for target in config.delivery.targets:  # the supervisor signs; agents never see a key
+        os.environ.pop(target.secret_env, None)
     setup_logging(config.log.level, config.log.format, process=spec.identity)
     code = asyncio.run(Worker(spec, config).run())
     # Everything is committed and closed by now; skipping the interpreter's teardown (a

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Annotated, Any
 from urllib.parse import urlsplit
 
+import httpx
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
 from pydantic import model_validator as _model_validator
 from pydantic_core import PydanticCustomError
@@ -36,6 +37,10 @@ class DeliveryTarget(_Section):
     events: Annotated[list[DeliveryKind], Field(min_length=1)] = Field(
         default_factory=lambda: list(DEFAULT_KINDS)
     )
+    # Who may bind a session to it (besides the admin token); empty: any principal.
+    principals: list[Annotated[str, StringConstraints(min_length=1, max_length=200)]] = Field(
+        default_factory=list, max_length=1000
+    )
 
     @field_validator("url")
     @classmethod
@@ -53,9 +58,10 @@ class DeliveryTarget(_Section):
             )
         try:
             parts.port  # noqa: B018 (a port out of range raises)
-        except ValueError as exc:
+            httpx.URL(url)  # what the courier will send to: a host it cannot encode fails here
+        except (ValueError, httpx.InvalidURL) as exc:
             raise PydanticCustomError(
-                "target_url", "bad port: {error}", {"error": str(exc)}
+                "target_url", "cannot be sent to: {error}", {"error": str(exc)}
             ) from None
         return url
 

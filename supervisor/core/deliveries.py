@@ -42,22 +42,24 @@ DEFAULT_KINDS = (DeliveryKind.ANSWER, DeliveryKind.NOTICE)
 
 
 def kind_of(event_type: str, payload: Mapping[str, Any]) -> DeliveryKind | None:
-    """What a target could be sent of this event, if anything: `answer` for a turn's final
-    answer (a `model_response` asking for no tool, not cut by the token limit: what
-    recovery calls an answered tail), the event type for the other kinds, else None."""
+    """What a target could be sent of this event, if anything: `answer` for a turn's
+    answer to the user (a `model_response` asking for no tool: its final answer, what
+    recovery calls an answered tail, or a part of it cut by the token limit, which its
+    continuation goes on from in the next `answer`), the event type for the other kinds,
+    else None."""
     if event_type == EventType.MODEL_RESPONSE:
-        if payload.get("tool_calls") or payload.get("finish_reason") == "length":
-            return None
-        return DeliveryKind.ANSWER
+        return None if payload.get("tool_calls") else DeliveryKind.ANSWER
     try:
         return DeliveryKind(event_type)
     except ValueError:
         return None
 
 
-def text_of(payload: Mapping[str, Any]) -> str:
-    """The text a delivery carries: the event's `text`, else its `summary`, else empty."""
-    for key in ("text", "summary"):
+def text_of(kind: str, payload: Mapping[str, Any]) -> str:
+    """The text a delivery carries: a `turn_ended`'s outcome (completed, failed,
+    truncated...); else the event's `text`, else its `summary`, else empty."""
+    keys = ("outcome",) if kind == DeliveryKind.TURN_ENDED else ("text", "summary")
+    for key in keys:
         value = payload.get(key)
         if isinstance(value, str):
             return value

@@ -195,8 +195,8 @@ class DeliveryStatus(StrEnum):
 
 class DeliveryKind(StrEnum):
     """What a target may ask to be sent (`events` of `[[delivery.targets]]`): an event type,
-    or `answer`, the final answer of a turn (a `model_response` that asks for no tool and
-    was not cut by the token limit)."""
+    or `answer`, a turn's answer to the user (a `model_response` that asks for no tool: the
+    final answer, or a part cut by the token limit that a continuation goes on from)."""
 
     ANSWER = "answer"
     NOTICE = "notice"

@@ -86,7 +86,7 @@ class SessionRoutes:
             )
         deliver = None
         if body.deliver_to is not None:
-            target = self.target(body.deliver_to)
+            target = self.target(body.deliver_to, request["principal"])
             deliver = (target.name, " ".join(sorted(target.events)))
         first: list[tuple[str, dict[str, Any]]] = []
         if body.run is not None:
@@ -130,7 +130,7 @@ class SessionRoutes:
         if body.deliver_to is None:
             name, kinds = None, []
         else:
-            target = self.target(body.deliver_to)
+            target = self.target(body.deliver_to, request["principal"])
             name, kinds = target.name, list(target.events)
         try:
             bound = await asyncio.to_thread(self.store.deliveries.bind, info.id, name, kinds)
@@ -139,10 +139,19 @@ class SessionRoutes:
         self.storage.worked()
         return answer(session_out(bound))
 
-    def target(self, name: str) -> DeliveryTarget:
-        """The configured target called `name`, else a 422 naming those there are."""
+    def target(self, name: str, principal: str) -> DeliveryTarget:
+        """The configured target called `name`, else a 422 naming those there are; a 403
+        if the target names the principals that may use it and `principal` is not one."""
         found = self.config.delivery.target(name)
         if found is not None:
+            if found.principals and principal != ADMIN and principal not in found.principals:
+                raise ApiError(
+                    403,
+                    "forbidden",
+                    f"deliver_to: {principal!r} may not send sessions to target {found.name!r} "
+                    "(its principals list who may)",
+                    field="deliver_to",
+                )
             return found
         names = [t.name for t in self.config.delivery.targets]
         there = (

@@ -26,7 +26,6 @@ another daemon or process committed, a retry that came due). Logged under subsys
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import time
 from collections.abc import Callable
@@ -41,12 +40,12 @@ from supervisor.contract.logs import log
 from supervisor.core import deliveries as rules
 from supervisor.core.vocabulary import AttemptOutcome, DeliveryKind, DeliveryStatus
 from supervisor.http.metrics import Metrics
+from supervisor.pool.poster import Poster
 from supervisor.store import Outgoing, Store
 
 CLAIM_MARGIN = 15.0  # seconds a claim outlives its target's timeout (recording the verdict)
 RETRY = 1.0  # seconds before a pass that failed (a busy database) is tried again
 PRUNE_EVERY = 600.0  # seconds between forgetting delivered rows older than delivery.keep
-USER_AGENT = "turnkeeper-delivery"
 # Events that may carry a delivery (`DeliveryKind`s, by the event type the pool signals).
 CARRIERS = frozenset({"model_response", *DeliveryKind})
 
@@ -74,9 +73,10 @@ class Courier:
         self.metrics = metrics
         self.clock = clock
         self.jitter = jitter
-        self.transport = transport
         self.in_flight: dict[str, set[asyncio.Task[None]]] = {}  # attempts, by target
         self.sending: set[str] = set()  # the deliveries those attempts carry
+        self._finishing: set[asyncio.Future[bool]] = set()  # verdicts being written
+        self.poster = Poster(transport)
         self._claiming: asyncio.Future[list[Outgoing]] | None = None  # a claim's transaction
         self.on_finished: list[Finished] = []  # tests and benchmarks watch attempts
         self._wake = asyncio.Event()
@@ -100,24 +100,18 @@ class Courier:
     async def run(self) -> None:
         """Pass after pass until cancelled (the pool's stop); then give the claims back."""
         self.metrics.state.deliveries = self.store.deliveries.counts
-        async with httpx.AsyncClient(
-            transport=self.transport,
-            follow_redirects=False,
-            trust_env=False,  # no proxy from the environment: a target is a URL as written
-            headers={"User-Agent": USER_AGENT},
-        ) as client:
-            try:
-                while True:
-                    self._wake.clear()
-                    try:
-                        await self._pass(client)
-                        wait = self.config.delivery.poll_interval
-                    except Exception as exc:  # a busy database: the next pass tries again
-                        self.log.warning("a pass failed, trying again in {} s: {}", RETRY, exc)
-                        wait = RETRY
-                    await sleep_unless(self.clock, wait, self._wake)
-            finally:
-                await self._settle()
+        try:
+            while True:
+                self._wake.clear()
+                try:
+                    await self._pass()
+                    wait = self.config.delivery.poll_interval
+                except Exception as exc:  # a busy database: the next pass tries again
+                    self.log.warning("a pass failed, trying again in {} s: {}", RETRY, exc)
+                    wait = RETRY
+                await sleep_unless(self.clock, wait, self._wake)
+        finally:
+            await self._settle()
 
     async def _settle(self) -> None:
         """Stop the attempts in flight and give their claims back: whoever claims them next
@@ -126,14 +120,17 @@ class Courier:
         for task in running:
             task.cancel()
         await asyncio.gather(*running, return_exceptions=True)
+        await self.poster.aclose()
         if self._claiming is not None:  # a claim in flight commits anyway: its rows too
             await asyncio.gather(self._claiming, return_exceptions=True)
+        # A verdict being written commits anyway: a 2xx is kept, not sent again.
+        await asyncio.gather(*self._finishing, return_exceptions=True)
         try:
             await asyncio.shield(asyncio.to_thread(self.store.deliveries.release, self.owner))
         except Exception as exc:
             self.log.warning("could not give back this boot's claims (they run out): {}", exc)
 
-    async def _pass(self, client: httpx.AsyncClient) -> None:
+    async def _pass(self) -> None:
         settings = self.config.delivery
         targets = {t.name: t for t in settings.targets}
         if not self._synced:
@@ -154,7 +151,7 @@ class Courier:
                 if outgoing.delivery.id in self.sending:
                     continue  # its attempt is still running (it ends within the claim)
                 task = asyncio.create_task(
-                    self._attempt(client, target, outgoing), name=f"delivery {outgoing.delivery.id}"
+                    self._attempt(target, outgoing), name=f"delivery {outgoing.delivery.id}"
                 )
                 running.add(task)
                 task.add_done_callback(running.discard)
@@ -188,30 +185,26 @@ class Courier:
 
     # --- one attempt ----------------------------------------------------------------
 
-    async def _attempt(
-        self, client: httpx.AsyncClient, target: DeliveryTarget, outgoing: Outgoing
-    ) -> None:
+    async def _attempt(self, target: DeliveryTarget, outgoing: Outgoing) -> None:
         delivery = outgoing.delivery
         self.sending.add(delivery.id)
         try:
-            await self._attempt_once(client, target, outgoing)
+            await self._attempt_once(target, outgoing)
         finally:
             self.sending.discard(delivery.id)
 
-    async def _attempt_once(
-        self, client: httpx.AsyncClient, target: DeliveryTarget, outgoing: Outgoing
-    ) -> None:
+    async def _attempt_once(self, target: DeliveryTarget, outgoing: Outgoing) -> None:
         delivery = outgoing.delivery
         content = rules.body(
             delivery.id,
             delivery.session,
             delivery.seq,
             delivery.kind,
-            rules.text_of(outgoing.payload),
+            rules.text_of(delivery.kind, outgoing.payload),
             delivery.created_at,
         )
-        code, error = await self._post(client, target, delivery.id, content)
         settings = self.config.delivery
+        code, error = await self.poster.post(target, settings.concurrency, delivery.id, content)
         policy = rules.Policy(settings.max_attempts, settings.backoff, settings.backoff_cap)
         attempts = delivery.attempts + 1
         verdict = policy.after(attempts, rules.verdict(code))
@@ -222,54 +215,27 @@ class Courier:
         }[verdict]
         if next_in is None:
             next_in = policy.delay(attempts, min(1.0, max(0.0, self.jitter())))
-        try:
-            kept = await asyncio.to_thread(
-                self.store.deliveries.finish,
-                delivery.id,
-                self.owner,
-                status,
-                next_in=next_in,
-                code=code,
-                error=error,
+        finish = self.store.deliveries.finish
+        writing = asyncio.ensure_future(
+            asyncio.to_thread(
+                finish, delivery.id, self.owner, status, next_in=next_in, code=code, error=error
             )
+        )
+        self._finishing.add(writing)
+        writing.add_done_callback(self._finishing.discard)
+        try:  # shielded: a stop waits for the verdict (`_settle`) instead of losing it
+            kept = await asyncio.shield(writing)
         except Exception as exc:  # the claim runs out; the delivery is sent again, same key
             self.log.warning("could not record delivery {}: {}", delivery.id, exc)
             return
-        self.metrics.delivery_attempts.labels(outcome).inc()
-        if status is DeliveryStatus.DELIVERED:
+        if kept:
+            self.metrics.delivery_attempts.labels(outcome).inc()
+        if kept and status is DeliveryStatus.DELIVERED:
             self.metrics.delivery_lag.observe(max(0.0, time.time() - delivery.created_at))
         self._say(delivery.id, target.name, attempts, status, next_in, error, kept)
         for watcher in self.on_finished:
             watcher(delivery.id, outcome)
         self._wake.set()  # the session's next delivery may go now
-
-    async def _post(
-        self, client: httpx.AsyncClient, target: DeliveryTarget, key: str, content: bytes
-    ) -> tuple[int | None, str]:
-        """(HTTP status or None, what went wrong in words or "")."""
-        secret = os.environ.get(target.secret_env, "")
-        if not secret:  # checked at start; unset since (a reload): nothing is sent unsigned
-            return None, f"{target.secret_env} is not set: nothing sent"
-        stamp = int(time.time())
-        headers = {
-            "Content-Type": "application/json",
-            "Idempotency-Key": key,
-            rules.TIMESTAMP_HEADER: str(stamp),
-            rules.SIGNATURE_HEADER: rules.signature(secret.encode(), stamp, content),
-        }
-        try:
-            # httpx's timeout bounds each read; this bounds the whole attempt (a target
-            # that answers a byte at a time), so it ends well within its claim.
-            async with asyncio.timeout(target.timeout):
-                response = await client.post(
-                    target.url, content=content, headers=headers, timeout=target.timeout
-                )
-        except (httpx.TimeoutException, TimeoutError):
-            return None, f"no answer within {target.timeout} s"
-        except httpx.HTTPError as exc:
-            return None, f"{type(exc).__name__}: {exc}"[:200]
-        code = response.status_code
-        return code, "" if 200 <= code < 300 else f"HTTP {code} {response.reason_phrase}"[:200]
 
     def _say(
         self,

@@ -268,13 +268,16 @@ class Deliveries:
 
     def retry(self, delivery_id: str) -> DeliveryInfo | None:
         """Send a dead (or pending) delivery again at once, its attempts counted from 0;
-        None if there is none. A delivered one is left as it is (the caller says so)."""
+        None if there is none. A delivered one, and one being sent right now (its claim
+        holds: the attempt decides), are left as they are."""
 
         def work() -> DeliveryInfo | None:
             row = Delivery.get_or_none(Delivery.id == delivery_id)
             if row is None or row.status == DeliveryStatus.DELIVERED:
                 return None if row is None else _info(row)
             now = db_now(self._db)
+            if row.claimed_by is not None and (row.claim_expires_at or 0.0) >= now:
+                return _info(row)
             changes: dict[Any, Any] = {Delivery.next_at: 0.0, Delivery.updated_at: now}
             if row.status == DeliveryStatus.DEAD:
                 changes |= {
