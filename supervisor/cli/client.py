@@ -181,22 +181,15 @@ class Client:
 
     # --- routes ---------------------------------------------------------------------
 
-    def create_session(
-        self, title: str = "", kind: str = "attached", deliver_to: str | None = None
-    ) -> dict[str, Any]:
-        """A new session (bound to delivery target `deliver_to`, if given); the caller
-        becomes its admin."""
-        body: dict[str, Any] = {"title": title, "kind": kind}
-        if deliver_to is not None:
-            body["deliver_to"] = deliver_to
-        return self._json("POST", "/v1/sessions", json=body)
+    def create_session(self, title: str = "", kind: str = "attached", to: str | None = None) -> Any:
+        """A new session, its replies pushed to delivery target `to`; the caller is its admin."""
+        return self._json(
+            "POST", "/v1/sessions", json={"title": title, "kind": kind, "deliver_to": to}
+        )
 
     def list_sessions(self, limit: int = 100) -> list[dict[str, Any]]:
         """The sessions the caller may read, newest first."""
-        sessions: list[dict[str, Any]] = self._json("GET", "/v1/sessions", params={"limit": limit})[
-            "sessions"
-        ]
-        return sessions
+        return list(self._json("GET", "/v1/sessions", params={"limit": limit})["sessions"])
 
     def get_session(self, session_id: str) -> dict[str, Any]:
         return self._json("GET", f"/v1/sessions/{session_id}")
