@@ -341,8 +341,8 @@ def test_a_claim_in_flight_at_the_stop_is_given_back_too(
         claimed.set()
         return found
 
-    def late_release(owner: str) -> int:
-        released = release(owner)
+    def late_release(owner: str, *rest: float) -> int:
+        released = release(owner, *rest)
         gate.set()  # a stop that did not wait for the claim: it commits after this
         return released
 

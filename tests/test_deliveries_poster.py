@@ -254,8 +254,8 @@ def test_a_stop_while_a_2xx_verdict_is_written_keeps_it(
         gate.wait(WAIT)
         return finish(*args, **kwargs)
 
-    def opening_release(owner: str) -> int:
-        released = release(owner)
+    def opening_release(owner: str, *rest: float) -> int:
+        released = release(owner, *rest)
         gate.set()  # a stop that did not wait for the verdict: it is written after this
         return released
 

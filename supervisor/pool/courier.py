@@ -45,6 +45,7 @@ from supervisor.store import Outgoing, Store
 
 CLAIM_MARGIN = 15.0  # seconds a claim outlives its target's timeout (recording the verdict)
 RETRY = 1.0  # seconds before a pass that failed (a busy database) is tried again
+SETTLE_CAP = 1.0  # seconds a stop waits for claims and verdicts being written, and the release
 PRUNE_EVERY = 600.0  # seconds between forgetting delivered rows older than delivery.keep
 # Events that may carry a delivery (`DeliveryKind`s, by the event type the pool signals).
 CARRIERS = frozenset({"model_response", *DeliveryKind})
@@ -120,15 +121,21 @@ class Courier:
         for task in running:
             task.cancel()
         await asyncio.gather(*running, return_exceptions=True)
-        await self.poster.aclose()
-        if self._claiming is not None:  # a claim in flight commits anyway: its rows too
-            await asyncio.gather(self._claiming, return_exceptions=True)
-        # A verdict being written commits anyway: a 2xx is kept, not sent again.
-        await asyncio.gather(*self._finishing, return_exceptions=True)
-        try:
-            await asyncio.shield(asyncio.to_thread(self.store.deliveries.release, self.owner))
-        except Exception as exc:
-            self.log.warning("could not give back this boot's claims (they run out): {}", exc)
+        try:  # bounded: the descendants' teardown comes after this, within its budget
+            async with asyncio.timeout(SETTLE_CAP):
+                await self.poster.aclose()
+                if self._claiming is not None:  # a claim in flight commits anyway: its rows
+                    await asyncio.gather(self._claiming, return_exceptions=True)
+                # A verdict being written commits anyway: a 2xx is kept, not sent again.
+                await asyncio.gather(*self._finishing, return_exceptions=True)
+                release = self.store.deliveries.release
+                await asyncio.shield(asyncio.to_thread(release, self.owner, SETTLE_CAP))
+        except Exception as exc:  # TimeoutError too: a database that went away
+            self.log.warning(
+                "could not give back this boot's claims (they run out, or this host's next "
+                "boot takes them at once): {}",
+                exc or type(exc).__name__,
+            )
 
     async def _pass(self) -> None:
         settings = self.config.delivery
@@ -157,7 +164,7 @@ class Courier:
                 task.add_done_callback(running.discard)
         if self.clock.monotonic() - self._pruned_at >= PRUNE_EVERY:
             self._pruned_at = self.clock.monotonic()
-            before = time.time() - settings.keep
+            before = await asyncio.to_thread(self.store.deliveries.now) - settings.keep
             forgotten = await asyncio.to_thread(self.store.deliveries.prune, before)
             if forgotten:
                 self.log.info("forgot {} delivered rows older than delivery.keep", forgotten)

@@ -7,14 +7,27 @@ up its own pool, never another target's. An attempt is bounded whole by the targ
 answer is never read, so a slow or endless one neither fails a 2xx nor fills memory.
 Whatever goes wrong in building or sending the request (a URL httpx refuses, a refused
 connection, a TLS error) is a failed attempt with its reason; only a cancel goes through.
+After the status line, at most `BODY_MAX` bytes of the body are read for `BODY_WAIT`
+seconds, so that the connection can be used again.
+
+A target's name is looked up here, in threads of the poster's own, at most
+`LOOKUP_THREADS` at once (a lookup that hangs holds one of them, never a thread of the
+supervisor's database work, which httpx's own lookups would use; they are daemon
+threads, so one that never returns does not hold up the exit), kept `RESOLVED_FOR`
+seconds, and the request goes to the address with the name in its `Host` header and, for
+https, in the TLS handshake (SNI, and the certificate is checked against it).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import os
+import socket
+import threading
 import time
+from collections.abc import Callable
 
 import httpx
 
@@ -23,14 +36,53 @@ from supervisor.core import deliveries as rules
 
 USER_AGENT = "turnkeeper-delivery"
 ERROR_CHARS = 200
+BODY_MAX = 64 * 1024  # bytes of an answer's body read (then the connection is dropped)
+BODY_WAIT = 1.0  # seconds its body may take (the status line has decided already)
+RESOLVED_FOR = 30.0  # seconds a looked-up address is used
+LOOKUP_THREADS = 4
+
+Resolve = Callable[[str, int], str]
+
+
+def resolve(host: str, port: int) -> str:
+    """The first address `host` resolves to (blocking; run in the poster's threads)."""
+    found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    if not found:
+        raise OSError(f"{host} resolves to no address")
+    return str(found[0][4][0])
 
 
 class Poster:
     """The clients of the targets, made on first use; `aclose` ends them."""
 
-    def __init__(self, transport: httpx.AsyncBaseTransport | None = None) -> None:
+    def __init__(
+        self, transport: httpx.AsyncBaseTransport | None = None, lookup: Resolve = resolve
+    ) -> None:
         self.transport = transport  # tests: an httpx.MockTransport for every target
+        self.lookup = lookup
         self._clients: dict[tuple[str, int], httpx.AsyncClient] = {}
+        self._resolved: dict[tuple[str, int], tuple[str, float]] = {}
+        self._looking = 0  # lookup threads alive (one may outlive its attempt)
+
+    async def _address(self, url: httpx.URL) -> tuple[httpx.URL, dict[str, str], dict[str, str]]:
+        """`url` sent to its host's address: the URL, the headers and the extensions."""
+        host, port = url.host, url.port or (443 if url.scheme == "https" else 80)
+        if self.transport is not None:
+            return url, {}, {}  # a transport of the caller's own decides where it goes
+        try:
+            ipaddress.ip_address(host)
+            return url, {}, {}  # an address already: nothing to look up
+        except ValueError:
+            pass
+        key, now = (host, port), time.monotonic()
+        cached = self._resolved.get(key)
+        if cached is not None and cached[1] > now:
+            address = cached[0]
+        else:
+            address = await self._look_up(host, port)
+            self._resolved[key] = (address, now + RESOLVED_FOR)
+        extensions = {"sni_hostname": host} if url.scheme == "https" else {}
+        return url.copy_with(host=address), {"Host": url.netloc.decode("ascii")}, extensions
 
     def _client(self, target: DeliveryTarget, concurrency: int) -> httpx.AsyncClient:
         key = (target.name, concurrency)
@@ -63,17 +115,28 @@ class Poster:
             rules.SIGNATURE_HEADER: rules.signature(secret.encode(), stamp, content),
         }
         client = self._client(target, concurrency)
+        code: int | None = None
+        reason = ""
         try:
             async with asyncio.timeout(target.timeout):
+                url, host, extensions = await self._address(httpx.URL(target.url))
                 request = client.stream(
-                    "POST", target.url, content=content, headers=headers, timeout=target.timeout
+                    "POST",
+                    url,
+                    content=content,
+                    headers=headers | host,
+                    timeout=target.timeout,
+                    extensions=extensions,
                 )
-                async with request as response:  # the status line decides; no body is read
+                async with request as response:  # the status line decides
                     code, reason = response.status_code, response.reason_phrase
+                    await _drain(response)
         except (httpx.TimeoutException, TimeoutError):
-            return None, f"no answer within {target.timeout} s"
+            if code is None:
+                return None, f"no answer within {target.timeout} s"
         except Exception as exc:  # refused, reset, TLS, a URL httpx cannot send to...
-            return None, f"{type(exc).__name__}: {exc}"[:ERROR_CHARS]
+            if code is None:
+                return None, f"{type(exc).__name__}: {exc}"[:ERROR_CHARS]
         return code, "" if 200 <= code < 300 else f"HTTP {code} {reason}"[:ERROR_CHARS]
 
     async def aclose(self) -> None:
@@ -81,3 +144,43 @@ class Poster:
         for client in clients:
             with contextlib.suppress(Exception):  # one that will not close: the stop goes on
                 await client.aclose()
+
+    async def _look_up(self, host: str, port: int) -> str:
+        if self._looking >= LOOKUP_THREADS:
+            raise OSError(f"{LOOKUP_THREADS} lookups of target names are not answering")
+        loop = asyncio.get_running_loop()
+        answer: asyncio.Future[str] = loop.create_future()
+
+        def settle(value: str, error: BaseException | None) -> None:
+            self._looking -= 1  # on the loop's thread: no lock needed
+            if answer.done():
+                return  # its attempt ended (a timeout): the address is not wanted now
+            if error is None:
+                answer.set_result(value)
+            else:
+                answer.set_exception(error)
+
+        def work() -> None:
+            value, error = "", None
+            try:
+                value = self.lookup(host, port)
+            except BaseException as exc:
+                error = exc
+            with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits
+                loop.call_soon_threadsafe(settle, value, error)
+
+        self._looking += 1
+        threading.Thread(target=work, name="turnkeeper-lookup", daemon=True).start()
+        return await answer
+
+
+async def _drain(response: httpx.Response) -> None:
+    """Read a little of the body, briefly, so that the connection can be used again; a body
+    longer or slower than that only costs the connection."""
+    read = 0
+    with contextlib.suppress(Exception):
+        async with asyncio.timeout(BODY_WAIT):
+            async for chunk in response.aiter_raw():
+                read += len(chunk)
+                if read > BODY_MAX:
+                    return

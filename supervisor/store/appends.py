@@ -7,6 +7,8 @@ Two ways to take a session's seqs:
   change nothing but `last_seq` (no turn or user message, no idempotency key, no other
   token) bumps the row with one UPDATE that matches only if both are still those values.
   It then holds the row's write lock, so fencing is the same as below; no SELECT is made.
+  A batch with an event a delivery target could be sent (`AppendRequest.kind`) matches
+  only a session bound to no target: a bound one's goes the locked way, for its outbox.
 - from the row read under the write lock (`lock_rows`): any other batch, and a known row
   whose UPDATE matched nothing (another writer appended, or the lease moved).
 """
@@ -65,7 +67,8 @@ def write_batch(
         row = known.get(req.session_id)
         if row is not None and _plain(req, row[1]):
             last, token = row
-            cursor.execute(sql.bump, (last + 1, now, req.session_id, last, token))
+            bump = sql.bump if req.kind is None else sql.bump_unbound
+            cursor.execute(bump, (last + 1, now, req.session_id, last, token))
             if cursor.rowcount == 1:
                 cursor.execute(sql.insert, _event(req, last + 1))
                 return [last + 1], {req.session_id: (last + 1, token)}
@@ -107,7 +110,8 @@ def _from_known(
             rest += indexes
             continue
         last, token = row
-        cursor.execute(sql.bump, (last + len(indexes), now, sid, last, token))
+        bump = sql.bump_unbound if any(requests[i].kind for i in indexes) else sql.bump
+        cursor.execute(bump, (last + len(indexes), now, sid, last, token))
         if cursor.rowcount != 1:
             known.pop(sid, None)
             rest += indexes
@@ -125,7 +129,6 @@ def _plain(req: AppendRequest, token: int) -> bool:
     """Whether `req` changes its session row only by taking the next seq, with `token`."""
     return (
         req.type not in ROW_EVENTS
-        and req.kind is None  # a delivery candidate reads its row for the session's target
         and req.idempotency_key is None
         and (req.token is None or req.token == token)
     )

@@ -222,12 +222,14 @@ class Deliveries:
 
         return bool(run_write(self._db, work))
 
-    def release(self, owner: str) -> int:
-        """Give up `owner`'s claims (a stop): sent again at once, by whoever claims them."""
+    def release(self, owner: str, deadline: float = 5.0) -> int:
+        """Give up `owner`'s claims (a stop): sent again at once, by whoever claims them.
+        Bounded by `deadline` (a stop does not wait on a database that went away)."""
         return int(
             run_write(
                 self._db,
-                lambda: (
+                deadline=deadline,
+                work=lambda: (
                     Delivery.update(claimed_by=None, claim_expires_at=None)
                     .where(
                         (Delivery.claimed_by == owner) & (Delivery.status == DeliveryStatus.PENDING)

@@ -320,6 +320,9 @@ class Delivery(BaseModel):
         indexes = (
             (("session", "seq", "target"), True),
             (("status", "target", "next_at"), False),
+            # The claim's "no earlier pending row of its session": a probe, whatever the
+            # session's delivered history.
+            (("session", "target", "status", "seq"), False),
         )
 
 

@@ -64,6 +64,9 @@ class Sql:
             f"UPDATE {self.session} SET last_seq = {p}, updated_at = {p} "
             f"WHERE id = {p} AND last_seq = {p} AND lease_token = {p}"
         )
+        # The same for events a delivery target could be sent: it matches only a session
+        # bound to no target (a bound one's append takes the locked row, for its outbox).
+        self.bump_unbound = self.bump + " AND deliver_to IS NULL"
         self.insert_delivery = (
             f"INSERT INTO {q[0]}delivery{q[1]} (id, target, {q[0]}session{q[1]}, seq, kind, "
             "status, attempts, next_at, created_at, last_error, updated_at) "
