@@ -35,6 +35,27 @@ def wait_until(
         time.sleep(interval)
 
 
+def cli_env(**extra: str) -> dict[str, str]:
+    """python_env() without the caller's TURNKEEPER_* variables, which would override."""
+    env = {k: v for k, v in python_env().items() if not k.startswith("TURNKEEPER_")}
+    env.update(extra)
+    return env
+
+
+def turnkeeper(daemon: Daemon, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """The command line against `daemon`'s configuration, as a user runs it (a wide
+    terminal, no stdin, `env` on top of `cli_env`)."""
+    return subprocess.run(
+        [PYTHON, "-m", "supervisor", "--config", str(daemon.config_path), *args],
+        cwd=REPO,
+        env=cli_env(**{"COLUMNS": "200", **env}),
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
 class Daemon:
     """`turnkeeper run` in its own state dir, with a config file the test shapes."""
 

@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import contextlib
 import re
-import subprocess
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
 from supervisor.store import DeliveryInfo, EventRecord, Store
-from tests.conftest import PYTHON, REPO, python_env
 from tests.daemon import Daemon, events
 from tests.deliveries_receiver import Receiver
 
@@ -71,17 +69,6 @@ def bound(daemon: Daemon, target: str) -> str:
     assert made.json()["deliver_to"] == target
     session: str = made.json()["id"]
     return session
-
-
-def cli(daemon: Daemon, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [PYTHON, "-m", "supervisor", "--config", str(daemon.config_path), *args],
-        cwd=REPO,
-        env=python_env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
 
 
 def answers(store: Store, session: str) -> list[EventRecord]:

@@ -16,17 +16,10 @@ import pytest
 
 from supervisor.cli.client import Client, SseMessage, parse_sse
 from supervisor.contract.config import load_config
-from tests.conftest import PYTHON, REPO, python_env
-from tests.daemon import Daemon, wait_until
+from tests.conftest import PYTHON, REPO
+from tests.daemon import Daemon, cli_env, wait_until
 
 SESSION_ID = re.compile(r"^[0-9a-f]{32}$")
-
-
-def cli_env(**extra: str) -> dict[str, str]:
-    """python_env() without the caller's TURNKEEPER_* variables, which would override."""
-    env = {k: v for k, v in python_env().items() if not k.startswith("TURNKEEPER_")}
-    env.update(extra)
-    return env
 
 
 def turnkeeper(config: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:

@@ -9,29 +9,14 @@ and `delivery.max_attempts` is 1, so its delivery is dead after one attempt; tar
 from __future__ import annotations
 
 import json
-import subprocess
 from collections.abc import Callable
 from typing import Any
 
-from tests.conftest import PYTHON, REPO
-from tests.daemon import Daemon, daemons, wait_until
+from tests.daemon import Daemon, daemons, turnkeeper, wait_until
 from tests.test_api import Api, create_session, free_port, inject
-from tests.test_client import cli_env
 from tests.test_deliveries_api import Sink, dead, deliveries, delivery_config, sink, start
 
 __all__ = ["daemons", "sink", "start"]  # the fixtures
-
-
-def turnkeeper(daemon: Daemon, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [PYTHON, "-m", "supervisor", "--config", str(daemon.config_path), *args],
-        cwd=REPO,
-        env=cli_env(**{"COLUMNS": "200", **env}),
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
 
 
 def rows(output: str) -> list[list[str]]:

@@ -17,14 +17,13 @@ import pytest
 
 from supervisor.store import Store
 from tests.conftest import this_host_id
-from tests.daemon import daemons, events, inject, turn_ended, wait_until
+from tests.daemon import daemons, events, inject, turn_ended, turnkeeper, wait_until
 from tests.deliveries_harness import (
     CLAIMED,
     Daemons,
     Receivers,
     answers,
     bound,
-    cli,
     delivering,
     explained,
     kill_and_restart,
@@ -184,7 +183,7 @@ def test_a_target_that_keeps_failing_is_dead_after_max_attempts_until_retried(
         [shown] = listed.json()["deliveries"]
         assert (shown["id"], shown["status"], shown["attempts"]) == (dead.id, "dead", 3)
         assert (shown["last_code"], shown["session"], shown["kind"]) == (500, sid, "answer")
-        table = cli(daemon, "deliveries", "list", "--status", "dead")
+        table = turnkeeper(daemon, "deliveries", "list", "--status", "dead")
         assert table.returncode == 0, table.stderr
         [row] = [line.split() for line in table.stdout.splitlines() if dead.id in line]
         assert row[:7] == [dead.id, "hook", sid, str(dead.seq), "answer", "dead", "3"], row
@@ -232,13 +231,13 @@ def test_a_4xx_answer_is_dead_after_one_attempt(daemons: Daemons, receivers: Rec
         assert rows(store, refused)[0].status == "dead"
         # The operator's retry from the command line sends it again; once delivered it is
         # not sent twice.
-        again = cli(daemon, "deliveries", "retry", dead.id)
+        again = turnkeeper(daemon, "deliveries", "retry", dead.id)
         assert again.returncode == 0, again.stderr
         assert f"delivery {dead.id} to hook: pending, attempts 0" in again.stdout
         wait_until(lambda: settled(store, [refused]), 30, "the retried delivery")
         assert [r.session for r in hook.records] == [refused, later, refused]
         assert (rows(store, refused)[0].attempts, rows(store, refused)[0].last_code) == (1, 200)
-        twice = cli(daemon, "deliveries", "retry", dead.id)
+        twice = turnkeeper(daemon, "deliveries", "retry", dead.id)
         assert twice.returncode == 1 and "already delivered" in twice.stderr, twice
 
 

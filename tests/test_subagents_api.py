@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -28,10 +27,8 @@ from supervisor.http.attach import Hub
 from supervisor.http.auth import Tokens, digest
 from supervisor.http.metrics import Metrics
 from supervisor.store import LeaseLost, Store, SubagentInfo
-from tests.conftest import PYTHON, REPO
-from tests.daemon import Daemon, daemons, events, wait_until
+from tests.daemon import Daemon, daemons, events, turnkeeper, wait_until
 from tests.test_api import Api, assert_error, create_session, start
-from tests.test_client import cli_env
 
 __all__ = ["daemons", "start"]  # the fixtures
 
@@ -70,18 +67,6 @@ def ids(answer: httpx.Response) -> list[str]:
 def results(store: Store, session_id: str) -> list[dict[str, Any]]:
     """The payloads of the `subagent_result`s in the session's log."""
     return [e.payload for e in events(store, session_id) if e.type == "subagent_result"]
-
-
-def turnkeeper(daemon: Daemon, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [PYTHON, "-m", "supervisor", "--config", str(daemon.config_path), *args],
-        cwd=REPO,
-        env=cli_env(**{"COLUMNS": "200", **env}),
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
 
 
 # --- a real daemon ----------------------------------------------------------------------

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_vali
 from pydantic import model_validator as _model_validator
 from pydantic_core import PydanticCustomError
 
+from supervisor.contract.named import unique_names
 from supervisor.core.deliveries import DEFAULT_KINDS
 from supervisor.core.vocabulary import DeliveryKind
 
@@ -83,15 +84,7 @@ class DeliveryConfig(_Section):
     @field_validator("targets")
     @classmethod
     def _unique_names(cls, targets: list[DeliveryTarget]) -> list[DeliveryTarget]:
-        first: dict[str, int] = {}
-        for index, target in enumerate(targets):
-            if target.name in first:
-                raise PydanticCustomError(
-                    "duplicate_name",
-                    "duplicate delivery target '{name}', already used by delivery.targets[{first}]",
-                    {"name": target.name, "first": first[target.name], "at": (index, "name")},
-                )
-            first[target.name] = index
+        unique_names(targets, "delivery target", "delivery.targets")
         return targets
 
     @_model_validator(mode="after")

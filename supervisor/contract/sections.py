@@ -25,6 +25,7 @@ from pydantic_core import PydanticCustomError
 
 from supervisor.contract.delivery_targets import DeliveryConfig
 from supervisor.contract.limits import MAX_NAME, MAX_SERVERS, PRINTABLE
+from supervisor.contract.named import unique_names
 from supervisor.contract.paths import parse_listen
 from supervisor.contract.task_kinds import SchedulesConfig, TasksConfig
 
@@ -178,15 +179,7 @@ class McpConfig(_Section):
     @field_validator("servers")
     @classmethod
     def _unique_names(cls, servers: list[McpServer]) -> list[McpServer]:
-        first: dict[str, int] = {}
-        for index, server in enumerate(servers):
-            if server.name in first:
-                raise PydanticCustomError(
-                    "duplicate_name",
-                    "duplicate server name '{name}', already used by mcp.servers[{first}]",
-                    {"name": server.name, "first": first[server.name], "at": (index, "name")},
-                )
-            first[server.name] = index
+        unique_names(servers, "server name", "mcp.servers")
         return servers
 
 

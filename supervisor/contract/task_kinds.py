@@ -15,6 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_vali
 from pydantic import model_validator as _model_validator
 from pydantic_core import PydanticCustomError
 
+from supervisor.contract.named import unique_names
+
 KIND_NAME = r"^[a-z0-9][a-z0-9_.-]{0,63}$"
 ARG_NAME = re.compile(r"[a-z_][a-z0-9_]{0,63}")
 PLACEHOLDER = re.compile(r"\{([^{}]*)\}")
@@ -86,15 +88,7 @@ class TasksConfig(_Section):
     @field_validator("kinds")
     @classmethod
     def _unique_names(cls, kinds: list[TaskKind]) -> list[TaskKind]:
-        first: dict[str, int] = {}
-        for index, kind in enumerate(kinds):
-            if kind.name in first:
-                raise PydanticCustomError(
-                    "duplicate_name",
-                    "duplicate task kind '{name}', already used by tasks.kinds[{first}]",
-                    {"name": kind.name, "first": first[kind.name], "at": (index, "name")},
-                )
-            first[kind.name] = index
+        unique_names(kinds, "task kind", "tasks.kinds")
         return kinds
 
     def kind(self, name: Any) -> TaskKind | None:

@@ -39,6 +39,7 @@ from supervisor.core.vocabulary import DeliveryKind, EventType
 SIGNATURE_HEADER = "X-Turnkeeper-Signature"
 TIMESTAMP_HEADER = "X-Turnkeeper-Timestamp"
 DEFAULT_KINDS = (DeliveryKind.ANSWER, DeliveryKind.NOTICE)
+_KINDS = frozenset(DeliveryKind)
 
 
 def kind_of(event_type: str, payload: Mapping[str, Any]) -> DeliveryKind | None:
@@ -49,10 +50,8 @@ def kind_of(event_type: str, payload: Mapping[str, Any]) -> DeliveryKind | None:
     else None."""
     if event_type == EventType.MODEL_RESPONSE:
         return None if payload.get("tool_calls") else DeliveryKind.ANSWER
-    try:
-        return DeliveryKind(event_type)
-    except ValueError:
-        return None
+    # Every append asks: a set lookup, not an exception for the types that are not kinds.
+    return DeliveryKind(event_type) if event_type in _KINDS else None
 
 
 def text_of(kind: str, payload: Mapping[str, Any]) -> str:

@@ -250,21 +250,14 @@ class Deliveries:
         *,
         status: str | None = None,
         session: str | None = None,
-        sessions: Collection[str] | None = None,
         limit: int = 100,
     ) -> list[DeliveryInfo]:
-        """Deliveries, newest first; of one `status`, one `session`, or (a reader that is
-        not admin) only those of `sessions`."""
+        """Deliveries, newest first; of one `status`, of one `session`."""
         query = Delivery.select()
         if status is not None:
             query = query.where(Delivery.status == status)
         if session is not None:
             query = query.where(Delivery.session == session)
-        if sessions is not None:
-            allowed = list(sessions)
-            if not allowed:
-                return []
-            query = query.where(Delivery.session.in_(allowed[:LIST_MAX]))
         query = query.order_by(Delivery.created_at.desc(), Delivery.seq.desc())
         return [_info(row) for row in query.limit(max(1, min(limit, LIST_MAX)))]
 
@@ -313,15 +306,6 @@ class Deliveries:
             .tuples()
         )
         return {str(row[0]): int(row[1]) for row in query.iterator()}
-
-    def oldest_pending(self) -> float | None:
-        """The `created_at` of the oldest pending delivery (for lag), None if none."""
-        value = (
-            Delivery.select(peewee.fn.MIN(Delivery.created_at))
-            .where(Delivery.status == DeliveryStatus.PENDING)
-            .scalar()
-        )
-        return None if value is None else float(value)
 
     def prune(self, before: float) -> int:
         """Forget delivered rows delivered before `before` (epoch seconds); how many."""
