@@ -26,7 +26,7 @@ from supervisor.store import (
 )
 from supervisor.store.db import run_write
 from supervisor.store.eventlog import make_request, write_events
-from supervisor.store.models import Delivery, Event, Host, SchemaVersion, Session
+from supervisor.store.models import Delivery, Event, Host, RestartRequest, SchemaVersion, Session
 from tests.conftest import BACKENDS
 
 pytestmark = pytest.mark.parametrize("db_url", BACKENDS, indirect=True)
@@ -70,13 +70,14 @@ def test_a_version_1_database_is_migrated_and_keeps_its_rows(db_url: str) -> Non
             migrator.drop_column("session", "deliver_to"),
             migrator.drop_column("session", "deliver_kinds"),
         )
-        store.db.drop_tables([Host, Delivery])
+        store.db.drop_tables([Host, Delivery, RestartRequest])
         SchemaVersion.update(version=1).execute()
     with Store(db_url) as store:
         assert (store.schema_before, store.schema_version) == (1, migrations.LATEST)
         assert store.sessions.get(sid).resend_requested_at is None
         assert store.sessions.get(sid).deliver_to is None  # version 8: no target
         assert store.deliveries.counts()["pending"] == 0
+        assert store.restarts.list() == []  # version 9: the restart requests
         assert [e.payload["text"] for e in store.events.read(sid)] == ["kept"]
         # Version 4 indexed the work query and lease renewal.
         indexes = {index.name for index in store.db.get_indexes("session")}

@@ -68,6 +68,14 @@ class Turn(Protocol):
         not fit it, past `tasks.max_running`, or with tasks off."""
         ...
 
+    async def request_restart(self, reason: str) -> str:
+        """Ask for a restart of the daemon; the request's id (the one in progress, if a
+        restart already is). It restarts once the turn ends; the outcome comes back as a
+        `restart_result` that the session's next turn reads. Raises
+        `workers.restarting.RestartRefused` (saying why) unless
+        `restart.agent_may_request`, or within `restart.min_interval` of the last."""
+        ...
+
 
 @runtime_checkable
 class Agent(Protocol):

@@ -16,12 +16,13 @@ from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any
 
+from supervisor.core import restarts
 from supervisor.core.subagents import result_text
 from supervisor.core.tail import Resume as Tail
 from supervisor.core.tail import resume_from
 from supervisor.core.vocabulary import INPUT_EVENTS, EventType
 from supervisor.store import EventRecord
-from workers import spawning, tasking
+from workers import restarting, spawning, tasking
 from workers.models import Message, ToolCall
 
 # The event types read here, as module names: looking up an enum member costs more than
@@ -29,7 +30,8 @@ from workers.models import Message, ToolCall
 _USER, _MODEL = EventType.USER_MESSAGE, EventType.MODEL_RESPONSE
 _SUBAGENT, _SPAWNED = EventType.SUBAGENT_RESULT, EventType.SUBAGENT_SPAWNED
 _TASK, _TASK_STARTED = EventType.TASK_RESULT, EventType.TASK_STARTED
-_INPUT = INPUT_EVENTS  # a user message, a subagent's or a task's result: what a turn answers
+_RESTART = EventType.RESTART_RESULT
+_INPUT = INPUT_EVENTS  # what a turn answers: a user message, or a result (subagent, task, restart)
 _CALL, _RESULT = EventType.TOOL_CALL, EventType.TOOL_RESULT
 _CONTINUATION = EventType.CONTINUATION
 _STARTED, _ENDED = EventType.TURN_STARTED, EventType.TURN_ENDED
@@ -56,6 +58,8 @@ def message_of(event: EventRecord) -> Message | None:
         return Message("user", result_text(payload))
     if event.type == _TASK:
         return Message("user", tasking.result_message(payload))
+    if event.type == _RESTART:
+        return Message("user", restarts.result_text(payload))
     return None
 
 
@@ -334,6 +338,7 @@ class Calls:
         self._started: set[str] = set()
         self._answered: set[str] = set()
         self._done: dict[str, str] = {}  # call id -> what it did (see MissingResult.done)
+        self._asking: str | None = None  # a `request_restart` call started, not answered
 
     def add(self, event: EventRecord) -> None:
         """Take in the next event of the log."""
@@ -342,7 +347,9 @@ class Calls:
                 if call.id not in self._answered:
                     self._open[call.id] = call.name
         elif event.type == _CALL:
-            self._started.add(str(event.payload.get("call_id")))
+            call_id = str(event.payload.get("call_id"))
+            self._started.add(call_id)
+            self._asking = call_id if event.payload.get("name") == restarting.TOOL else None
         elif event.type == _SPAWNED and event.payload.get("call_id"):
             child = str(event.payload.get("subagent"))
             self._done[str(event.payload["call_id"])] = spawning.started(child)
@@ -355,6 +362,10 @@ class Calls:
             self._answered.add(call_id)
             self._open.pop(call_id, None)
             self._started.discard(call_id)
+            self._asking = None if self._asking == call_id else self._asking
+        elif self._asking is not None and event.type == EventType.RESTART_REQUESTED:
+            # Committed inside the call that asked, after its `tool_call`, before its result.
+            self._done[self._asking] = restarting.repaired(event.payload)
 
     def missing(self) -> list[MissingResult]:
         """The calls asked for so far that have no result, in the order asked."""

@@ -31,6 +31,8 @@ from workers.agent import Agent, AgentLoadError, load_agent_class
 from workers.cache import HistoryCache
 from workers.mcp_launch import launch_all
 from workers.models import make_model
+from workers.restarting import TOOL as RESTART_TOOL
+from workers.restarting import RestartScope
 from workers.runner import SessionRunner
 from workers.spawning import TOOL as SPAWN_TOOL
 from workers.spawning import Limits
@@ -111,7 +113,12 @@ class Worker:
                 self.config.mcp.servers,
                 on_start=self._mcp_started,
                 on_exit=self._mcp_exited,
-                reserved=[*(spec.name for spec in builtin.specs()), SPAWN_TOOL, TASK_TOOL],
+                reserved=[
+                    *(spec.name for spec in builtin.specs()),
+                    SPAWN_TOOL,
+                    TASK_TOOL,
+                    RESTART_TOOL,
+                ],
                 launched=launched,
             )
             boxes.append(self.mcp)
@@ -123,6 +130,7 @@ class Worker:
             tuple(agents.allowed_classes()),
         )
         self._tasks = Kinds.of(self.config.tasks)
+        self._daemon = RestartScope.of(self.spec, self.config)
         self.zmq = zmq.asyncio.Context()
         self.socket = self.zmq.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.IDENTITY, self.spec.route.encode())
@@ -218,6 +226,7 @@ class Worker:
                 attempt_delays=self._attempt_delays(),
                 subagents=self._limits,
                 tasks=self._tasks,
+                restarts=self._daemon,
             )
             self.runners[a.session] = runner
             runner.start()

@@ -38,6 +38,7 @@ from workers.agent import Agent
 from workers.cache import HistoryCache, SessionLog
 from workers.continuation import Continuer
 from workers.models import Message, Model
+from workers.restarting import Requester, RestartScope
 from workers.spawning import Limits, Spawner
 from workers.tasking import Kinds, Starter
 from workers.tools import Toolbox
@@ -75,6 +76,7 @@ class SessionRunner:
         attempt_delays: tuple[float, ...] = ATTEMPT_DELAYS,
         subagents: Limits | None = None,
         tasks: Kinds | None = None,
+        restarts: RestartScope | None = None,
         clock: Clock = SYSTEM,
     ) -> None:
         self.session_id = session_id
@@ -105,6 +107,9 @@ class SessionRunner:
         )
         self._starter = Starter(
             session_id, store, lambda: self._turn_token, notify, tasks or Kinds()
+        )
+        self._requester = Requester(
+            session_id, store, lambda: self._turn_token, notify, restarts or RestartScope()
         )
         self._ended = False  # a turn ended since the runner last found the session idle
         self._continuer = Continuer(
@@ -338,6 +343,7 @@ class SessionRunner:
             self.released,
             self._spawner,
             self._starter,
+            self._requester,
         )
         started = self._clock.time()
         ending = await turns.agent_ending(agent, context)

@@ -27,6 +27,9 @@ from workers.agent import OUTCOMES, Agent
 from workers.cache import log_of
 from workers.history import Tail
 from workers.models import Message, Model, ModelError, ModelResponse, ToolCall, ToolSpec
+from workers.restarting import OFF as RESTARTS_OFF
+from workers.restarting import TOOL as RESTART_TOOL
+from workers.restarting import Requester, RestartRefused
 from workers.spawning import SPEC as SPAWN_SPEC
 from workers.spawning import TOOL as SPAWN_TOOL
 from workers.spawning import Spawner, SpawnRefused
@@ -58,6 +61,7 @@ class TurnContext:
         released: asyncio.Event,
         spawner: Spawner | None = None,
         starter: Starter | None = None,
+        requester: Requester | None = None,
     ) -> None:
         self.session_id = session_id
         self.turn_id = turn_id
@@ -70,6 +74,8 @@ class TurnContext:
         self._spawns = 0  # `spawn_subagent` calls in this run of the turn
         self._starter = starter
         self._starts = 0  # `start_task` calls in this run of the turn
+        self._requester = requester
+        self._requests = 0  # `request_restart` calls in this run of the turn
 
     @property
     def messages(self) -> list[Message]:
@@ -78,11 +84,13 @@ class TurnContext:
 
     @property
     def tools(self) -> list[ToolSpec]:
-        """The tools on offer (`spawn_subagent` and `start_task` among them while subagents
-        and tasks may be started)."""
+        """The tools on offer (`spawn_subagent`, `start_task` and `request_restart` among
+        them while subagents and tasks may be started and agents may ask for restarts)."""
         specs = self._toolbox.specs()
         specs = [*specs, SPAWN_SPEC] if self._spawner is not None else specs
-        return [*specs, self._starter.spec] if self._starter and self._starter.enabled else specs
+        specs = [*specs, self._starter.spec] if self._starter and self._starter.enabled else specs
+        requester = self._requester
+        return [*specs, requester.spec] if requester is not None and requester.enabled else specs
 
     def _boundary(self) -> None:
         if self._released.is_set():
@@ -135,6 +143,8 @@ class TurnContext:
                 outcome = await self._spawner.call(call.arguments, self.turn_id, call.id)
             elif call.name == TASK_TOOL and self._starter is not None:
                 outcome = await self._starter.call(call.arguments, self.turn_id, call.id)
+            elif call.name == RESTART_TOOL and self._requester is not None:
+                outcome = await self._requester.call(call.arguments, self.turn_id, call.id)
             else:
                 outcome = await self._toolbox.call(call.name, call.arguments)
         except (asyncio.CancelledError, TurnReleased, LeaseLost, StorageUnavailable):
@@ -186,6 +196,16 @@ class TurnContext:
             raise TaskRefused(TASKS_OFF)
         self._starts += 1
         return await self._starter.start_once(kind, args, self.turn_id, self._starts)
+
+    async def request_restart(self, reason: str) -> str:
+        """Ask for a restart of the daemon; the request's id, or the id of the one already
+        in progress (see `workers.restarting`). The daemon restarts once this turn ends;
+        the outcome arrives as a `restart_result`, which the session's next turn reads."""
+        self._boundary()
+        if self._requester is None:
+            raise RestartRefused(RESTARTS_OFF)
+        self._requests += 1
+        return await self._requester.request_once(reason, self.turn_id, self._requests)
 
 
 def _describe(exc: BaseException) -> str:

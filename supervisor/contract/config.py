@@ -10,6 +10,8 @@ wrong and where the value came from; the command line turns it into exit code 78
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import socket
 import tomllib
@@ -190,6 +192,17 @@ def masked_data(cfg: Config, resolved: Paths | None = None) -> dict[str, Any]:
         server["env"] = dict.fromkeys(server["env"], MASK)
     masked: dict[str, Any] = mask_keys(data)
     return masked
+
+
+def config_version(cfg: Config) -> str:
+    """The configuration's version: 12 hex digits of a SHA-256 of its effective values.
+
+    Equal configurations have equal versions, whatever file or variables they came from;
+    `/v1/status`, `reload` and a restart's notice show it.
+    """
+    data = cfg.model_dump(mode="json", by_alias=True)
+    text = json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
 def resolved_host_id(cfg: Config) -> str:

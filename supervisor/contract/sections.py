@@ -216,6 +216,13 @@ class SubagentsConfig(_Section):
     reconcile_interval: PositiveSeconds = 30.0
 
 
+class RestartConfig(_Section):
+    # Whether a turn may ask for a restart of the daemon (tool `request_restart`).
+    agent_may_request: bool = False
+    min_interval: Seconds = 60.0  # a request within this long of the last one is refused
+    turn_wait: Seconds = 60.0  # an agent's request waits this long for its turn to end
+
+
 class LogConfig(_Section):
     format: Annotated[Literal["text", "json"], _lower] = "text"
     level: Annotated[
@@ -243,6 +250,7 @@ class Config(_Section):
     tasks: TasksConfig = Field(default_factory=TasksConfig)
     schedules: SchedulesConfig = Field(default_factory=SchedulesConfig)
     delivery: DeliveryConfig = Field(default_factory=DeliveryConfig)
+    restart: RestartConfig = Field(default_factory=RestartConfig)
     log: LogConfig = Field(default_factory=LogConfig)
 
     # The file it was read from (None: built-in defaults), set by `load_config`.

@@ -47,6 +47,11 @@ delivery       one committed event of a session pushed to an operator-configured
                (`[[delivery.targets]]`) as a signed POST, written with its event
                (`DeliveryStatus`); not webhook call or notification.
 target         where deliveries go: a name, a URL and a secret of the configuration.
+reload         the daemon reading its configuration again and applying what may change
+               live (`SIGHUP`, `turnkeeper reload`); not refresh or re-read.
+restart        the daemon stopping and starting again in place, asked for by an operator
+               or an agent (`RestartState`); the request is a row committed first, and its
+               outcome goes to the session that asked, once (`restart_result`).
 """
 
 from __future__ import annotations
@@ -71,12 +76,21 @@ class EventType(StrEnum):
     SUBAGENT_RESULT = "subagent_result"  # a subagent's run ended: its outcome, for the parent
     TASK_STARTED = "task_started"  # a turn started a background task (its registry row)
     TASK_RESULT = "task_result"  # a task's outcome (or that it was lost), for its session
+    RESTART_REQUESTED = "restart_requested"  # a turn asked for a restart (its registry row)
+    RESTART_RESULT = "restart_result"  # the restart a turn asked for happened (or not)
 
 
 TURN_EVENTS = frozenset({EventType.TURN_STARTED, EventType.TURN_ENDED, EventType.CONTINUATION})
 """Events that belong to a turn: they need a turn id."""
 
-INPUT_EVENTS = frozenset({EventType.USER_MESSAGE, EventType.SUBAGENT_RESULT, EventType.TASK_RESULT})
+INPUT_EVENTS = frozenset(
+    {
+        EventType.USER_MESSAGE,
+        EventType.SUBAGENT_RESULT,
+        EventType.TASK_RESULT,
+        EventType.RESTART_RESULT,
+    }
+)
 """Events a turn answers: they mark their session pending until a turn reads them."""
 
 
@@ -167,6 +181,22 @@ class TaskAction(StrEnum):
     REPORT = "report"  # an outcome recorded but not reported was reported
     LOST = "lost"  # its runner was gone with no outcome: lost, and the session told
     RETRY = "retry"  # the same, for a kind with retry_on_restart: started again, once
+
+
+class RestartState(StrEnum):
+    """Where a restart request is (the `restart_request` registry). PENDING and RESTARTING
+    are live (at most one per host); DONE was reported to its session once, if it has one."""
+
+    PENDING = "pending"  # admitted; the daemon has not begun to stop for it
+    RESTARTING = "restarting"  # the daemon began to stop for it (intake refuses, drain)
+    DONE = "done"  # a later boot settled it: its outcome written, the session told
+
+
+class RestartOutcome(StrEnum):
+    """How a restart request ended (`turnkeeper_restarts_total{outcome}`)."""
+
+    OK = "ok"  # the daemon stopped cleanly for it and came back
+    FAILED = "failed"  # it did not: refused at the start, or the stop was not clean
 
 
 class Misfire(StrEnum):

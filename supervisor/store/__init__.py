@@ -32,6 +32,7 @@ from supervisor.store.events import ReplayedSeq, request_digest, scoped_key
 from supervisor.store.hosts import Host, Hosts, HostTaken, Me, SingleHost
 from supervisor.store.leases import Grant, Granted, Lease, Leases
 from supervisor.store.models import MODELS, SchemaVersion
+from supervisor.store.restarts import Admitted, RateLimited, RestartInfo, Restarts, Settled
 from supervisor.store.schedules import FireInfo, ScheduleInfo, ScheduleRefused, Schedules
 from supervisor.store.sessions import KINDS, SessionInfo, Sessions
 from supervisor.store.subagents import Reported, Spawned, SubagentInfo, Subagents
@@ -42,6 +43,7 @@ __all__ = [
     "KINDS",
     "PERMISSIONS",
     "Acl",
+    "Admitted",
     "BadStoreURL",
     "Boot",
     "Boots",
@@ -63,8 +65,11 @@ __all__ = [
     "Leases",
     "Me",
     "Outgoing",
+    "RateLimited",
     "ReplayedSeq",
     "Reported",
+    "RestartInfo",
+    "Restarts",
     "ScheduleInfo",
     "ScheduleRefused",
     "Schedules",
@@ -74,6 +79,7 @@ __all__ = [
     "SessionInfo",
     "SessionNotFound",
     "Sessions",
+    "Settled",
     "SingleHost",
     "Spawned",
     "Started",
@@ -132,6 +138,7 @@ class Store:
         self.schedules = Schedules(self.db)
         self.tasks = Tasks(self.db)
         self.deliveries = Deliveries(self.db)
+        self.restarts = Restarts(self.db)
 
     def now(self) -> float:
         """The database clock (epoch seconds): the only clock leases are judged by."""

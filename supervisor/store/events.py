@@ -211,8 +211,8 @@ def advance(row: SessionRow, event: AppendRequest) -> None:
     - every event takes the next seq;
     - `user_message` marks the session pending (it needs a turn), and clears a request
       to resend (recovery's mark after it ended a turn it could not continue);
-    - `subagent_result` and `task_result` mark it pending too (its next turn reads the
-      result), unless the session is closed;
+    - `subagent_result`, `task_result` and `restart_result` mark it pending too (its next
+      turn reads the result), unless the session is closed;
     - `turn_started` clears pending, makes its turn active and charges its first attempt
       (`write_events` keeps pending when a user message came after the turn's `read_to`);
     - `turn_ended` clears the active turn and its attempts.
@@ -226,7 +226,7 @@ def advance(row: SessionRow, event: AppendRequest) -> None:
     if event.type == EventType.USER_MESSAGE:
         row.pending = True
         row.resend_requested_at = None
-    elif event.type in (EventType.SUBAGENT_RESULT, EventType.TASK_RESULT):
+    elif event.type in (EventType.SUBAGENT_RESULT, EventType.TASK_RESULT, EventType.RESTART_RESULT):
         row.pending = row.pending or row.status != SessionStatus.CLOSED
     elif event.type == EventType.TURN_STARTED:
         row.pending = False

@@ -32,6 +32,7 @@ from supervisor.store.models import (
     Event,
     Host,
     IntakeKey,
+    RestartRequest,
     Schedule,
     ScheduleFire,
     SchemaVersion,
@@ -39,7 +40,7 @@ from supervisor.store.models import (
     Task,
 )
 
-LATEST = 8
+LATEST = 9
 
 
 def _resend_mark(db: peewee.Database) -> None:
@@ -125,6 +126,11 @@ def _deliveries(db: peewee.Database) -> None:
     )
 
 
+def _restarts(db: peewee.Database) -> None:
+    """9: the restart requests."""
+    create_tables(db, [RestartRequest])
+
+
 # version -> the step that migrates version-1 to version.
 STEPS: dict[int, Callable[[peewee.Database], None]] = {
     2: _resend_mark,
@@ -134,6 +140,7 @@ STEPS: dict[int, Callable[[peewee.Database], None]] = {
     6: _subagents,
     7: _tasks_and_schedules,
     8: _deliveries,
+    9: _restarts,
 }
 
 _LOCK_NAME = "turnkeeper_migrate"

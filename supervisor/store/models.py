@@ -326,6 +326,43 @@ class Delivery(BaseModel):
         )
 
 
+class RestartRequest(BaseModel):
+    """A restart request (`RestartState`), written before anything stops; settled once by
+    the boot after the stop. `active_host` is the host while it is live, NULL once done:
+    its unique index keeps one live request per host. Times: the database clock."""
+
+    id = peewee.CharField(max_length=32, primary_key=True)  # uuid4 hex
+    host = peewee.CharField(max_length=HOST_ID_LEN)
+    boot = peewee.CharField(max_length=ID_LEN)  # the boot whose stop it is
+    pid = peewee.IntegerField()  # that boot's daemon
+    session = peewee.CharField(max_length=ID_LEN, null=True)  # None: an operator's request
+    turn_id = peewee.CharField(max_length=ID_LEN, null=True)
+    call_id = peewee.CharField(max_length=200, null=True)  # with session: a repeated call
+    requested_by = peewee.CharField(max_length=100)  # a principal, or "agent"
+    reason = peewee.TextField(default="")
+    drain = peewee.DoubleField(null=True)  # seconds; None: shutdown.drain_budget
+    state = peewee.CharField(max_length=16, default="pending")
+    active_host = peewee.CharField(max_length=HOST_ID_LEN, null=True, unique=True)
+    requested_at = peewee.DoubleField()
+    started_at = peewee.DoubleField(null=True)
+    settled_at = peewee.DoubleField(null=True)
+    version_before = peewee.CharField(max_length=32)
+    config_before = peewee.CharField(max_length=64)
+    outcome = peewee.CharField(max_length=16, null=True)  # `RestartOutcome`
+    detail = peewee.TextField(default="")
+    boot_after = peewee.CharField(max_length=ID_LEN, null=True)
+    version_after = peewee.CharField(max_length=32, null=True)
+    config_after = peewee.CharField(max_length=64, null=True)
+    seconds = peewee.DoubleField(null=True)  # from started_at (else requested_at) to settled
+    request_seq = peewee.BigIntegerField(null=True)  # the session's `restart_requested`
+    notice_seq = peewee.BigIntegerField(null=True)
+    result_seq = peewee.BigIntegerField(null=True)  # the session's `restart_result`
+
+    class Meta:
+        table_name = "restart_request"
+        indexes = ((("host", "requested_at"), False),)
+
+
 class ChildProcess(BaseModel):
     """A live worker or MCP child, identified safely against pid reuse by create_time."""
 
@@ -357,5 +394,6 @@ MODELS: list[type[BaseModel]] = [
     Schedule,
     ScheduleFire,
     Delivery,
+    RestartRequest,
     ChildProcess,
 ]

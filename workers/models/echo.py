@@ -15,11 +15,14 @@ It answers the most recent user message T (a framework note is not a user messag
 - `/task KIND {json args}` -> one `start_task` call `{"kind": KIND, "args": {...}}` (args
   default `{}`), finish "tool_calls"; once a tool message follows, `echo: <its content>`.
   Whether KIND is one of the operator's is the worker's to say, in that tool message.
+- `/restart REASON` -> one `request_restart` call `{"reason": REASON}` (the rest of the
+  message, its ends stripped), finish "tool_calls"; once a tool message follows,
+  `echo: <its content>`. Whether agents may ask is the worker's to say.
 
 A malformed command (`/sleep soon`, `/tool` without a name, a `/subagent` line without a
-task, `/task` without a kind or with arguments that are not a JSON object) is echoed
-whole. An answer longer than `max_tokens` words is cut there with finish
-"length". Tokens are counted as whitespace-separated words.
+task, `/task` without a kind or with arguments that are not a JSON object, `/restart`
+without a reason) is echoed whole. An answer longer than `max_tokens` words is cut there
+with finish "length". Tokens are counted as whitespace-separated words.
 """
 
 from __future__ import annotations
@@ -34,10 +37,11 @@ from typing import Any
 
 from workers.models.base import FinishReason, Message, ModelResponse, ToolCall, ToolSpec
 
-_COMMAND = re.compile(r"/(tool|sleep|long|task)(?:\s+(.*))?", re.DOTALL)
+_COMMAND = re.compile(r"/(tool|sleep|long|task|restart)(?:\s+(.*))?", re.DOTALL)
 _SUBAGENT = re.compile(r"/subagent(?:\s+(.*))?")  # one line of a `/subagent` message
 SPAWN = "spawn_subagent"
 TASK = "start_task"
+RESTART = "request_restart"
 _WORD = re.compile(r"\S+")
 COUNTS_KEPT = 8  # conversations whose word counts are kept: about one per session in use
 
@@ -112,6 +116,8 @@ def _plan(messages: list[Message]) -> _Answer:
         return _sleep(text, rest)
     if command == "task":
         return _task(messages, index, text, rest)
+    if command == "restart":
+        return _restart(messages, index, text, rest)
     full = f"echo: {rest}"
     return _Answer(full[: max(1, len(full) // 2)], "length")
 
@@ -167,6 +173,14 @@ def _task(messages: list[Message], index: int, text: str, rest: str) -> _Answer:
         return _Answer(f"echo: {text}")
     call = json.dumps({"kind": parts[0], "args": arguments})
     return _tool(messages, index, text, f"{TASK} {call}")
+
+
+def _restart(messages: list[Message], index: int, text: str, rest: str) -> _Answer:
+    """`/restart REASON`: the `request_restart` call `/tool` would make of it."""
+    reason = rest.strip()
+    if not reason:
+        return _Answer(f"echo: {text}")
+    return _tool(messages, index, text, f"{RESTART} {json.dumps({'reason': reason})}")
 
 
 def _subagents(messages: list[Message], index: int, text: str) -> _Answer:

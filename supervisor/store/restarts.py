@@ -1,0 +1,292 @@
+"""The restart requests: admit one before anything stops, begin it, settle it once after.
+
+The rules are `supervisor.core.restarts`'s. Every write is one transaction:
+- `request` writes the row, `pending`, and for an agent's request its session's
+  `restart_requested` (with the turn's lease token: a turn fenced out asks for nothing);
+  a live request of the host, or one made under restart.min_interval ago (database clock),
+  writes nothing;
+- `begin` moves a pending row to `restarting` (compare and set);
+- `settle`, by the boot after the stop, writes the outcome (`done`) and, if the row has a
+  session that is not closed, its `notice` and `restart_result`, once: a second call
+  writes nothing.
+
+At most one request per host is live: `active_host` is unique, so of two concurrent
+inserts one fails; `run_write` runs it again, and it then reads the winner's row as live.
+Rows are locked session first, then request row.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import peewee
+
+from supervisor.core import restarts as rules
+from supervisor.core.vocabulary import EventType, RestartState, SessionStatus, Writer
+from supervisor.store import lifecycle
+from supervisor.store.db import db_now, run_write
+from supervisor.store.errors import LeaseLost, SessionNotFound
+from supervisor.store.eventlog import make_request
+from supervisor.store.events import AppendRequest, call_key
+from supervisor.store.models import AgentBootLog, RestartRequest, Session
+from supervisor.store.restart_rows import (
+    Admitted,
+    RateLimited,
+    Reading,
+    RestartInfo,
+    Settled,
+    info_of,
+    locked,
+)
+
+__all__ = ["Admitted", "RateLimited", "RestartInfo", "Restarts", "Settled"]
+
+
+class Restarts(Reading):
+    """The registry of restart requests (see the module's docstring)."""
+
+    def __init__(self, db: peewee.Database) -> None:
+        self._db = db
+
+    def now(self) -> float:
+        """The database clock, which requests are timed by."""
+        return db_now(self._db)
+
+    # --- admit ----------------------------------------------------------------------
+
+    def request(
+        self,
+        *,
+        host: str,
+        boot: str,
+        pid: int,
+        by: str,
+        reason: object,
+        drain: float | None,
+        version: str,
+        config: str,
+        min_interval: float,
+        session: str | None = None,
+        token: int | None = None,
+        turn_id: str | None = None,
+        call_id: str | None = None,
+    ) -> Admitted:
+        """Ask `host`'s daemon (boot `boot`, pid `pid`) to restart, for `by`.
+
+        With `session` (an agent's turn): LeaseLost unless `token` is the session's, and the
+        same tool call (`call_id`) made again gets the row it made. A live request of the
+        host is the answer (`new` False, nothing written); one requested under
+        `min_interval` seconds ago raises RateLimited. ValueError for a reason that is not
+        a string.
+        """
+        reason = rules.clean_reason(reason)
+        key = call_key(call_id) if session is not None else None
+
+        def work() -> Admitted:
+            if session is not None:
+                row = lifecycle.locked_row(session)
+                if row.lease_token != token:
+                    raise LeaseLost(session, token, row.lease_token)
+                if key is not None:
+                    earlier = _made_by(session, key)
+                    if earlier is not None:
+                        return Admitted(info_of(earlier), False, earlier.request_seq)
+            now = db_now(self._db)
+            live = RestartRequest.get_or_none(RestartRequest.active_host == host)
+            last = (
+                RestartRequest.select()
+                .where(RestartRequest.host == host)
+                .order_by(RestartRequest.requested_at.desc(), RestartRequest.id.desc())
+                .first()
+            )
+            last_at = None if last is None else float(last.requested_at)
+            admission = rules.admit(live is not None, last_at, now, min_interval)
+            if admission.verdict == "in_progress":
+                assert live is not None
+                return Admitted(info_of(live), False, None)
+            if admission.verdict == "rate_limited":
+                assert last is not None and last_at is not None
+                raise RateLimited(info_of(last), now - last_at, min_interval, admission.retry_after)
+            restart_id = uuid.uuid4().hex
+            seq = None
+            if session is not None:
+                payload = {"restart": restart_id, "reason": reason, "by": by}
+                (seq,) = lifecycle.append_all(
+                    self._db,
+                    [
+                        make_request(
+                            session,
+                            EventType.RESTART_REQUESTED,
+                            payload,
+                            token=token,
+                            turn_id=turn_id,
+                        )
+                    ],
+                )
+            RestartRequest.insert(
+                id=restart_id,
+                host=host,
+                boot=boot,
+                pid=pid,
+                session=session,
+                turn_id=turn_id,
+                call_id=key,
+                requested_by=by,
+                reason=reason,
+                drain=drain,
+                state=RestartState.PENDING,
+                active_host=host,
+                requested_at=now,
+                version_before=version,
+                config_before=config,
+                request_seq=seq,
+            ).execute()
+            return Admitted(info_of(RestartRequest.get(RestartRequest.id == restart_id)), True, seq)
+
+        result: Admitted = run_write(self._db, work)
+        return result
+
+    # --- the daemon stops for it ----------------------------------------------------
+
+    def begin(self, restart_id: str, *, boot: str, version: str, config: str) -> RestartInfo | None:
+        """The daemon begins to stop for the request: `restarting` from now (database
+        clock), with the version and configuration it runs. Its boot (`boot`, the one that
+        admitted it, as a rule) is the one whose end decides the outcome. None if the row
+        is not pending."""
+
+        def work() -> RestartInfo | None:
+            now = db_now(self._db)
+            changed = (
+                RestartRequest.update(
+                    state=RestartState.RESTARTING,
+                    started_at=now,
+                    boot=boot,
+                    version_before=version,
+                    config_before=config,
+                )
+                .where(
+                    (RestartRequest.id == restart_id)
+                    & (RestartRequest.state == RestartState.PENDING)
+                )
+                .execute()
+            )
+            return info_of(RestartRequest.get(RestartRequest.id == restart_id)) if changed else None
+
+        result: RestartInfo | None = run_write(self._db, work)
+        return result
+
+    # --- the boot after -------------------------------------------------------------
+
+    def settle(
+        self,
+        restart_id: str,
+        *,
+        boot: str,
+        version: str,
+        config: str,
+        refused: str | None = None,
+    ) -> Settled | None:
+        """Settle a live request, once, as boot `boot` (running `version` and `config`):
+        its outcome by how the boot it names ended (the boot log), or failed when
+        `refused` says why the daemon refused to begin. Its session, unless closed, gets a
+        `notice` and a `restart_result` (which makes its next turn run). None if the
+        request is settled already (or there is none): nothing is written."""
+
+        def work() -> Settled | None:
+            row = RestartRequest.get_or_none(RestartRequest.id == restart_id)
+            if row is None or row.state == RestartState.DONE:
+                return None
+            session = _locked_session(row.session)
+            row = locked(restart_id)
+            if row is None or row.state == RestartState.DONE:
+                return None
+            ended = (
+                AgentBootLog.select(AgentBootLog.outcome)
+                .where(AgentBootLog.boot_id == row.boot)
+                .scalar()
+            )
+            settlement = rules.settle(row.state, ended, refused)
+            now = db_now(self._db)
+            since = row.started_at if row.started_at is not None else row.requested_at
+            seconds = max(0.0, now - since)
+            notice_seq = result_seq = None
+            if session is not None and session.status != SessionStatus.CLOSED:
+                notice_seq, result_seq = lifecycle.append_all(
+                    self._db, _told(session.id, row, settlement, seconds, version, config)
+                )
+            RestartRequest.update(
+                state=RestartState.DONE,
+                active_host=None,
+                settled_at=now,
+                seconds=seconds,
+                outcome=settlement.outcome,
+                detail=settlement.detail,
+                boot_after=boot,
+                version_after=version,
+                config_after=config,
+                notice_seq=notice_seq,
+                result_seq=result_seq,
+            ).where(RestartRequest.id == restart_id).execute()
+            info = info_of(RestartRequest.get(RestartRequest.id == restart_id))
+            return Settled(info, notice_seq, result_seq)
+
+        result: Settled | None = run_write(self._db, work)
+        return result
+
+
+def _made_by(session: str, key: str) -> RestartRequest | None:
+    """The request the same tool call of `session` made, if any."""
+    row: RestartRequest | None = (
+        RestartRequest.select()
+        .where((RestartRequest.session == session) & (RestartRequest.call_id == key))
+        .order_by(RestartRequest.requested_at)
+        .first()
+    )
+    return row
+
+
+def _locked_session(session_id: str | None) -> Session | None:
+    """The request's session row, locked first (the lock order), or None if none or gone."""
+    if session_id is None:
+        return None
+    try:
+        return lifecycle.locked_row(session_id)
+    except SessionNotFound:
+        return None
+
+
+def _told(
+    session_id: str,
+    row: RestartRequest,
+    settlement: rules.Settlement,
+    seconds: float,
+    version: str,
+    config: str,
+) -> list[AppendRequest]:
+    """What the session is told of a settlement: a `notice` for the user, and the
+    `restart_result` its next turn reads."""
+    text = rules.notice_text(
+        settlement.outcome,
+        seconds,
+        settlement.detail,
+        row.version_before,
+        version,
+        row.config_before,
+        config,
+    )
+    result = {
+        "restart": row.id,
+        "outcome": settlement.outcome,
+        "detail": settlement.detail,
+        "seconds": seconds,
+        "reason": row.reason,
+        "version_before": row.version_before,
+        "version_after": version,
+        "config_before": row.config_before,
+        "config_after": config,
+    }
+    notice = {"text": text, "restart": row.id, "outcome": settlement.outcome}
+    return [
+        make_request(session_id, EventType.NOTICE, notice, writer=Writer.SUPERVISOR),
+        make_request(session_id, EventType.RESTART_RESULT, result, writer=Writer.SUPERVISOR),
+    ]
