@@ -9,21 +9,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import signal
 import socket
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from setproctitle import setproctitle
 
-from supervisor import __version__, drain
+from supervisor import __version__, restarting
 from supervisor.contract.config import (
     Config,
+    config_version,
     ignored_variables,
     mask_url,
     parse_listen,
@@ -44,22 +44,22 @@ from supervisor.pool.pool import Pool
 from supervisor.pool.recoverer import Recoverer
 from supervisor.pool.signals import Signals
 from supervisor.preflight import PluginError, StartupError, check_plugins, take_files
-from supervisor.store import Store
+from supervisor.reloading import Reloader
+from supervisor.stopping import READY_TIMEOUT, REAP_BOUND, StopSteps
+from supervisor.store import RestartInfo, Store
 
 CONTROL_SOCKET = "control.sock"
-STOP_REQUEST = "stop-request.json"  # written by `turnkeeper stop --drain`, read at SIGTERM
-REAP_BOUND = 1.5  # beyond kill_grace: SIGKILL and reaping
-READY_TIMEOUT = 60.0
 DB_THREADS = 8  # the supervisor's threads for blocking work, each with a connection
 
 __all__ = ["Daemon", "PluginError", "StartupError"]
 
 
-class Daemon:
+class Daemon(StopSteps):
     """One boot of the supervisor."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, config_path: str | None = None) -> None:
         self.config = config
+        self.config_path = config_path  # `--config`: what a reload or a restart reads again
         self.paths = resolve_paths(config)
         self.hostname = socket.gethostname()
         self.host = resolved_host_id(config)
@@ -69,11 +69,17 @@ class Daemon:
         self.stop_started = time.monotonic()
         self.drain_budget = config.shutdown.drain_budget
         self.step_seconds: dict[str, float] = {}
+        self.step_failed: set[str] = set()  # steps of the stop that failed or ran out
         self._stop = asyncio.Event()
         self._reloads: asyncio.Queue[None] = asyncio.Queue()
         self.failure: str | None = None  # a task of the supervisor that died, and why
         self.outcome = "startup_failed"  # the boot row's, once the stack unwinds
         self._failed = asyncio.Event()
+        self.reloader: Reloader | None = None
+        self.restart: RestartInfo | None = None  # the request this boot stops for
+        self.reexec = False  # `run` replaces the process with a new start once this returns
+        self.cancelled: str | None = None  # why the restart of `restart` did not happen
+        self.restarter: restarting.Restarter | None = None
 
     async def run(self) -> int:
         """Start, serve until SIGTERM or SIGINT, stop; returns the exit code.
@@ -157,6 +163,8 @@ class Daemon:
         recovery = Recoverer(self.config, store, boot_id, self.host, metrics)
         await asyncio.to_thread(self._previous_stop, store, boot_id, metrics)
         await asyncio.to_thread(recovery.evaluate_breaker)
+        version = config_version(self.config)
+        await asyncio.to_thread(restarting.settle_earlier, store, self.host, boot_id, version)
         await asyncio.to_thread(recovery.prune)
         await asyncio.to_thread(membership.sweep)
         socket_path = self.paths.runtime_dir / CONTROL_SOCKET
@@ -168,6 +176,7 @@ class Daemon:
         metrics.state.sessions = store.sessions.counts
         metrics.state.subagents = store.subagents.counts
         metrics.state.tasks = store.tasks.counts
+        metrics.state.restarts = store.restarts.counts
         self.api = Api(
             self.config,
             store,
@@ -179,6 +188,23 @@ class Daemon:
             host_id=self.host,
         )
         pool.on_event.append(self.api.publish)
+        self.reloader = reloader = Reloader(
+            self.config, self.config_path, pool=pool, api=self.api, on_config=self._configured
+        )
+        self.api.reloader = reloader
+        self.restarter = restarter = restarting.Restarter(
+            store,
+            host=self.host,
+            boot_id=boot_id,
+            config=lambda: self.config,
+            load=reloader.load,
+            version=lambda: reloader.version,
+            begin=self._restart,
+            committed=pool.committed,
+            stopping=lambda: self._stop.is_set(),
+        )
+        self.api.restarts = restarter
+        pool.on_event.append(restarter.heard)
         # Workers start first, so that the stop, in reverse, closes the listener first.
         await pool.start()
         grace = self.config.shutdown.kill_grace
@@ -187,6 +213,9 @@ class Daemon:
         )
         for task in pool.tasks:
             self._watch(task)
+        waiting = asyncio.create_task(restarter.run(), name="restarts")
+        self._watch(waiting)
+        stack.push_async_callback(_cancel_and_wait, waiting)
         # The host row kept, the other daemons' wakes heard.
         signals = Signals(store, pool.ownership.woken_elsewhere)
         hosts = membership.serve(pool.ownership, signals)
@@ -227,67 +256,6 @@ class Daemon:
         )
         await self._serve(pool)
 
-    async def _drain_step(self, pool: Pool) -> None:
-        """The optional drain, first of the stop: turns in flight may finish (capped)."""
-        if self.api is not None:
-            self.api.stopping = True
-        budget = self.drain_budget
-        if budget > 0 and self.outcome != "startup_failed":
-            self.notifier.extend_timeout(budget + 30)
-            await self._step("drain", budget, lambda: drain.drain(pool, budget))
-
-    async def _subagent_drain_step(self, pool: Pool) -> None:
-        """After the listener: a subagent's turn in flight may end (capped; drain.py)."""
-        cap = self.config.shutdown.subagent_drain
-        if cap <= 0 or self.outcome == "startup_failed":
-            return
-        running = await drain.subagents_in_flight(pool)
-        if running:
-            await self._step(
-                "subagent drain", cap + 1.0, lambda: drain.subagent_drain(pool, running, cap)
-            )
-
-    async def _close_store(self, store: Store) -> None:
-        try:
-            await asyncio.to_thread(store.close)
-        except Exception as exc:  # a full disk: the stop goes on
-            log("shutdown").error("closing the database failed: {}", exc)
-
-    async def _end_boot(self, store: Store, boot_id: str) -> None:
-        """End the boot row with its outcome, and the stop's step durations for the next
-        boot's metrics."""
-
-        def end() -> None:
-            if self.outcome != "startup_failed":
-                store.boots.set_breaker(boot_id, {"shutdown_steps": self.step_seconds})
-            store.boots.end(boot_id, self.outcome)
-
-        await self._step("boot row", 5.0, lambda: asyncio.to_thread(end))
-
-    @staticmethod
-    def _previous_stop(store: Store, boot_id: str, metrics: Metrics) -> None:
-        """The previous boot's stop step durations, as gauges."""
-        for boot in store.boots.recent(2):
-            if boot.boot_id != boot_id and boot.breaker:
-                for step, seconds in (boot.breaker.get("shutdown_steps") or {}).items():
-                    metrics.shutdown_steps.labels(step).set(float(seconds))
-                return
-
-    async def _step(self, name: str, cap: float, work: Callable[[], Awaitable[object]]) -> None:
-        """One step of the stop: capped, timed, and whatever it raises, the stop goes on."""
-        started = time.monotonic()
-        try:
-            await asyncio.wait_for(work(), cap)
-        except TimeoutError:
-            log("shutdown").error(
-                "{} did not finish within its cap of {:.1f} s; moving on", name, cap
-            )
-        except Exception as exc:  # a full disk, a database gone: the stop goes on
-            log("shutdown").error("{} failed: {}; moving on", name, exc)
-        seconds = time.monotonic() - started
-        self.step_seconds[name] = seconds
-        log("shutdown").info("{} done in {:.2f} s", name, seconds)
-
     async def _listen(self, api: Api) -> Listener:
         listener = Listener(api.app(), self.config.http, self.config.attach.shutdown_timeout)
         try:
@@ -296,36 +264,6 @@ class Daemon:
             reason = exc.strerror or str(exc)
             raise StartupError(f"http.listen {self.config.http.listen}: {reason}") from exc
         return listener
-
-    async def _watchdog(self, pool: Pool) -> None:
-        """WATCHDOG=1 from the event loop itself (a hung loop stops pinging) and STATUS=."""
-        interval = self.notifier.watchdog_interval or 10.0
-        while True:
-            self.notifier.send(WATCHDOG=1, STATUS=self._summary(pool))
-            await asyncio.sleep(interval)
-
-    @staticmethod
-    def _summary(pool: Pool) -> str:
-        status = pool.status()
-        ready = sum(1 for s in status["slots"] if s["ready"])
-        turns = sum(s["turns"] for s in status["slots"])
-        return (
-            f"{ready}/{len(status['slots'])} workers ready, {len(pool.assigned)} sessions, "
-            f"{turns} turns running, {status['restarts']} restarts"
-        )
-
-    def _requested_drain(self) -> float:
-        """The drain budget: `turnkeeper stop --drain` leaves one in the runtime dir."""
-        request = self.paths.runtime_dir / STOP_REQUEST
-        try:
-            budget = float(json.loads(request.read_text())["drain"])
-            request.unlink()
-        except FileNotFoundError:
-            return self.config.shutdown.drain_budget
-        except (ValueError, KeyError, TypeError, OSError) as exc:
-            log("shutdown").warning("ignoring {}: {}", request, exc)
-            return self.config.shutdown.drain_budget
-        return max(0.0, budget)
 
     async def _serve(self, pool: Pool) -> None:
         while not self._stop.is_set() and not self._failed.is_set():
@@ -344,7 +282,8 @@ class Daemon:
             if failed in done:
                 return  # _task_ended said why
             if reload in done and not self._stop.is_set():
-                await self._until_stop(pool.rolling_restart())
+                assert self.reloader is not None
+                await self._until_stop(self.reloader.reload())
 
     async def _until_stop(self, work: Awaitable[object]) -> bool:
         """Run `work` unless a stop signal or a task's death comes first; True if it finished."""
@@ -378,7 +317,18 @@ class Daemon:
         self.notifier.stopping(self.failure)
         self._failed.set()
 
+    def _configured(self, config: Config) -> None:
+        """A reload accepted `config`: from now on it is the daemon's."""
+        self.config = config
+
     def _on_stop_signal(self, signum: int) -> None:
+        if self._stop.is_set() and self.reexec:
+            name = signal.Signals(signum).name
+            log("shutdown").info("received {} during the restart: stopping instead", name)
+            self.reexec = False
+            self.cancelled = f"the daemon was told to stop ({name}) during it, and stopped"
+            self.notifier.stopping(f"stopping on {name}")
+            return
         if self._stop.is_set():
             log("shutdown").info("received {} again; already stopping", signal.Signals(signum).name)
             return
@@ -386,6 +336,9 @@ class Daemon:
         log("shutdown").info("received {}", signal.Signals(signum).name)
         self.notifier.stopping(f"stopping on {signal.Signals(signum).name}")
         self.drain_budget = self._requested_drain()
+        self._stopping_now()
+
+    def _stopping_now(self) -> None:
         if self.api is not None:
             self.api.stopping = True  # intake refuses from this moment
         if self.membership is not None:

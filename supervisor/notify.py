@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from collections.abc import MutableMapping
 
 
@@ -53,7 +54,10 @@ class Notifier:
         return True
 
     def ready(self, status: str) -> None:
-        self.send(READY=1, STATUS=status)
+        if self.watchdog_usec:  # as it was before a restart in place widened it
+            self.send(READY=1, STATUS=status, WATCHDOG_USEC=self.watchdog_usec)
+        else:
+            self.send(READY=1, STATUS=status)
 
     def status(self, status: str) -> None:
         self.send(STATUS=status)
@@ -63,6 +67,31 @@ class Notifier:
 
     def watchdog(self) -> None:
         self.send(WATCHDOG=1)
+
+    def reloading(self, status: str, timeout: float) -> None:
+        """A restart in place begins: RELOADING=1 with MONOTONIC_USEC (systemd 253 wants it
+        to tell this reload from an earlier one); READY=1 from the new boot ends it. With a
+        watchdog, its timeout is widened to `timeout` seconds for the stop and the start
+        (`ready` sets it back)."""
+        fields: dict[str, str | int] = {
+            "RELOADING": 1,
+            "MONOTONIC_USEC": time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000,
+            "STATUS": status,
+        }
+        if self.watchdog_usec:
+            fields["WATCHDOG_USEC"] = int(max(timeout * 1e6, self.watchdog_usec))
+        self.send(**fields)
+
+    def environ(self) -> dict[str, str]:
+        """The variables `from_environ` took, for a process that replaces this one in place
+        (the same pid: `supervisor.restarting.reexec`)."""
+        found: dict[str, str] = {}
+        if self.address:
+            found["NOTIFY_SOCKET"] = self.address
+        if self.watchdog_usec:
+            found["WATCHDOG_USEC"] = str(self.watchdog_usec)
+            found["WATCHDOG_PID"] = str(os.getpid())
+        return found
 
     def extend_timeout(self, seconds: float) -> None:
         """Ask for more stop time (during a drain): EXTEND_TIMEOUT_USEC."""

@@ -56,6 +56,15 @@ def take_files(config: Config, paths: Paths) -> Tokens:
         raise PluginError(str(exc)) from exc
 
 
+def read_tokens(config: Config, paths: Paths) -> Tokens:
+    """The tokens the API accepts, judged and read as at a start (a reload reads them
+    again); raises PluginError."""
+    try:
+        return _tokens(config, paths)
+    except trust.Untrusted as exc:
+        raise PluginError(str(exc)) from exc
+
+
 def _take_files(paths: Paths) -> None:
     """Make or judge the directories, take the locks, judge the database files.
 

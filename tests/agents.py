@@ -8,6 +8,8 @@
 /gate PATH T        hold the turn until PATH exists (checked every 50 ms, the event loop
                     free: heartbeats go on), then go on as usual (the echo model answers
                     `echo: /gate PATH T`); a test holds a turn in flight with it
+/ask-restart PATH R `await turn.request_restart(R)`, then hold the turn until PATH exists
+                    (as /gate), then answer as usual
 /raise KIND         fail for real with SystemExit, KeyboardInterrupt, RecursionError
                     (unbounded recursion) or MemoryError (one oversized allocation)
 """
@@ -38,6 +40,11 @@ class ChaosAgent(ToolLoopAgent):
             os.kill(os.getpid(), signal.SIGKILL)
         if last.startswith("/raise "):
             _fail(last.split(maxsplit=1)[1])
+        if last.startswith("/ask-restart "):
+            _, path, reason = last.split(maxsplit=2)
+            await turn.request_restart(reason)
+            while not Path(path).exists():
+                await asyncio.sleep(0.05)
         if last.startswith("/gate "):
             gate = Path(last.split(maxsplit=2)[1])
             while not gate.exists():

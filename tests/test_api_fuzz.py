@@ -45,6 +45,9 @@ CHECKS = [
 ]
 SEEDED_SESSIONS = 3
 ATTACH = "/v1/sessions/{id}/attach"
+# Valid requests to these would restart the daemon, or replace its workers, under the fuzzer:
+# their bodies are checked by tests/test_restart_api.py and tests/test_reload_*.py.
+LIFECYCLE = frozenset({("/v1/restart", "post"), ("/v1/reload", "post")})
 DOCUMENT = openapi.document()  # checked against the served one below
 
 
@@ -53,7 +56,7 @@ def _cases() -> list[Any]:
     cases = []
     for path, operations in DOCUMENT["paths"].items():
         for method, operation in operations.items():
-            if path == ATTACH:
+            if path == ATTACH or (path, method) in LIFECYCLE:
                 continue
             has_input = "parameters" in operation or "requestBody" in operation
             for mode in GenerationMode:

@@ -413,6 +413,7 @@ def test_status_labels_its_columns_and_shows_mcp_servers(daemons: Daemons) -> No
     document = json.loads(as_json.stdout)
     assert set(document) == {
         "boot",
+        "config",
         "host",
         "hosts",
         "hosts_error",

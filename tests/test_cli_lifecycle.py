@@ -10,6 +10,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import tomli_w
 
 from supervisor.cli.service import detect
 from tests.conftest import PYTHON, REPO, python_env
@@ -77,28 +78,45 @@ def test_reload_without_a_daemon_exits_3(tmp_path: Path) -> None:
     assert "not running" in result.stderr
 
 
+def history_cache(daemon: Daemon, megabytes: int) -> None:
+    """Change a key only the workers read in the daemon's file: a reload replaces them."""
+    daemon.config["pool"]["history_cache_mb"] = megabytes
+    daemon.config_path.write_text(tomli_w.dumps(daemon.config))
+
+
 def test_reload_waits_for_the_rolling_restart_and_says_what_it_did(daemons: Daemons) -> None:
     daemon = daemons().start()
     before = daemon.worker_pids(ready=True)
     assert before
+    version = daemon.status()["config"]["version"]
+    history_cache(daemon, 32)
     result = cli(daemon.config_path, "reload")
     assert result.returncode == 0, result
     # When it returns every old worker has exited and a new one serves each slot.
     for pid in before.values():
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie"
-    slots = daemon.status()["slots"]
-    assert all(slot["ready"] for slot in slots)
-    now = {slot["worker"] for slot in slots}
-    for name in before:
-        assert name not in now
-        replaced = next(line for line in result.stdout.splitlines() if f" {name} -> " in line)
-        assert replaced.split(" -> ")[1].split()[0] in now
-    assert result.stdout.rstrip().endswith(f"rolling restart done (pid {daemon.pid})")
-    again = cli(daemon.config_path, "reload", "--json")
+    status = daemon.status()
+    assert all(slot["ready"] for slot in status["slots"])
+    now = {slot["worker"] for slot in status["slots"]}
+    assert not now & set(before)
+    assert result.stdout.splitlines() == [
+        "pool.history_cache_mb: 64 -> 32",
+        f"configuration {version} -> {status['config']['version']}",
+        "workers replaced",
+    ]
+    # Nothing changed: the workers stay, unless asked for.
+    kept = cli(daemon.config_path, "reload", "--json")
+    assert kept.returncode == 0, kept
+    document = json.loads(kept.stdout)
+    assert document["ok"] and not document["workers_replaced"] and document["changes"] == []
+    assert {slot["worker"] for slot in daemon.status()["slots"]} == now
+    again = cli(daemon.config_path, "reload", "--workers", "--json")
     assert again.returncode == 0, again
     document = json.loads(again.stdout)
-    assert document["done"] and document["pid"] == daemon.pid
-    assert {slot["old"] for slot in document["slots"]} == now
+    assert document["ok"] and document["workers_replaced"] and document["changes"] == []
+    status = daemon.status()
+    assert document["version"] == status["config"]["version"] == document["version_before"]
+    assert not now & {slot["worker"] for slot in status["slots"]}
     stopped = cli(daemon.config_path, "stop")
     assert stopped.returncode == 0 and "stopped" in stopped.stdout, stopped
 

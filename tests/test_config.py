@@ -267,6 +267,10 @@ def test_variables_without_a_section_separator_are_ignored() -> None:
         ("[pool]\nheartbeat_interval = 0\n", "pool.heartbeat_interval"),
         ("[pool]\nhang_timeout = 1.0\n", "pool.hang_timeout: must be greater than"),
         ("[pool]\nheartbeat_interval = 2.0\nhang_timeout = 1.5\n", "pool.hang_timeout"),
+        (
+            "[restart]\nagent_may_request = true\nmin_interval = 0.5\n",
+            "restart.min_interval: must be at least 1.0 s while restart.agent_may_request",
+        ),
         ("[http]\nmax_body = 0\n", "http.max_body"),
         ('[http]\nlisten = "localhost"\n', "http.listen: expected HOST:PORT"),
         ('[http]\nlisten = "127.0.0.1:0"\n', "http.listen"),

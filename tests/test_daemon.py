@@ -12,6 +12,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import tomli_w
 
 from supervisor.store import Store
 from tests.conftest import PYTHON, REPO, python_env
@@ -189,6 +190,9 @@ def test_rolling_restart_under_load_loses_and_duplicates_nothing(daemons: Daemon
             "turns to be running",
         )
         old = dict(daemon.worker_pids())
+        # A reload replaces the workers when a key they read changed.
+        daemon.config["pool"]["history_cache_mb"] = 32
+        daemon.config_path.write_text(tomli_w.dumps(daemon.config))
         daemon.signal(signal.SIGHUP)
         for sid in sessions:
             wait_until(lambda sid=sid: turn_ended(store, sid), 60, "every turn to end")

@@ -47,8 +47,9 @@ def turn(
     signals: list[Any] | None = None,
     token: int = TOKEN,
     text: str = "hi",
+    turn_id: str = "t1",
 ) -> TurnContext:
-    """A turn `t1` of `sid` writing with `token`, its requester signalling into `signals`."""
+    """A turn (`t1`) of `sid` writing with `token`, its requester signalling into `signals`."""
 
     async def commit(type: str, payload: dict[str, Any], turn_id: str | None) -> int:
         return store.events.append(sid, type, payload, token=token, turn_id=turn_id)
@@ -60,7 +61,7 @@ def turn(
     requester = None if daemon is None else Requester(sid, store, lambda: token, notify, daemon)
     return TurnContext(
         sid,
-        "t1",
+        turn_id,
         [Message("user", text)],
         EchoModel(),
         BuiltinTools(),
@@ -218,6 +219,24 @@ def test_a_continued_turn_gets_the_requests_it_made_before(store: Store) -> None
     with pytest.raises(RestartRefused, match=r"restart\.min_interval"):  # a new one: too soon
         asyncio.run(continued.request_restart("something else"))
     assert [r.id for r in store.restarts.list()] == [one]
+
+
+def test_a_later_turn_asking_with_the_same_words_makes_a_new_request(store: Store) -> None:
+    """Keys repeat across turns (the n-th `turn.request_restart` with the same reason; a
+    model's call ids): only the same turn's call gets the request it made."""
+    sid = session(store)
+    first = asyncio.run(turn(store, sid, turn_id="t1").request_restart("upgrade"))
+    assert not call(turn(store, sid, turn_id="t1"), {"reason": "upgrade"}, "c1").is_error
+    settle(store, first)
+    rows = store.restarts.list()
+    store.db.execute_sql("UPDATE restart_request SET requested_at = requested_at - 120")
+    second = asyncio.run(turn(store, sid, turn_id="t2").request_restart("upgrade"))
+    assert second != first
+    settle(store, second)
+    store.db.execute_sql("UPDATE restart_request SET requested_at = requested_at - 120")
+    third = call(turn(store, sid, turn_id="t3"), {"reason": "upgrade"}, "c1")
+    assert not third.is_error and "already" not in third.content, third.content
+    assert len(store.restarts.list()) == len(rows) + 2
 
 
 def test_a_repeated_call_of_a_done_request_says_it_is_over(store: Store) -> None:

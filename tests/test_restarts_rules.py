@@ -21,6 +21,7 @@ from supervisor.core.restarts import (
     notice_text,
     result_text,
     settle,
+    wait_left,
 )
 from supervisor.core.vocabulary import RestartOutcome, RestartState
 from supervisor.store import EventRecord
@@ -131,11 +132,11 @@ def test_a_rate_limited_request_waits_at_most_min_interval(
         (PENDING, None, None, FAILED, r"\(it crashed or was killed\) and was started again"),
         (RESTARTING, "odd", None, FAILED, r"\(its boot ended odd\)"),
         # Refused: failed, whatever the boot did.
-        (PENDING, None, "restart.turn_wait: bad value", FAILED, "^the daemon refused to "
-         r"restart: restart.turn_wait: bad value$"),
+        (PENDING, None, "restart.turn_wait: bad value", FAILED, "^the restart did not "
+         r"happen: restart.turn_wait: bad value$"),
         (PENDING, "clean", "the configuration does not load", FAILED, "does not load$"),
-        (RESTARTING, "clean", "", FAILED, "^the daemon refused to restart$"),
-        (PENDING, None, "x\n\x00y", FAILED, "restart: x y$"),
+        (RESTARTING, "clean", "", FAILED, "^the restart did not happen$"),
+        (PENDING, None, "x\n\x00y", FAILED, "happen: x y$"),
     ],
 )  # fmt: skip
 def test_settlement(
@@ -218,3 +219,21 @@ def test_a_restart_result_is_input_its_next_turn_reads(status: str, pending: boo
     assert (row.last_seq, row.pending) == (1, pending)
     event = EventRecord("s", 1, "restart_result", None, payload, 0.0, "supervisor")
     assert message_of(event) == Message("user", result_text(payload))
+
+
+@pytest.mark.parametrize(
+    ("requested_at", "now", "turn_wait", "asking", "left"),
+    [
+        (100.0, 100.0, 60.0, False, 0.0),  # no turn in flight that asked: begin now
+        (100.0, 100.0, 60.0, True, 60.0),  # it asked just now: wait for it
+        (100.0, 130.0, 60.0, True, 30.0),
+        (100.0, 160.0, 60.0, True, 0.0),  # waited turn_wait: begin, the turn is cut
+        (100.0, 500.0, 60.0, True, 0.0),
+        (100.0, 90.0, 60.0, True, 60.0),  # the clock stepped back: never longer than turn_wait
+        (100.0, 100.0, 0.0, True, 0.0),  # turn_wait 0: never wait
+    ],
+)
+def test_an_agents_request_waits_for_its_turn_at_most_turn_wait(
+    requested_at: float, now: float, turn_wait: float, asking: bool, left: float
+) -> None:
+    assert wait_left(requested_at, now, turn_wait, asking) == left

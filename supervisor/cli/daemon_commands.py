@@ -28,6 +28,7 @@ from supervisor.cli.common import (
     json_option,
     reports_errors,
     table,
+    when,
 )
 from supervisor.core.vocabulary import McpState, Permission, SessionKind, SlotState, TurnOutcome
 
@@ -271,9 +272,9 @@ def interrupt(ctx: click.Context, session_id: str, as_json: bool) -> None:
 @click.pass_context
 @reports_errors
 def status(ctx: click.Context, as_json: bool) -> None:
-    """Show the daemon: boot, breaker, worker slots and their MCP servers, restarts,
-    sessions, attach streams, its host id and the other hosts on the database, if any
-    (--json: the /v1/status document)."""
+    """Show the daemon: boot, the configuration in force, breaker, worker slots and their
+    MCP servers, restarts, sessions, attach streams, its host id and the other hosts on the
+    database, if any (--json: the /v1/status document)."""
     with connect(ctx) as client:
         data = client.status()
     if as_json:
@@ -294,6 +295,9 @@ def status_lines(data: dict[str, Any]) -> list[str]:
         lines.append(colour(line, "red") if tripped else line)
     lines += slot_table(data["slots"])
     lines += mcp_table(data["slots"])
+    config = data.get("config")
+    if config:  # the one in force (`turnkeeper reload` replaces it); its file: --json
+        lines.append(f"configuration {config['version']} loaded {when(config.get('loaded_at'))}")
     sessions = data["sessions"]
     lines += [
         f"worker restarts {data['worker_restarts']}",

@@ -7,7 +7,6 @@ import os
 import signal
 import sys
 import time
-from typing import Any
 
 import click
 
@@ -23,6 +22,8 @@ from supervisor.cli import (
     deliveries_command,
     doctor_command,
     hosts_command,
+    reload_command,
+    restart_command,
     schedules_command,
     store_commands,
     subagents_command,
@@ -37,7 +38,6 @@ from supervisor.cli.common import (
     fail,
     json_option,
     load,
-    not_running,
     open_store,
 )
 from supervisor.contract.config import Config, resolve_paths
@@ -61,7 +61,10 @@ def main(ctx: click.Context, config_path: str | None) -> None:
 @main.command("run")
 @click.pass_context
 def run(ctx: click.Context) -> None:
-    """Run the daemon in the foreground until SIGTERM or SIGINT."""
+    """Run the daemon in the foreground until SIGTERM or SIGINT.
+
+    A requested restart (`turnkeeper restart`) stops it as SIGTERM would, then starts it
+    again in the same process (the same pid) with the same command line."""
     import asyncio
 
     from supervisor.contract.logs import log, setup_logging
@@ -70,13 +73,19 @@ def run(ctx: click.Context) -> None:
 
     cfg = load(ctx)
     setup_logging(cfg.log.level, cfg.log.format)
+    daemon = Daemon(cfg, config_path=ctx.obj.get("config_path"))
     try:
-        code = asyncio.run(Daemon(cfg).run())
+        code = asyncio.run(daemon.run())
     except (BadStoreURL, PluginError, HostTaken, SingleHost) as exc:  # each names its key
         config_error(str(exc))
     except (StartupError, StoreError, OSError) as exc:
         log("daemon").error("cannot start: {}", exc)
         sys.exit(1)
+    if code == 0 and daemon.comes_back():  # a requested restart, stopped cleanly: start again
+        from supervisor.restarting import reexec
+
+        reexec(daemon.notifier)
+        code = 1  # it did not happen: an ordinary exit, which the service manager restarts
     # The boot row is ended and every child reaped; the interpreter's own teardown adds
     # nothing but time to a stop.
     sys.stdout.flush()
@@ -163,93 +172,6 @@ class _DrainProgress:
             click.echo("", err=True)
 
 
-@main.command("reload")
-@click.option(
-    "--timeout",
-    default=300.0,
-    show_default=True,
-    type=click.FloatRange(min=0, min_open=True),
-    help="Seconds to wait for the rolling restart to finish.",
-)
-@click.option("--no-wait", is_flag=True, help="Only send the signal; do not wait.")
-@json_option
-@click.pass_context
-def reload(ctx: click.Context, timeout: float, no_wait: bool, as_json: bool) -> None:
-    """Rolling restart of the workers (SIGHUP to the daemon): no turn is lost.
-
-    Waits until every worker has been replaced and the old ones have exited, then prints
-    each slot's old and new worker. Exits 3 if the daemon is not running, 1 on a timeout.
-    """
-    cfg = load(ctx)
-    pid = daemon_pid(resolve_paths(cfg))
-    if pid is None:
-        not_running("the daemon is not running (no process holds its lock)")
-    before = None if no_wait else _slots(cfg)
-    os.kill(pid, signal.SIGHUP)
-    if before is None:
-        if as_json:
-            emit_json({"pid": pid, "done": False, "slots": []})
-        else:
-            click.echo(f"rolling restart requested (pid {pid})")
-        return
-    deadline = time.monotonic() + timeout
-    while True:
-        time.sleep(0.2)
-        after = _slots(cfg)
-        if after is not None and _replaced(before, after):
-            break
-        if time.monotonic() > deadline:
-            fail(f"the rolling restart has not finished after {timeout:g} s")
-    assert after is not None
-    now = {slot["slot"]: slot for slot in after}
-    replaced = [
-        {"slot": old["slot"], "old": old["worker"], "new": now[old["slot"]]["worker"],
-         "pid": now[old["slot"]]["pid"]}
-        for old in before
-        if old["worker"] is not None
-    ]  # fmt: skip
-    if as_json:
-        emit_json({"pid": pid, "done": True, "slots": replaced})
-        return
-    for slot in replaced:
-        click.echo(f"slot {slot['slot']}: {slot['old']} -> {slot['new']} (pid {slot['pid']})")
-    click.echo(f"rolling restart done (pid {pid})")
-
-
-def _slots(cfg: Config) -> list[dict[str, Any]] | None:
-    """The daemon's slots from /v1/status; None while it cannot be read."""
-    from supervisor.cli.client import Client, ClientError
-
-    try:
-        with Client.from_config(cfg) as client:
-            slots: list[dict[str, Any]] = client.status()["slots"]
-            return slots
-    except ClientError as exc:
-        if exc.status is not None:  # it answers, and refuses: waiting will not help
-            fail(f"cannot follow the rolling restart: {exc}")
-        return None
-
-
-def _replaced(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> bool:
-    """Whether every worker of `before` has been replaced by a ready one and has exited."""
-    import psutil
-
-    now = {slot["slot"]: slot for slot in after}
-    for old in before:
-        if old["worker"] is None:
-            continue
-        new = now.get(old["slot"])
-        if new is None or new["worker"] == old["worker"] or not new.get("ready"):
-            return False
-        if old["pid"] is not None and psutil.pid_exists(old["pid"]):
-            try:
-                if psutil.Process(old["pid"]).status() != psutil.STATUS_ZOMBIE:
-                    return False
-            except psutil.NoSuchProcess:
-                pass
-    return True
-
-
 @main.group("db")
 def db_group() -> None:
     """Manage the database."""
@@ -282,6 +204,8 @@ subagents_command.register(main)
 schedules_command.register(main)
 tasks_command.register(main)
 deliveries_command.register(main)
+restart_command.register(main)
+reload_command.register(main)
 config_commands.register(main)
 doctor_command.register(main)
 accept_config_everywhere(main)  # last: after every command is registered

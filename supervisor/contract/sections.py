@@ -216,11 +216,26 @@ class SubagentsConfig(_Section):
     reconcile_interval: PositiveSeconds = 30.0
 
 
+MIN_AGENT_INTERVAL = 1.0  # restart.min_interval's floor while agents may ask
+
+
 class RestartConfig(_Section):
     # Whether a turn may ask for a restart of the daemon (tool `request_restart`).
     agent_may_request: bool = False
-    min_interval: Seconds = 60.0  # a request within this long of the last one is refused
+    min_interval: Seconds = Field(default=60.0, validate_default=True)  # since the last request
     turn_wait: Seconds = 60.0  # an agent's request waits this long for its turn to end
+
+    @field_validator("min_interval")
+    @classmethod
+    def _bounded_for_agents(cls, value: float, info: ValidationInfo) -> float:
+        if info.data.get("agent_may_request") and value < MIN_AGENT_INTERVAL:
+            raise PydanticCustomError(
+                "min_interval",
+                "must be at least {least} s while restart.agent_may_request is true (an "
+                "agent's every restart_result starts a turn that could ask again)",
+                {"least": MIN_AGENT_INTERVAL},
+            )
+        return value
 
 
 class LogConfig(_Section):

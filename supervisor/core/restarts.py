@@ -12,11 +12,13 @@ Admitting a request (`admit`), the host's rows read on the database clock:
   the latest was requested under min_interval ago     rate_limited: retry_after seconds
   otherwise                                           new: the row is written
 
-Settling it (`settle`), by the row's state and how the boot that admitted it ended:
+Settling it (`settle`), by the row's state and how the boot that admitted it ended;
+`refused` is why it did not happen (the configuration does not load, the daemon was told
+to stop during it):
 
   refused  state       admitting boot ended  outcome  detail
   -------  ----------  --------------------  -------  ----------------------------------
-  yes      any         any                   failed   the daemon refused to restart: WHY
+  yes      any         any                   failed   the restart did not happen: WHY
   no       restarting  clean                 ok       ""
   no       pending     clean                 ok       stopped and started before it began
   no       any         unclean, failed, or   failed   did not stop cleanly, started again
@@ -81,6 +83,15 @@ def admit(
     return Admission("new")
 
 
+def wait_left(requested_at: float, now: float, turn_wait: float, asking: bool) -> float:
+    """Seconds an agent's request still waits before the restart begins: while the turn
+    that asked is in flight (`asking`), at most `turn_wait` after it was requested; 0 means
+    begin now. All times on the database clock."""
+    if not asking:
+        return 0.0
+    return max(0.0, turn_wait - max(0.0, now - requested_at))
+
+
 @dataclass(frozen=True)
 class Settlement:
     """How a request ended, and why in words (empty for a plain success)."""
@@ -89,7 +100,7 @@ class Settlement:
     detail: str
 
 
-REFUSED = "the daemon refused to restart"
+REFUSED = "the restart did not happen"
 BEFORE_BEGIN = "the daemon was stopped and started again before it began the restart itself"
 _UNCLEAN: dict[str | None, str] = {
     BootOutcome.UNCLEAN: "something was left behind when it stopped",

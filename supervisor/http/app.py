@@ -25,6 +25,8 @@ from supervisor.http.auth import ADMIN, Tokens
 from supervisor.http.deliveries import DeliveryRoutes, Stirrer
 from supervisor.http.lifecycle import Lifecycle, refuse_closed
 from supervisor.http.metrics import CONTENT_TYPE, Metrics
+from supervisor.http.reload_route import ReloaderView, ReloadRoutes, config_state
+from supervisor.http.restarts import RestartDesk, RestartRoutes
 from supervisor.http.schedules import ScheduleRoutes
 from supervisor.http.schemas import (
     AclChange,
@@ -105,6 +107,9 @@ class Api:
         self.host_id = host_id  # daemon.host_id as resolved: this daemon on the database
         metrics.state.host_id, metrics.state.hosts = host_id, lambda: hosts.read(store)
         self.pool = pool
+        self.reloader: ReloaderView | None = None  # the daemon's, once it takes reloads
+        self.configured: list[Any] = []  # the route objects that read the configuration
+        self.restarts: RestartDesk | None = None  # the daemon's, once it takes requests
         self.ready = False
         self.stopping = False
         self.storage = StorageHealth(store.probe_write, metrics)
@@ -122,13 +127,15 @@ class Api:
         )
         r = app.router
         # /v1/sessions (POST, GET) and /v1/sessions/{id} (GET, PUT)
-        SessionRoutes(
-            self.config,
-            self.store,
-            self.storage,
-            self._session,
-            self._refuse_while_stopping,
-            self.pool,
+        self._reads_config(
+            SessionRoutes(
+                self.config,
+                self.store,
+                self.storage,
+                self._session,
+                self._refuse_while_stopping,
+                self.pool,
+            )
         ).add(r)
         r.add_post("/v1/sessions/{id}/inject", self.inject)
         r.add_post("/v1/sessions/{id}/wake", self.wake)
@@ -140,9 +147,18 @@ class Api:
         r.add_put("/v1/sessions/{id}/acl", self.acl)
         r.add_get("/v1/sessions/{id}/subagents", subagents.route(self.store, self._session))
         # /v1/sessions/{id}/tasks, /v1/tasks/{id} (GET, DELETE) and /v1/tasks/{id}/output
-        tasks.Routes(self.store, self._session, self.pool, self.config, self.host_id).add(r)
-        ScheduleRoutes(self.config, self.store, self._refuse_while_stopping).add(r)
-        DeliveryRoutes(self.config, self.store, self._refuse_while_stopping, self.pool).add(r)
+        routes = tasks.Routes(self.store, self._session, self.pool, self.config, self.host_id)
+        self._reads_config(routes).add(r)
+        schedules = ScheduleRoutes(self.config, self.store, self._refuse_while_stopping)
+        self._reads_config(schedules).add(r)
+        sent = DeliveryRoutes(self.config, self.store, self._refuse_while_stopping, self.pool)
+        self._reads_config(sent).add(r)
+        restarts = RestartRoutes(self.config, self.store, self.host_id, lambda: self.restarts)
+        self._reads_config(restarts).add(r)
+        reloads = ReloadRoutes(
+            lambda: self.reloader, lambda: self.stopping, self.config.http.read_timeout
+        )
+        reloads.add(r)
         r.add_get("/v1/status", self.status)
         r.add_get("/healthz", self.healthz)
         r.add_get("/readyz", self.readyz)
@@ -151,6 +167,16 @@ class Api:
         app.on_shutdown.append(self._on_shutdown)
         app.on_cleanup.append(self.pages.cleanup)  # after the streams ended
         return app
+
+    def _reads_config(self, routes: Any) -> Any:
+        self.configured.append(routes)
+        return routes
+
+    def reconfigure(self, config: Config) -> None:
+        """A reload: the handlers read `config` from now on (`http.*` needs a restart)."""
+        self.config = config
+        for routes in self.configured:
+            routes.config = config
 
     def publish(self, session_id: str, event: dict[str, Any]) -> None:
         """An event was committed (its seq and type): count it and wake its attach streams.
@@ -319,6 +345,7 @@ class Api:
         return answer(
             Status(
                 boot=BootState(id=self.boot_id, ready=self.ready, stopping=self.stopping),
+                config=config_state(self.reloader, self.config),
                 breaker=breaker,
                 slots=pool["slots"],
                 worker_restarts=pool["restarts"],

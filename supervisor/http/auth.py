@@ -159,6 +159,14 @@ class Tokens:
     def __init__(self, hashes: dict[str, str]) -> None:
         self._hashes = list(hashes.items())
 
+    def principals(self) -> dict[str, str]:
+        """principal -> its token's hash."""
+        return dict(self._hashes)
+
+    def take(self, other: Tokens) -> None:
+        """Accept `other`'s tokens from now on (a reload read the tokens file again)."""
+        self._hashes = list(other._hashes)
+
     def principal(self, token: str) -> str | None:
         """The principal of `token`, or None; every known hash is compared, in constant time.
 

@@ -31,6 +31,7 @@ from supervisor.core.vocabulary import (
     AttemptOutcome,
     DeliveryStatus,
     FireOutcome,
+    RestartState,
     SessionCount,
     SlotState,
     SubagentStatus,
@@ -50,6 +51,7 @@ class _State(Collector):
         self.subagents: Callable[[], Mapping[str, int]] | None = None  # `subagents.counts`
         self.tasks: Callable[[], Mapping[str, int]] | None = None  # `tasks.counts`
         self.deliveries: Callable[[], Mapping[str, int]] | None = None  # `deliveries.counts`
+        self.restarts: Callable[[], Mapping[str, int]] | None = None  # `restarts.counts`
         self.mcp: Callable[[], Mapping[str, int]] = dict
         self.host_id = ""  # this daemon's daemon.host_id
         self.hosts: Callable[[], list[dict[str, Any]]] | None = None  # `hosts.read`
@@ -109,6 +111,15 @@ class _State(Collector):
                 "status",
                 DeliveryStatus,
                 self.deliveries,
+            )
+        if self.restarts is not None:
+            yield _by_label(
+                "turnkeeper_restart_requests",
+                "Requested restarts by state (pending: not begun; restarting: the daemon is "
+                "stopping for it; done: settled by the next boot).",
+                "state",
+                RestartState,
+                self.restarts,
             )
         yield from self._hosts()
 

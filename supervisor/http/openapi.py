@@ -17,8 +17,10 @@ from pydantic.json_schema import models_json_schema
 
 from supervisor import __version__
 from supervisor.core.vocabulary import TaskStatus
-from supervisor.http import deliveries, schedules
+from supervisor.http import deliveries, reload_route, restarts, schedules
 from supervisor.http.deliveries import DeliveryList, DeliveryOut
+from supervisor.http.reload_route import ReloadOut, ReloadRefused
+from supervisor.http.restarts import RestartAnswer, RestartList, RestartOut
 from supervisor.http.schedules import ScheduleDeleted, ScheduleList, ScheduleOut
 from supervisor.http.schemas import (
     ANSWERS,
@@ -46,15 +48,20 @@ ERRORS = {
     400: "Malformed JSON.",
     401: "No valid bearer token.",
     403: "The caller may see the session but not do this, or only the admin token may.",
-    404: "No such session, task, schedule or delivery (or the caller may not read its session).",
+    404: "No such session, task, schedule, delivery or restart request (or the caller may not "
+    "read its session).",
     409: "The session is closed or quarantined (`error.code` says which and the message "
     "how to go on), the Idempotency-Key was used for another request, a task's output "
     "is on another host, schedules are off or at schedules.max_schedules, or a delivery "
-    "was delivered already or its target is no longer configured.",
+    "was delivered already or its target is no longer configured, or the daemon refuses "
+    "to restart (`restart_refused`: its configuration on disk does not load, or it is stopping "
+    "for another reason).",
     413: "The body is over http.max_body.",
     422: "A field is invalid; `error.field` names it.",
-    429: "The principal holds http.max_streams_per_principal attach streams already.",
-    503: "The daemon is stopping, or the database takes no writes; retry after Retry-After.",
+    429: "The principal holds http.max_streams_per_principal attach streams already, or a "
+    "restart was requested less than restart.min_interval ago; retry after Retry-After.",
+    503: "The daemon is stopping (or takes no restart request yet), or the database takes no "
+    "writes; retry after Retry-After.",
 }
 AUTH: list[dict[str, list[str]]] = [{"bearer": []}]
 PUBLIC: list[dict[str, list[str]]] = []
@@ -86,6 +93,13 @@ AFTER = _query("after", 0)
 DELIVERY_ID = {
     **SESSION_ID,
     "schema": {"type": "string", "pattern": deliveries.DELIVERY_ID_PATTERN},
+}
+RESTART_ID = {**SESSION_ID, "schema": {"type": "string", "pattern": restarts.RESTART_ID_PATTERN}}
+ALL_HOSTS = {
+    "name": "all",
+    "in": "query",
+    "schema": {"type": "string", "enum": list(restarts.FLAGS)},
+    "description": "true: the requests of every host on the database, not only this daemon's.",
 }
 DELIVERY_STATUS = {
     "name": "status",
@@ -205,6 +219,31 @@ PATHS: list[tuple[str, str, str, str, list[Any], str | None, dict[int, Answer], 
      "counted from 0, a pending one is due now. A delivered one is a 409.",
      [DELIVERY_ID], None, {200: (DeliveryOut, "The delivery, pending.")},
      "401 403 404 409 503", AUTH),
+    ("post", "/v1/restart", "restart",
+     "Restart the daemon (admin): intake refuses (503), turns in flight finish within `drain` "
+     "(null: shutdown.drain_budget), then it re-executes itself in place. A request while one "
+     "is in progress is answered with that one (200, in_progress true).",
+     [], "RestartBody",
+     {202: (RestartAnswer, "Admitted; the daemon restarts."),
+      200: (RestartAnswer, "A restart is in progress already: this is it.")},
+     "400 401 403 409 413 422 429 503", AUTH),
+    ("get", "/v1/restarts", "listRestarts",
+     "Restart requests of this daemon's host (of every host with all=true), newest first "
+     "(admin).",
+     [ALL_HOSTS, LIMIT], None, {200: (RestartList, "Newest first.")}, "401 403 422", AUTH),
+    ("get", "/v1/restarts/{id}", "getRestart",
+     "One restart request, its outcome once the boot after it settled it (admin).",
+     [RESTART_ID], None, {200: (RestartOut, "The request.")}, "401 403 404", AUTH),
+    ("post", "/v1/reload", "reload",
+     "Read the configuration again and apply it (admin), as SIGHUP does: what may change "
+     "live is applied, the workers are replaced if a key they read changed, and a key that "
+     "needs a restart is named and left as it was. A configuration a start would refuse "
+     "changes nothing.",
+     [], "ReloadBody",
+     {200: (ReloadOut, "What changed: in force (wait true), or applied and under way."),
+      422: (ReloadRefused, "`invalid_config`: the configuration does not load or a start's "
+            "check refuses it (the one line, and the result); `invalid`: a malformed body.")},
+     "400 401 403 413 503", AUTH),
     ("get", "/v1/status", "status",
      "Boot, worker slots, sessions by state, the hosts on the database (admin only).",
      [], None, {200: (Status, "The daemon's state.")}, "401 403", AUTH),
@@ -235,8 +274,14 @@ def _content(answer: type[BaseModel] | str) -> dict[str, Any]:
 
 def _components() -> dict[str, Any]:
     """Every request and answer model's JSON schema, refs pointing into components."""
-    requests = (*REQUESTS, *schedules.REQUESTS)
-    answers = (*ANSWERS, *schedules.ANSWERS, *deliveries.ANSWERS)
+    requests = (*REQUESTS, *schedules.REQUESTS, *restarts.REQUESTS, *reload_route.REQUESTS)
+    answers = (
+        *ANSWERS,
+        *schedules.ANSWERS,
+        *deliveries.ANSWERS,
+        *restarts.ANSWERS,
+        *reload_route.ANSWERS,
+    )
     models = [(m, "validation") for m in requests] + [(m, "serialization") for m in answers]
     _, top = models_json_schema(models, ref_template="#/components/schemas/{model}")  # type: ignore[arg-type]
     schemas: dict[str, Any] = top["$defs"]

@@ -313,10 +313,22 @@ class HostOut(BaseModel):
     boot: str = Field(description="the boot id of the daemon holding the row")
 
 
+class ConfigState(BaseModel):
+    """The configuration in force (`turnkeeper reload` replaces it)."""
+
+    version: str = Field(description="12 hex digits of a hash of its effective values")
+    loaded_at: float = Field(
+        description="when it was loaded (epoch seconds): the start, or the last reload that "
+        "changed it"
+    )
+    source: str | None = Field(description="the file it was read from; null: built-in defaults")
+
+
 class Status(BaseModel):
     """The daemon's state, for the operator."""
 
     boot: BootState
+    config: ConfigState
     breaker: dict[str, Any] | None
     slots: list[SlotOut]
     worker_restarts: int = Field(ge=0)

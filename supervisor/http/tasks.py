@@ -65,9 +65,14 @@ class Routes:
         self.store = store
         self.session = session
         self.pool = pool
+        self.config = config  # a reload swaps it (daemon.state_dir needs a restart)
         self.state_dir = resolve_paths(config).state_dir
-        self.max_read = config.tasks.max_output + READ_MARGIN
         self.host_id = host_id
+
+    @property
+    def max_read(self) -> int:
+        """Bytes of a task's output read at most: what `tasks.max_output` keeps, and a margin."""
+        return self.config.tasks.max_output + READ_MARGIN
 
     def add(self, router: web.UrlDispatcher) -> None:
         """Add the routes (the table in the module docstring) to `router`."""

@@ -81,7 +81,8 @@ class Courier:
         self._claiming: asyncio.Future[list[Outgoing]] | None = None  # a claim's transaction
         self.on_finished: list[Finished] = []  # tests and benchmarks watch attempts
         self._wake = asyncio.Event()
-        self._synced = False
+        self._targets_seen = 0  # counts the reloads that changed the targets' events
+        self._synced = -1  # ... as of the last sync of the bound sessions' kinds
         self._pruned_at = -PRUNE_EVERY
         self.log = log("deliveries")
 
@@ -94,6 +95,19 @@ class Courier:
 
     def stir(self) -> None:
         """Look again now (an operator retried a delivery)."""
+        self._wake.set()
+
+    async def reconfigure(self, config: Config) -> None:
+        """A reload: passes read `config` from now on. If the targets' events changed, the
+        next pass syncs them to their bound sessions (as at boot); the clients of targets
+        removed or changed (of all, for a new `delivery.concurrency`) are closed once idle."""
+        old, new = self.config.delivery, config.delivery
+        self.config = config
+        before, after = {t.name: t for t in old.targets}, {t.name: t for t in new.targets}
+        if _kinds(before) != _kinds(after):
+            self._targets_seen += 1
+        same = old.concurrency == new.concurrency
+        await self.poster.retire([n for n, t in before.items() if not same or after.get(n) != t])
         self._wake.set()
 
     # --- the loop -------------------------------------------------------------------
@@ -140,9 +154,10 @@ class Courier:
     async def _pass(self) -> None:
         settings = self.config.delivery
         targets = {t.name: t for t in settings.targets}
-        if not self._synced:
+        seen = self._targets_seen
+        if self._synced != seen:
             await self._first_pass(targets)
-            self._synced = True
+            self._synced = seen
         for name, target in targets.items():
             running = self.in_flight.setdefault(name, set())
             room = settings.concurrency - len(running)
@@ -170,9 +185,10 @@ class Courier:
                 self.log.info("forgot {} delivered rows older than delivery.keep", forgotten)
 
     async def _first_pass(self, targets: dict[str, DeliveryTarget]) -> None:
-        """At boot: the bound sessions get what their target's `events` say now, and
-        deliveries to targets this daemon does not know are named (another daemon on the
-        database may send them; otherwise they wait until the target is configured)."""
+        """At boot, and after a reload changed the targets' events: the bound sessions get
+        what their target's `events` say now, and deliveries to targets this daemon does
+        not know are named (another daemon on the database may send them; otherwise they
+        wait until the target is configured)."""
         deliveries = self.store.deliveries
         if targets:
             kinds = {name: [str(k) for k in t.events] for name, t in targets.items()}
@@ -284,3 +300,8 @@ class Courier:
                 error,
                 next_in,
             )
+
+
+def _kinds(targets: dict[str, DeliveryTarget]) -> dict[str, list[str]]:
+    """What each target sends, as `Deliveries.sync_kinds` takes it."""
+    return {name: sorted(str(k) for k in t.events) for name, t in targets.items()}

@@ -52,6 +52,7 @@ from supervisor.pool.processes import (
 )
 from supervisor.pool.recoverer import Recoverer
 from supervisor.pool.requests import Requests
+from supervisor.pool.resizing import Resizing
 from supervisor.pool.rolling import RollingRestart
 from supervisor.pool.scheduler import Scheduler
 from supervisor.pool.subagents import Reconciler
@@ -60,7 +61,7 @@ from supervisor.store import Store
 from workers.entry import run_worker
 
 
-class Pool(Requests, RollingRestart):
+class Pool(Requests, RollingRestart, Resizing):
     """The worker processes; who owns what (`ownership`) and how they talk (`plane`)."""
 
     def __init__(
@@ -88,6 +89,7 @@ class Pool(Requests, RollingRestart):
         self.current: dict[int, WorkerHandle] = {}
         self.workers: dict[str, WorkerHandle] = {}  # by name
         self.held: list[Slot] = []  # at boot: slots that start once the first worker is up
+        self.retired: dict[int, int] = {}  # slots a reload retired: their last generation
         self.burying: set[int] = set()  # pids of exited workers whose status `_bury` reads
         self.plane = ControlPlane(address, self.workers, self._handle, self._replace, self.clock)
         self.ownership = Ownership(

@@ -27,7 +27,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import httpx
 
@@ -53,7 +53,8 @@ def resolve(host: str, port: int) -> str:
 
 
 class Poster:
-    """The clients of the targets, made on first use; `aclose` ends them."""
+    """The clients of the targets, made on first use; `retire` drops those of targets a
+    reload changed, `aclose` ends them all."""
 
     def __init__(
         self, transport: httpx.AsyncBaseTransport | None = None, lookup: Resolve = resolve
@@ -61,6 +62,8 @@ class Poster:
         self.transport = transport  # tests: an httpx.MockTransport for every target
         self.lookup = lookup
         self._clients: dict[tuple[str, int], httpx.AsyncClient] = {}
+        self._using: dict[httpx.AsyncClient, int] = {}  # attempts in flight, by client
+        self._retired: set[httpx.AsyncClient] = set()  # a reload's: closed once not in use
         self._resolved: dict[tuple[str, int], tuple[str, float]] = {}
         self._looking = 0  # lookup threads alive (one may outlive its attempt)
 
@@ -115,6 +118,19 @@ class Poster:
             rules.SIGNATURE_HEADER: rules.signature(secret.encode(), stamp, content),
         }
         client = self._client(target, concurrency)
+        self._using[client] = self._using.get(client, 0) + 1
+        try:
+            return await self._send(client, target, content, headers)
+        finally:
+            await self._put_back(client)
+
+    async def _send(
+        self,
+        client: httpx.AsyncClient,
+        target: DeliveryTarget,
+        content: bytes,
+        headers: dict[str, str],
+    ) -> tuple[int | None, str]:
         code: int | None = None
         reason = ""
         try:
@@ -139,8 +155,30 @@ class Poster:
                 return None, f"{type(exc).__name__}: {exc}"[:ERROR_CHARS]
         return code, "" if 200 <= code < 300 else f"HTTP {code} {reason}"[:ERROR_CHARS]
 
+    async def _put_back(self, client: httpx.AsyncClient) -> None:
+        left = self._using[client] = self._using[client] - 1
+        if left <= 0:
+            del self._using[client]
+            if client in self._retired:
+                self._retired.discard(client)
+                with contextlib.suppress(Exception):
+                    await client.aclose()
+
+    async def retire(self, names: Collection[str]) -> None:
+        """A reload removed or changed these targets: their clients take no new attempt
+        (the next one makes a client of the target as it is now), and each is closed once
+        the attempts it carries end."""
+        for key in [key for key in self._clients if key[0] in names]:
+            client = self._clients.pop(key)
+            if self._using.get(client):
+                self._retired.add(client)
+            else:
+                with contextlib.suppress(Exception):
+                    await client.aclose()
+
     async def aclose(self) -> None:
-        clients, self._clients = list(self._clients.values()), {}
+        clients, self._clients = [*self._clients.values(), *self._retired], {}
+        self._retired = set()
         for client in clients:
             with contextlib.suppress(Exception):  # one that will not close: the stop goes on
                 await client.aclose()

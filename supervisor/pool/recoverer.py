@@ -64,15 +64,7 @@ class Recoverer(BreakerKeeping):
         *,
         clock: Clock = SYSTEM,
     ) -> None:
-        self.config = config
-        self.settings = config.recovery
-        sub = config.subagents  # children are judged on their own freshness and attempts
-        self.child_settings = subagents.Settings(
-            config.recovery.auto_continue,
-            config.recovery.attempt_delays,
-            sub.freshness,
-            sub.max_recoveries,
-        )
+        self.configure(config)
         # Set by the pool: gives up on a child's turn (`supervisor.pool.subagents`).
         self.give_up: Callable[[SessionInfo, Judged], Awaitable[None]] | None = None
         self.store = store
@@ -97,6 +89,18 @@ class Recoverer(BreakerKeeping):
         self.runs = Resumer(store, metrics, self.clock, self._memory, self.wanted)
         self._tasks: list[asyncio.Task[None]] = []
         self.log = log("recovery")
+
+    def configure(self, config: Config) -> None:
+        """Take `config`'s settings: at the start, and on a reload."""
+        self.config = config
+        self.settings = config.recovery
+        sub = config.subagents  # children are judged on their own freshness and attempts
+        self.child_settings = subagents.Settings(
+            config.recovery.auto_continue,
+            config.recovery.attempt_delays,
+            sub.freshness,
+            sub.max_recoveries,
+        )
 
     # --- background work ------------------------------------------------------------
 

@@ -4,7 +4,7 @@ handed over at event boundaries, none lost."""
 from __future__ import annotations
 
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 from supervisor.contract.clock import Clock
@@ -27,14 +27,20 @@ class RollingRestart:
 
     def _spawn(self, slot: Slot, spare: bool = True) -> None: ...
 
-    async def rolling_restart(self, timeout: float = 60.0) -> None:
-        """Replace every worker: new one first, sessions handed over at event boundaries."""
-        await _rolling_restart(self, timeout)
+    async def rolling_restart(
+        self, timeout: float = 60.0, only: Collection[int] | None = None
+    ) -> None:
+        """Replace every worker (of the slots `only` names): new one first, sessions
+        handed over at event boundaries."""
+        await _rolling_restart(self, timeout, only)
 
 
-async def _rolling_restart(pool: RollingRestart, timeout: float) -> None:
-    pool.log.info("rolling restart of {} workers", len(pool.current))
-    for slot in pool.slots:
+async def _rolling_restart(
+    pool: RollingRestart, timeout: float, only: Collection[int] | None
+) -> None:
+    slots = [s for s in pool.slots if only is None or s.index in only]
+    pool.log.info("rolling restart of {} workers", len(slots))
+    for slot in slots:
         old = pool.current.get(slot.index)
         if old is None or pool.stopping:
             continue

@@ -58,11 +58,14 @@ class Reconciler:
         self.metrics = metrics
         self.clock = clock
         self.owner = recovery.owner_prefix  # "<host>/<boot8>"
-        # A claim outlives a few passes; a daemon that stops renewing it loses it.
-        self.ttl = max(3 * config.subagents.reconcile_interval, config.lease.stale_after)
         self.stirred = asyncio.Event()
         self.log = log("subagents")
         recovery.give_up = self.give_up
+
+    @property
+    def ttl(self) -> float:
+        """How long a claim lasts: a few passes; a daemon that stops renewing it loses it."""
+        return max(3 * self.config.subagents.reconcile_interval, self.config.lease.stale_after)
 
     def stir(self) -> None:
         """Look again soon: a worker died, a child it ran may be over."""

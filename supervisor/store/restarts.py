@@ -88,7 +88,7 @@ class Restarts(Reading):
                 if row.lease_token != token:
                     raise LeaseLost(session, token, row.lease_token)
                 if key is not None:
-                    earlier = _made_by(session, key)
+                    earlier = _made_by(session, key, turn_id)
                     if earlier is not None:
                         return Admitted(info_of(earlier), False, earlier.request_seq)
             now = db_now(self._db)
@@ -234,11 +234,16 @@ class Restarts(Reading):
         return result
 
 
-def _made_by(session: str, key: str) -> RestartRequest | None:
-    """The request the same tool call of `session` made, if any."""
+def _made_by(session: str, key: str, turn_id: str | None) -> RestartRequest | None:
+    """The request the same tool call of the same turn of `session` made, if any (a
+    later turn's call with the same id, or the same reason, is a new request)."""
     row: RestartRequest | None = (
         RestartRequest.select()
-        .where((RestartRequest.session == session) & (RestartRequest.call_id == key))
+        .where(
+            (RestartRequest.session == session)
+            & (RestartRequest.call_id == key)
+            & (RestartRequest.turn_id == turn_id)
+        )
         .order_by(RestartRequest.requested_at)
         .first()
     )
