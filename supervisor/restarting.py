@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import os
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -36,6 +37,7 @@ from supervisor.preflight import PluginError
 from supervisor.store import Admitted, RestartInfo, SessionNotFound, Settled, Store
 
 POLL = 5.0  # a request a worker committed but could not announce is found this soon
+FRESH_CHECK = 2.0  # seconds a check made at admission stands for the restart's begin
 
 Load = Callable[[], Config]
 
@@ -68,6 +70,7 @@ class Restarter:
         self.begun: RestartInfo | None = None
         self._waiting: str | None = None  # the session whose turn the pending request waits on
         self._waiting_for: str | None = None  # the request that said so in the log
+        self._checked: tuple[str, float] = ("", 0.0)  # the request checked at admission
         self._due = asyncio.Event()
         self.log = log("restart")
 
@@ -94,6 +97,7 @@ class Restarter:
             min_interval=self._config().restart.min_interval,
         )
         if admitted.new:
+            self._checked = (admitted.info.id, time.monotonic())
             self.log.info(
                 "restart {} requested by {}: {}",
                 admitted.info.id,
@@ -182,8 +186,10 @@ class Restarter:
         return wait_left(info.requested_at, self.store.restarts.now(), turn_wait, asking)
 
     async def _start(self, info: RestartInfo) -> None:
+        checked_id, checked_at = self._checked
         try:
-            await self._loadable()
+            if checked_id != info.id or time.monotonic() - checked_at > FRESH_CHECK:
+                await self._loadable()  # an agent's request, or one that waited
         except RestartRefused as exc:
             self.log.error("restart {} refused: {}", info.id, exc)
             settled = await asyncio.to_thread(

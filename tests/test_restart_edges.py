@@ -125,3 +125,19 @@ def test_an_agents_restart_waits_for_the_turn_that_asked(
 def daemon_host(daemon: Daemon) -> str:
     """The host id the daemon runs as (from /v1/status)."""
     return str(daemon.status()["host"]["id"])
+
+
+def test_a_restart_whose_stop_failed_exits_instead_of_re_executing() -> None:
+    """The same pid started again would find its host row still held (by itself, alive:
+    exit 78) or its boot row never ended (the breaker would count it): exit 1 instead."""
+    from supervisor.contract.config import Config
+    from supervisor.daemon import Daemon as Supervisor
+
+    daemon = Supervisor(Config())
+    assert not daemon.comes_back()  # no restart asked for
+    daemon.reexec = True
+    daemon.step_failed = {"drain", "http listener"}  # a drain cut at its budget is no failure
+    assert daemon.comes_back()
+    for step in ("peer deregistration", "boot row"):
+        daemon.step_failed = {step}
+        assert not daemon.comes_back()
