@@ -202,6 +202,7 @@ class Daemon(StopSteps):
             begin=self._restart,
             committed=pool.committed,
             stopping=lambda: self._stop.is_set(),
+            hold=pool.orphans_held,
         )
         self.api.restarts = restarter
         pool.on_event.append(restarter.heard)
@@ -266,24 +267,29 @@ class Daemon(StopSteps):
         return listener
 
     async def _serve(self, pool: Pool) -> None:
-        while not self._stop.is_set() and not self._failed.is_set():
-            reload = asyncio.ensure_future(self._reloads.get())
-            stop = asyncio.ensure_future(self._stop.wait())
-            fatal = asyncio.ensure_future(pool.fatal.wait())
-            failed = asyncio.ensure_future(self._failed.wait())
-            done, pending = await asyncio.wait(
-                {reload, stop, fatal, failed}, return_when=asyncio.FIRST_COMPLETED
-            )
-            for task in pending:
-                task.cancel()
-            if fatal in done:
-                log("pool").critical("every worker slot is fatal: stopping")
-                return
-            if failed in done:
-                return  # _task_ended said why
-            if reload in done and not self._stop.is_set():
-                assert self.reloader is not None
-                await self._until_stop(self.reloader.reload())
+        """Serve until a stop, a fatal pool or a task's death. A SIGHUP's reload runs in the
+        background (it never ends this loop); whatever ends it ends the reload too."""
+        assert self.reloader is not None
+        try:
+            while not self._stop.is_set() and not self._failed.is_set():
+                reload = asyncio.ensure_future(self._reloads.get())
+                stop = asyncio.ensure_future(self._stop.wait())
+                fatal = asyncio.ensure_future(pool.fatal.wait())
+                failed = asyncio.ensure_future(self._failed.wait())
+                done, pending = await asyncio.wait(
+                    {reload, stop, fatal, failed}, return_when=asyncio.FIRST_COMPLETED
+                )
+                for task in pending:
+                    task.cancel()
+                if fatal in done:
+                    log("pool").critical("every worker slot is fatal: stopping")
+                    return
+                if failed in done:
+                    return  # _task_ended said why
+                if reload in done and not self._stop.is_set():
+                    self.reloader.begin()  # one at a time: it waits for one under way
+        finally:
+            await self.reloader.cancel()  # no slot retired or worker replaced during the stop
 
     async def _until_stop(self, work: Awaitable[object]) -> bool:
         """Run `work` unless a stop signal or a task's death comes first; True if it finished."""
@@ -341,6 +347,8 @@ class Daemon(StopSteps):
     def _stopping_now(self) -> None:
         if self.api is not None:
             self.api.stopping = True  # intake refuses from this moment
+        if self.reloader is not None:
+            self.reloader.cancel()  # a reload under way changes the pool no further
         if self.membership is not None:
             self.membership.adopting = False  # another host's sessions are for the others
         self._stop.set()

@@ -13,19 +13,26 @@ One reload at a time (a lock), in this order:
 3. Swap the configuration in force into every part of the supervisor that reads one (the
    daemon's own through `on_config`; the pool, ownership, recovery, the subagents'
    reconciler, the task keeper, the scheduler, the courier, the API and its routes), the
-   tokens into the live `Tokens`, the log level into the supervisor's logger.
-4. Resize the pool: slots added start their workers at once; slots retired hand their
-   sessions over at event boundaries first. Then, if a key the workers read changed,
-   replace the other workers (the rolling restart): no turn is lost or run twice.
-   `reload(workers=True)` replaces them whatever changed (a fixed MCP server that was
-   down, agent code upgraded in place).
+   tokens into the live `Tokens` (the attach streams of a principal whose token was
+   revoked or replaced are hung up), the log level into the supervisor's logger, and add
+   the slots `pool.workers` and `pool.spare` ask for. Nothing in this step awaits: the
+   configuration, its version and the tokens change together or not at all.
+4. Retire the slots beyond them (those that serve least first); then, if a key the
+   workers read changed, replace the other workers (the rolling restart: no turn is lost
+   or run twice) and start again the slots that gave up. `reload(workers=True)` replaces
+   them whatever changed (a fixed MCP server that was down, agent code upgraded in place).
+   A new worker that cannot start stops the rolling restart: the result's `incomplete`.
 
-`reload(wait=False)` returns after step 3, with step 4 under way.
+`reload(wait=False)` returns after step 3, with step 4 under way. A reload never raises:
+whatever fails is its result's `error` (nothing changed) or `incomplete` (in force, the
+pool not yet as it says), and the log's. `cancel()` (the daemon stops) ends the one under
+way and refuses those that come after.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -46,10 +53,15 @@ from supervisor.core import reload as rules
 from supervisor.core.reload import Change
 from supervisor.http.app import Api
 from supervisor.http.auth import Tokens
+from supervisor.http.reload_route import STARTED
 from supervisor.pool.pool import Pool
 from supervisor.preflight import PluginError, check_plugins, read_tokens
 
-ROLL_TIMEOUT = 60.0  # seconds for each worker replaced or slot retired (the rolling restart's)
+# Seconds a new worker has to be ready, and a worker being replaced or retired to hand its
+# sessions over (then `shutdown.kill_grace` to exit).
+ROLL_TIMEOUT = 60.0
+STOPPING = "the daemon is stopping: the configuration was not read again"
+STOPPED = "the daemon began to stop: the pool was left as it was then"
 
 __all__ = ["Change", "ReloadResult", "Reloader"]
 
@@ -66,6 +78,7 @@ class ReloadResult:
     changes: list[Change] = field(default_factory=list)
     needs_restart: list[str] = field(default_factory=list)  # keys left as they were
     workers_replaced: bool = False
+    incomplete: str | None = None  # why the pool is not (yet) as the configuration says
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-safe: the API's `ReloadOut`."""
@@ -78,6 +91,7 @@ class ReloadResult:
             "changes": [change.as_dict() for change in self.changes],
             "needs_restart": list(self.needs_restart),
             "workers_replaced": self.workers_replaced,
+            "incomplete": self.incomplete,
         }
 
 
@@ -92,6 +106,7 @@ class Reloader:
         pool: Pool,
         api: Api,
         on_config: Callable[[Config], None],
+        loaded_at: float = STARTED,  # `run` loads the configuration as the process starts
     ) -> None:
         self.config = config  # in force
         self.config_path = config_path  # `run --config`; None: as `load_config` finds it
@@ -100,7 +115,8 @@ class Reloader:
         self.on_config = on_config
         self.paths = resolve_paths(config)  # the admin token's: daemon.state_dir is fixed
         self.version = config_version(config)
-        self.loaded_at = time.time()
+        self.loaded_at = loaded_at
+        self.closed = False  # the daemon stops: no reload from now on
         self._lock = asyncio.Lock()
         self._running: set[asyncio.Task[ReloadResult]] = set()
         self.log = log("reload")
@@ -120,102 +136,180 @@ class Reloader:
             raise PluginError(f"{self.paths.admin_token_file}: {exc.strerror or exc}") from exc
 
     async def reload(self, *, wait: bool = True, workers: bool = False) -> ReloadResult:
-        """Read the configuration again and apply it; never raises for a bad one (the
-        result says why). With `wait` False, returns once it is applied to the
-        supervisor and the pool's changes have begun; with `workers`, every worker is
-        replaced even if no key they read changed."""
-        applied: asyncio.Future[ReloadResult] | None = None
-        if not wait:
-            applied = asyncio.get_running_loop().create_future()
+        """Read the configuration again and apply it; never raises (the result says what
+        failed). With `wait` False, returns once it is applied to the supervisor and the
+        pool's changes have begun; with `workers`, every worker is replaced even if no
+        key they read changed. A caller that goes away does not cut it short."""
+        if self.closed:
+            return self._refused(STOPPING)
+        applied: asyncio.Future[ReloadResult] = asyncio.get_running_loop().create_future()
+        task = self._begin(applied, workers)
+        try:
+            return await asyncio.shield(task if wait else applied)
+        except asyncio.CancelledError:
+            if task.cancelled():  # `cancel` came before it began
+                return self._refused(STOPPING)
+            raise
+
+    def begin(self) -> None:
+        """A reload in the background (SIGHUP): only the log says what it did."""
+        if not self.closed:
+            self._begin(None, False)
+
+    def cancel(self) -> asyncio.Future[list[Any]]:
+        """The daemon stops: no reload from now on, and the one under way ends at once (it
+        retires no slot and replaces no worker any further). Await the answer to wait
+        until it has ended."""
+        self.closed = True
+        running = list(self._running)
+        for task in running:
+            task.cancel()
+        return asyncio.gather(*running, return_exceptions=True)
+
+    def _begin(
+        self, applied: asyncio.Future[ReloadResult] | None, workers: bool
+    ) -> asyncio.Task[ReloadResult]:
         task = asyncio.create_task(self._reload(applied, workers), name="reload")
         self._running.add(task)
-        task.add_done_callback(self._ended)
-        if applied is None:
-            return await task
-        return await asyncio.shield(applied)
+        task.add_done_callback(functools.partial(self._ended, applied))
+        return task
 
-    def _ended(self, task: asyncio.Task[ReloadResult]) -> None:
+    def _ended(
+        self, applied: asyncio.Future[ReloadResult] | None, task: asyncio.Task[ReloadResult]
+    ) -> None:
         self._running.discard(task)
-        if not task.cancelled() and (exc := task.exception()) is not None:
+        if task.cancelled():  # before it began: `_reload` answers every later cancel
+            _settle(applied, self._refused(STOPPING))
+        elif (exc := task.exception()) is not None:
             self.log.opt(exception=exc).error("the reload failed: {!r}", exc)
 
     async def _reload(
         self, applied: asyncio.Future[ReloadResult] | None, workers: bool
     ) -> ReloadResult:
+        result: ReloadResult | None = None
         try:
             async with self._lock:
-                result, grown = await self._take(workers)
-                if applied is not None:
-                    applied.set_result(result)
-                if result.ok and not self.pool.stopping:
-                    await self._resize_and_replace(result, grown)
-                return result
-        except BaseException as exc:
-            if applied is not None and not applied.done():
-                if isinstance(exc, asyncio.CancelledError):
-                    applied.cancel()
+                if self.closed:  # it waited for the one before, and the daemon began to stop
+                    result = self._refused(STOPPING)
                 else:
-                    applied.set_exception(exc)
-            raise
+                    result, added = await self._take(workers)
+                    _settle(applied, result)
+                    if result.ok and not self.pool.stopping:
+                        await self._change_pool(result, added)
+        except asyncio.CancelledError:  # `cancel`: the daemon stops
+            if result is None:
+                result = self._refused(STOPPING)
+            else:
+                result.incomplete = STOPPED
+                self.log.info("{}", STOPPED)
+        except Exception as exc:  # a bug; said, and the daemon goes on
+            self.log.opt(exception=exc).error("the reload failed: {!r}", exc)
+            if result is None:
+                result = self._refused(f"the reload failed: {exc!r} (see the daemon's log)")
+            else:
+                result.incomplete = f"changing the pool failed: {exc!r} (see the daemon's log)"
+        _settle(applied, result)
+        return result
+
+    def _refused(self, error: str) -> ReloadResult:
+        return ReloadResult(False, error, self.version, self.version, self.loaded_at)
 
     async def _take(self, workers: bool) -> tuple[ReloadResult, list[int]]:
         """Steps 1 to 3, and the slots to add started; the result and the slots added."""
         before, version_before = self.config, self.version
+        read_at = time.time()
         try:
-            new, tokens = await asyncio.to_thread(self._read)
+            with self.pool.orphans_held():  # the agent check's child is its own to reap
+                new, tokens = await asyncio.to_thread(self._read)
             found, in_force = _judge(before, new)
         except (ConfigError, PluginError) as exc:
             self.log.error("refused, configuration {} stays in force: {}", version_before, exc)
-            refused = ReloadResult(False, str(exc), version_before, version_before, self.loaded_at)
-            return refused, []
-        version, loaded_at = config_version(in_force), self.loaded_at
-        if version != version_before:
-            self.config, loaded_at = in_force, time.time()
-            self.on_config(in_force)
-            await self._swap(before, in_force)
-        self._take_tokens(tokens)  # also when no key changed: the file's lines may have
+            return self._refused(str(exc)), []
+        except Exception as exc:
+            self.log.opt(exception=exc).error("the configuration could not be read: {!r}", exc)
+            return self._refused(f"the configuration could not be read: {exc!r}"), []
+        version = config_version(in_force)
+        try:
+            self._apply(before, in_force, version, read_at, tokens)
+        except Exception as exc:
+            self.log.opt(exception=exc).error(
+                "applying configuration {} failed, {} stays in force: {!r}",
+                version,
+                version_before,
+                exc,
+            )
+            return self._refused(f"applying the configuration failed: {exc!r}"), []
         result = ReloadResult(
             True,
             None,
             version_before,
             version,
-            loaded_at,
+            self.loaded_at,
             found,
             needs_restart=[c.key for c in found if c.effect == "restart"],
             workers_replaced=workers or any(c.effect == "workers" for c in found),
         )
         self._say(result)
-        grown = [] if self.pool.stopping else self.pool.grow()
-        # Said last: a status that shows this version shows the slots it added.
-        self.version, self.loaded_at = version, loaded_at
-        return result, grown
+        try:
+            added = [] if self.pool.stopping else self.pool.grow()
+        except Exception as exc:
+            self.log.opt(exception=exc).error("adding slots failed: {!r}", exc)
+            result.incomplete = f"adding slots failed: {exc!r} (see the daemon's log)"
+            added = []
+        return result, added
 
-    async def _swap(self, before: Config, config: Config) -> None:
+    def _apply(
+        self, before: Config, config: Config, version: str, loaded_at: float, tokens: Tokens
+    ) -> None:
+        """Step 3, whole or not at all (nothing here awaits): what fails is put back as it
+        was, and raised."""
+        kept = self.config, self.version, self.loaded_at, self.api.tokens.principals()
+        try:
+            if version != self.version:
+                self._swap(config)
+                self.on_config(config)
+                if before.log != config.log:
+                    setup_logging(config.log.level, config.log.format)
+                self.config, self.version, self.loaded_at = config, version, loaded_at
+            self._take_tokens(tokens)  # also when no key changed: the file's lines may have
+        except Exception:
+            self.config, self.version, self.loaded_at, principals = kept
+            self.api.tokens.take(Tokens(principals))
+            self._swap(before)  # each part takes it back as at a reload
+            self.on_config(before)
+            if before.log != config.log:
+                setup_logging(before.log.level, before.log.format)
+            raise
+
+    def _swap(self, config: Config) -> None:
         """Every part of the supervisor that reads the configuration reads `config` now."""
         pool = self.pool
-        pool.config = config
+        pool.reconfigure(config)
         pool.ownership.config = config
         pool.recovery.configure(config)
         pool.subagents.config = config
         pool.task_keeper.config = config
         pool.scheduler.config = config
-        await pool.courier.reconfigure(config)
+        pool.courier.reconfigure(config)
         self.api.reconfigure(config)
-        if before.log != config.log:
-            setup_logging(config.log.level, config.log.format)
 
     def _take_tokens(self, tokens: Tokens) -> None:
         live = self.api.tokens
         old, new = live.principals(), tokens.principals()
-        if old != new:
-            self.log.info(
-                "tokens: {} principals (added: {}; removed: {}; with a new token: {})",
-                len(new),
-                ", ".join(sorted(new.keys() - old.keys())) or "none",
-                ", ".join(sorted(old.keys() - new.keys())) or "none",
-                ", ".join(sorted(p for p in new.keys() & old.keys() if new[p] != old[p])) or "none",
-            )
         live.take(tokens)
+        if old == new:
+            return
+        lost = sorted(p for p in old if new.get(p) != old[p])  # revoked, or a new token
+        self.log.info(
+            "tokens: {} principals (added: {}; removed: {}; with a new token: {})",
+            len(new),
+            ", ".join(sorted(new.keys() - old.keys())) or "none",
+            ", ".join(sorted(old.keys() - new.keys())) or "none",
+            ", ".join(p for p in lost if p in new) or "none",
+        )
+        ended = self.api.hub.hang_up(lost)
+        if ended:
+            self.log.info("hung up {} attach streams opened with a token no longer valid", ended)
 
     def _say(self, result: ReloadResult) -> None:
         for change in result.changes:
@@ -240,18 +334,30 @@ class Reloader:
                 "; replacing the workers" if result.workers_replaced else "",
             )
 
-    async def _resize_and_replace(self, result: ReloadResult, grown: list[int]) -> None:
-        """Step 4: slots retired, the other workers replaced if need be, slots added ready."""
+    async def _change_pool(self, result: ReloadResult, added: list[int]) -> None:
+        """Step 4: slots retired, the other workers replaced if need be, the slots that
+        gave up started again, the slots added ready."""
         pool = self.pool
-        kept = [slot.index for slot in pool.slots if slot.index not in grown]
+        kept = [slot.index for slot in pool.slots if slot.index not in added]
         await pool.shrink(ROLL_TIMEOUT)
         if result.workers_replaced:
-            await pool.rolling_restart(ROLL_TIMEOUT, only=kept)
-        if grown and not await pool.settled(grown, ROLL_TIMEOUT):
-            self.log.warning("slot {} added, but not every worker there is ready yet", grown)
+            stopped = await pool.rolling_restart(ROLL_TIMEOUT, only=kept)
+            if stopped is None:
+                added = [*added, *pool.revive()]
+            else:
+                result.incomplete, result.workers_replaced = stopped, False
+        if added and not await pool.settled(added, ROLL_TIMEOUT):
+            self.log.warning("slot {} started, but not every worker there is ready yet", added)
         pool.settle_spares()
-        if result.version != result.version_before:
+        if result.incomplete is not None:
+            self.log.error("configuration {} in force, but: {}", result.version, result.incomplete)
+        elif result.version != result.version_before:
             self.log.info("configuration {} in force", result.version)
+
+
+def _settle(applied: asyncio.Future[ReloadResult] | None, result: ReloadResult) -> None:
+    if applied is not None and not applied.done():
+        applied.set_result(result)
 
 
 def _judge(before: Config, new: Config) -> tuple[list[Change], Config]:

@@ -24,6 +24,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 from supervisor import __version__
@@ -57,6 +58,7 @@ class Restarter:
         begin: Callable[[RestartInfo], None],
         committed: Callable[[str, int, str], None],
         stopping: Callable[[], bool],
+        hold: Callable[[], AbstractContextManager[None]] = contextlib.nullcontext,
     ) -> None:
         self.store = store
         self.host = host
@@ -67,6 +69,7 @@ class Restarter:
         self._begin = begin  # the daemon's stop for a restart
         self._committed = committed  # the pool: an event was committed (wakes input)
         self._stopping = stopping  # the daemon is stopping (for SIGTERM, or this restart)
+        self._hold = hold  # the pool reaps no orphan meanwhile: the check's child is ours
         self.begun: RestartInfo | None = None
         self._waiting: str | None = None  # the session whose turn the pending request waits on
         self._waiting_for: str | None = None  # the request that said so in the log
@@ -111,7 +114,8 @@ class Restarter:
         """The configuration the next start would run with; RestartRefused if it would not
         start, or would start as another daemon (whose requests this one's are not)."""
         try:
-            config = await asyncio.to_thread(self._load)
+            with self._hold():
+                config = await asyncio.to_thread(self._load)
         except (ConfigError, PluginError) as exc:
             raise RestartRefused(
                 f"the configuration does not load, so the daemon would not come back: {exc}"

@@ -1,7 +1,9 @@
 """A reload against a real daemon: the pool grows and shrinks, an MCP server's new command
 reaches new workers, a turn in flight finishes once, an invalid edit changes nothing (the
 start's one line, exit 78), `http.listen` is named as needing a restart and the old
-address goes on serving, the tokens file is read again, and SIGHUP does the same."""
+address goes on serving (the command line sends the admin token to no other), a new
+`daemon.state_dir` too (the command line finds the daemon all the same), the tokens file
+is read again, and SIGHUP does the same."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import copy
 import hashlib
 import json
 import signal
+import socket
 import subprocess
 from collections.abc import Callable
 from functools import partial
@@ -29,7 +32,7 @@ TINY = [PYTHON, "-m", "tests.mcp_servers.tiny"]
 TINY_UTF8 = [PYTHON, "-X", "utf8", "-m", "tests.mcp_servers.tiny"]
 
 
-def edit(daemon: Daemon, **sections: dict[str, Any]) -> dict[str, Any]:
+def edit(daemon: Daemon, /, **sections: dict[str, Any]) -> dict[str, Any]:
     """Write the daemon's file with `sections` changed (the test's `daemon.config`, which
     says where to reach the daemon, is left as it is); the configuration written."""
     config = copy.deepcopy(daemon.config)
@@ -199,17 +202,42 @@ def test_http_listen_needs_a_restart_the_rest_is_applied_by_sighup(
     assert changed != before
     assert _as(daemon, "bob-token").status_code == 200  # the tokens file was read again
     assert _as(daemon, "nobody").status_code == 401
-    # The command line finds the daemon where it listens, not where the file says.
-    result = turnkeeper(daemon, "reload")
-    assert result.returncode == 0, result
-    assert result.stdout.splitlines() == [
-        "needs a restart: http.listen (left as it was)",
-        f"configuration {changed} unchanged",
-        "workers kept",
-    ]
-    assert not moved.exists() and daemon.ready()  # the old address serves
-    status = turnkeeper(daemon, "status", TURNKEEPER_HTTP__LISTEN=daemon.listen)
-    assert f"configuration {changed} loaded " in status.stdout, status
+    # The command line finds the daemon where it listens, not where the file says: the
+    # admin token goes to no other address (something else listens at the new one now).
+    with socket.socket(socket.AF_UNIX) as decoy:
+        decoy.bind(str(moved))
+        decoy.listen()
+        decoy.setblocking(False)
+        result = turnkeeper(daemon, "reload", "--timeout", "20")
+        assert result.returncode == 0, result
+        assert result.stdout.splitlines() == [
+            "needs a restart: http.listen (left as it was)",
+            f"configuration {changed} unchanged",
+            "workers kept",
+        ]
+        with pytest.raises(BlockingIOError):
+            decoy.accept()  # nobody came
+        status = turnkeeper(daemon, "status", TURNKEEPER_HTTP__LISTEN=daemon.listen)
+        assert f"configuration {changed} loaded " in status.stdout, status
+        # ... also when the file names other directories: their daemon is found all the same.
+        edit(
+            daemon,
+            daemon={"state_dir": str(tmp_path / "elsewhere"), "runtime_dir": str(tmp_path / "r")},
+            http={"listen": f"unix:{moved}"},
+            pool={"workers": 1},
+        )
+        result = turnkeeper(daemon, "reload", "--timeout", "20")
+        assert result.returncode == 0, result
+        assert result.stdout.splitlines() == [
+            "needs a restart: daemon.state_dir (left as it was)",
+            "needs a restart: daemon.runtime_dir (left as it was)",
+            "needs a restart: http.listen (left as it was)",
+            f"configuration {changed} unchanged",
+            "workers kept",
+        ]
+        with pytest.raises(BlockingIOError):
+            decoy.accept()
+    assert daemon.ready()  # the old address serves
     assert daemon.status()["config"]["source"] == str(daemon.config_path)
 
 

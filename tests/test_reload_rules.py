@@ -18,7 +18,7 @@ from supervisor.reloading import ReloadResult
 
 SERVER = {"name": "files", "command": ["python3", "-m", "files"], "env": {"TOKEN": "s3cret"}}
 TARGET = {"name": "hook", "url": "http://127.0.0.1:9/in", "secret_env": "HOOK_SECRET"}
-KIND = {"name": "build", "command": ["make"]}
+KIND = {"name": "build", "command": ["make", "{n}"], "args": {"n": "^[0-9]+$"}, "env": {"K": "v"}}
 
 
 def data(**sections: dict[str, Any]) -> dict[str, Any]:
@@ -59,8 +59,12 @@ def test_the_same_configuration_changes_nothing() -> None:
         ("agent", "allowed", ["tests.agents:ChaosAgent"], "workers"),
         ("agent", "class", "tests.agents:ChaosAgent", "workers"),
         ("model", "delay", 1.0, "workers"),
-        ("recovery", "attempt_delays", [0.0, 1.0], "live"),
+        ("recovery", "attempt_delays", [0.0, 1.0], "workers"),  # a runner's, at its start
+        ("recovery", "auto_continue", False, "workers"),
         ("recovery", "breaker_threshold", 9, "live"),
+        ("recovery", "retry_interval", 9.0, "live"),
+        ("http", "max_streams_per_principal", 2, "live"),
+        ("http", "read_timeout", 9.0, "restart"),  # the listener's head timeout too
         ("subagents", "freshness", 60.0, "live"),
         ("subagents", "reconcile_interval", 5.0, "live"),
         ("subagents", "max_depth", 0, "workers"),
@@ -70,7 +74,8 @@ def test_the_same_configuration_changes_nothing() -> None:
         ("schedules", "min_interval", 1.0, "live"),
         ("delivery", "max_attempts", 2, "live"),
         ("delivery", "concurrency", 2, "live"),
-        ("restart", "turn_wait", 5.0, "workers"),
+        ("restart", "turn_wait", 5.0, "live"),
+        ("restart", "min_interval", 5.0, "workers"),
         ("log", "level", "DEBUG", "workers"),
         ("log", "format", "json", "workers"),
     ],
@@ -83,16 +88,47 @@ def test_each_key_has_the_effect_of_who_reads_it(
     assert found[f"{section}.{key}"][2] == effect
 
 
-def test_every_key_of_the_configuration_is_classified_on_purpose() -> None:
-    """A key added to a section must be put in `EFFECTS` (by itself or its section); a
-    key nobody classified would need a restart, which is safe but should be a decision."""
+# Every key, by what its change needs: who reads it, and when (a named entry's name is *).
+EXPECTED: dict[str, str] = {
+    "restart": """daemon.state_dir daemon.runtime_dir daemon.host_id store.url store.synchronous
+        http.listen http.max_body http.read_timeout http.max_connections lease.stale_after
+        shutdown.kill_grace attach.shutdown_timeout""",
+    "live": """http.max_streams_per_principal auth.tokens_file auth.metrics_public pool.workers
+        pool.spare pool.hang_timeout shutdown.drain_budget shutdown.subagent_drain
+        recovery.freshness recovery.max_per_boot recovery.retry_interval
+        recovery.breaker_threshold recovery.breaker_window subagents.freshness
+        subagents.max_recoveries subagents.max_per_boot subagents.reconcile_interval
+        tasks.keep tasks.max_output tasks.kill_grace tasks.reconcile_interval tasks.lost_grace
+        schedules.misfire_grace schedules.max_schedules schedules.max_per_owner
+        schedules.min_interval delivery.max_attempts delivery.backoff delivery.backoff_cap
+        delivery.poll_interval delivery.concurrency delivery.keep delivery.targets.*.url
+        delivery.targets.*.timeout delivery.targets.*.events delivery.targets.*.principals
+        restart.turn_wait""",
+    "workers": """pool.heartbeat_interval pool.history_cache_mb agent.class agent.allowed
+        model.provider model.delay model.base_url model.model model.api_key_env model.timeout
+        model.max_tokens mcp.servers.*.command mcp.servers.*.env.TOKEN mcp.servers.*.cwd
+        mcp.servers.*.start_timeout mcp.servers.*.call_timeout recovery.auto_continue
+        recovery.attempt_delays subagents.max_depth subagents.max_children
+        tasks.kinds.*.command tasks.kinds.*.args.n tasks.kinds.*.timeout tasks.kinds.*.env.K
+        tasks.kinds.*.cwd tasks.kinds.*.retry_on_restart tasks.max_running
+        delivery.targets.*.secret_env restart.agent_may_request restart.min_interval
+        log.format log.level""",
+}
+
+
+def test_every_key_of_the_configuration_has_the_effect_decided_for_it() -> None:
+    """Each key's effect is the one decided for it here (who reads it, and when); a key
+    added to a section fails until it is decided. A key nobody classified would need a
+    restart: safe, but it should be a decision."""
+    expected = {key: effect for effect, keys in EXPECTED.items() for key in keys.split()}
     everything = data(
         mcp={"servers": [SERVER]}, delivery={"targets": [TARGET]}, tasks={"kinds": [KIND]}
     )
-    for path, _, _ in rules.differences(blank(everything), everything):
-        parts = rules.shape(path).split(".")
-        named = [".".join(parts[:end]) for end in range(len(parts), 0, -1)]
-        assert any(key in rules.EFFECTS for key in named), path
+    found = {
+        rules.shape(path): rules.effect_of(path)
+        for path, _, _ in rules.differences(blank(everything), everything)
+    }
+    assert found == expected
     assert rules.effect_of(("section_of_tomorrow", "key")) == "restart"
 
 
@@ -138,6 +174,20 @@ def test_secrets_are_shown_masked_and_still_compared() -> None:
         ("mcp.servers.files.env.TOKEN", "***", "***")
     ]
     assert "n3w" not in repr(found) and "s3cret" not in repr(found)
+
+
+def test_the_environments_of_task_kinds_are_secrets_too() -> None:
+    old_config = Config.model_validate({"tasks": {"kinds": [KIND | {"env": {"K": "s3cret"}}]}})
+    new_config = Config.model_validate({"tasks": {"kinds": [KIND | {"env": {"K": "n3w"}}]}})
+    shown = masked_data(new_config)
+    assert shown["tasks"]["kinds"][0]["env"] == {"K": "***"}
+    old, new = (c.model_dump(mode="json", by_alias=True) for c in (old_config, new_config))
+    found = rules.changes(old, new, masked_data(old_config), masked_data(new_config))
+    assert [(c.key, c.before, c.after) for c in found] == [
+        ("tasks.kinds.build.env.K", "***", "***")
+    ]
+    added = rules.changes(data(), new, masked_data(Config()), shown)
+    assert [c.key for c in added] == ["tasks.kinds.build"] and "n3w" not in repr(added)
 
 
 def test_a_delivery_target_added_replaces_the_workers_a_new_url_does_not() -> None:
@@ -223,4 +273,7 @@ def test_what_the_command_line_prints_of_a_result() -> None:
         "configuration 95311db4df12 unchanged",
         "workers kept",
     ]
+    stopped = ReloadResult(True, None, "95311db4df12", "1a2b3c4d5e6f", 1.0)
+    stopped.incomplete = "worker w0.2, replacing w0.1, died before it was ready: ..."
+    assert result_lines(stopped.as_dict())[-1] == f"not done: {stopped.incomplete}"
     assert shown("INFO") == '"INFO"' and shown([0.0, 5.0]) == "[0.0, 5.0]"

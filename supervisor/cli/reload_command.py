@@ -8,9 +8,14 @@
     workers replaced
 
 A configuration a start would refuse is the start's one line and exit 78, and the daemon
-goes on with the one in force. The daemon is found by its lock and reached at
-`http.listen`; if the file names another address now (a change that needs a restart),
-at the address the daemon listens on.
+goes on with the one in force. A pool not yet as the configuration says (a new worker
+that could not start stopped the rolling restart) is exit 1, after what changed.
+
+The daemon is found by its lock in `daemon.state_dir`; if the file names another
+directory now (a change that needs a restart), as the process of this user that holds a
+daemon's lock elsewhere and says it runs from this file. The admin token goes only to
+an address that process listens on: `http.listen` if it is one of them (a changed
+address, which needs a restart, is not), else the one it listens on.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from supervisor.cli.common import (
     not_running,
     reports_errors,
 )
-from supervisor.contract.config import Config, resolve_paths
+from supervisor.contract.config import Config, parse_listen, resolve_paths
 
 if TYPE_CHECKING:
     from supervisor.cli.client import Client
@@ -85,39 +90,108 @@ def reload(
     the configuration's version before and after, and whether the workers
     were replaced. A configuration a start would refuse changes nothing:
     its one line and exit 78. Exit 3 if the daemon is not running, 1 past
-    --timeout (the reload goes on).
+    --timeout (the reload goes on) or when a new worker could not start
+    (`not done: ...`: the workers not yet replaced go on).
     """
     cfg = load(ctx)  # a file that does not load: the start's one line, exit 78
-    paths = resolve_paths(cfg)
-    pid = daemon_pid(paths)
-    if pid is None:
+    found = locate(cfg)
+    if found is None:
         not_running("the daemon is not running (no process holds its lock)")
-    result = request_reload(cfg, pid, wait=not no_wait, workers=all_workers, timeout=timeout)
+    pid, reach = found
+    result = request_reload(reach, pid, wait=not no_wait, workers=all_workers, timeout=timeout)
     if as_json:
         emit_json(result)
     if not result["ok"]:
         config_error(str(result["error"]))
     if not as_json:
         click.echo("\n".join(result_lines(result, waited=not no_wait)))
+    if result.get("incomplete"):
+        fail(str(result["incomplete"]))
+
+
+def locate(cfg: Config) -> tuple[int, Config] | None:
+    """The daemon `cfg`'s file is for: its pid, and `cfg` with the state directory it
+    holds (where its admin token is). None: none runs."""
+    pid = daemon_pid(resolve_paths(cfg))
+    if pid is not None:
+        return pid, cfg
+    if cfg.source is None:
+        return None
+    for pid, state_dir in lock_holders():
+        moved = cfg.model_copy(
+            update={"daemon": cfg.daemon.model_copy(update={"state_dir": str(state_dir)})}
+        )
+        if runs_from(moved, pid, cfg.source):
+            return pid, moved
+    return None
+
+
+def lock_holders() -> list[tuple[int, Path]]:
+    """The daemons of this user (any state directory): each one's pid and the state
+    directory whose lock it holds."""
+    import os
+
+    import psutil
+
+    from supervisor import locks
+
+    found = []
+    for proc in psutil.process_iter(["uids", "cmdline"]):
+        uids, cmdline = proc.info.get("uids"), proc.info.get("cmdline") or []
+        if uids is None or uids.real != os.getuid() or not cmdline:
+            continue
+        if not " ".join(cmdline).startswith("turnkeeper: supervisor"):
+            continue
+        try:
+            paths = [Path(f.path) for f in proc.open_files()]
+        except psutil.Error:
+            continue
+        for path in paths:
+            if path.name == locks.LEADER_LOCK and locks.holder(path) == proc.pid:
+                found.append((proc.pid, path.parent))
+    return found
+
+
+def runs_from(cfg: Config, pid: int, source: Path) -> bool:
+    """Whether the daemon `pid` (reached as `cfg` says) runs from the file `source`."""
+    import psutil
+
+    from supervisor.cli.client import Client, ClientError, find_token
+
+    try:
+        token, where = find_token(cfg)
+        with Client(address(cfg, pid), token, where) as client:
+            shown = client.status()["config"]["source"]
+        cwd = Path(psutil.Process(pid).cwd())
+    except (ClientError, psutil.Error, KeyError, TypeError):
+        return False
+    return shown is not None and (cwd / shown).resolve() == source.absolute().resolve()
 
 
 def request_reload(
     cfg: Config, pid: int, *, wait: bool, workers: bool, timeout: float
 ) -> dict[str, Any]:
     """POST /v1/reload to the daemon `pid`; the result, also for a refused configuration."""
-    from supervisor.cli.client import Client, DaemonNotRunning, find_token
+    from supervisor.cli.client import Client, find_token
 
     token, source = find_token(cfg)
-    try:
-        with Client(cfg.http.listen, token, source) as client:
-            return _post(client, {"wait": wait, "workers": workers}, timeout)
-    except DaemonNotRunning:
-        # http.listen changed in the file, perhaps: the daemon listens where it started.
-        for address in listening(pid, resolve_paths(cfg).runtime_dir):
-            if address != cfg.http.listen:
-                with Client(address, token, source) as client:
-                    return _post(client, {"wait": wait, "workers": workers}, timeout)
-        raise
+    with Client(address(cfg, pid), token, source) as client:
+        return _post(client, {"wait": wait, "workers": workers}, timeout)
+
+
+def address(cfg: Config, pid: int) -> str:
+    """Where to reach the daemon `pid`: `http.listen` if it listens there (the file may
+    name another address now, a change that needs a restart), else where it does listen.
+    Raises ClientError if it listens nowhere it can be seen to."""
+    from supervisor.cli.client import ClientError
+
+    found = listening(pid)
+    if found is None:  # another user's process: as every command, at http.listen
+        return cfg.http.listen
+    if not found:
+        raise ClientError(f"the daemon (pid {pid}) listens on no address of its API")
+    wanted = parse_listen(cfg.http.listen)
+    return next((a for a in found if parse_listen(a) == wanted), found[0])
 
 
 def _post(client: Client, body: dict[str, bool], timeout: float) -> dict[str, Any]:
@@ -148,18 +222,21 @@ def _post(client: Client, body: dict[str, bool], timeout: float) -> dict[str, An
     return result
 
 
-def listening(pid: int, runtime_dir: Path) -> list[str]:
-    """The API addresses the process `pid` listens on, as `http.listen` writes them."""
+def listening(pid: int) -> list[str] | None:
+    """The API addresses the process `pid` listens on, as `http.listen` writes them; None
+    if they cannot be seen (another user's process)."""
     import psutil
 
     try:
         connections = psutil.Process(pid).net_connections(kind="all")
+    except psutil.AccessDenied:
+        return None
     except psutil.Error:
         return []
     found: list[str] = []
     for c in connections:
-        if c.family == socket.AF_UNIX and isinstance(c.laddr, str) and c.laddr:
-            if Path(c.laddr) != runtime_dir / CONTROL_SOCKET:
+        if c.family == socket.AF_UNIX and isinstance(c.laddr, str) and c.laddr[:1] == "/":
+            if Path(c.laddr).name != CONTROL_SOCKET:  # the workers' (in any runtime dir)
                 found.append(f"unix:{c.laddr}")
         elif c.status == psutil.CONN_LISTEN and c.laddr:
             host, port = c.laddr[0], c.laddr[1]
@@ -180,7 +257,9 @@ def result_lines(result: dict[str, Any], *, waited: bool = True) -> list[str]:
     lines.append(
         f"configuration {before} -> {now}" if before != now else f"configuration {now} unchanged"
     )
-    if not result["workers_replaced"]:
+    if result.get("incomplete"):
+        lines.append(f"not done: {result['incomplete']}")
+    elif not result["workers_replaced"]:
         lines.append("workers kept")
     else:
         lines.append("workers replaced" if waited else "workers being replaced")

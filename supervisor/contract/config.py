@@ -179,8 +179,9 @@ def masked_data(cfg: Config, resolved: Paths | None = None) -> dict[str, Any]:
     """The configuration as plain data with every secret shown as `***`; with `resolved`,
     the directories and database URL the daemon resolved in place of empty ones.
 
-    Secrets are the values of secret-sounding keys, MCP servers' environments, and the
-    password and secret query parameters of any URL (`store.url`, `model.base_url`, ...).
+    Secrets are the values of secret-sounding keys, the environments of MCP servers and of
+    task kinds, and the password and secret query parameters of any URL (`store.url`,
+    `model.base_url`, ...).
     """
     data = cfg.model_dump(mode="json", by_alias=True)
     if resolved is not None:
@@ -188,8 +189,8 @@ def masked_data(cfg: Config, resolved: Paths | None = None) -> dict[str, Any]:
         data["daemon"]["runtime_dir"] = str(resolved.runtime_dir)
         data["store"]["url"] = resolved.db_url
         data["daemon"]["host_id"] = resolved_host_id(cfg)
-    for server in data["mcp"]["servers"]:
-        server["env"] = dict.fromkeys(server["env"], MASK)
+    for entry in [*data["mcp"]["servers"], *data["tasks"]["kinds"]]:
+        entry["env"] = dict.fromkeys(entry["env"], MASK)
     masked: dict[str, Any] = mask_keys(data)
     return masked
 

@@ -38,7 +38,8 @@ EFFECTS: dict[str, Effect] = {
     # Read once at the start: the database, the directories, the listener and its limits.
     "daemon": "restart",
     "store": "restart",
-    "http": "restart",
+    "http": "restart",  # read_timeout too: the listener times request heads by it
+    "http.max_streams_per_principal": "live",  # read by each attach request
     "attach": "restart",  # the listener's stop timeout, fixed when it starts
     "lease.stale_after": "restart",  # the host row's time to live, fixed at the start
     "shutdown.kill_grace": "restart",  # the stop's cap, fixed at the start
@@ -46,10 +47,10 @@ EFFECTS: dict[str, Effect] = {
     "auth": "live",  # tokens file re-read and judged as at a start; metrics_public
     "pool.workers": "live",  # slots added or retired
     "pool.spare": "live",
-    "pool.hang_timeout": "live",
+    "pool.hang_timeout": "live",  # a worker started with the interval in force is judged by it
     "shutdown.drain_budget": "live",
     "shutdown.subagent_drain": "live",
-    "recovery": "live",
+    "recovery": "live",  # the supervisor's decisions and scans read it at each use
     "subagents": "live",
     "tasks": "live",
     "schedules": "live",
@@ -64,6 +65,10 @@ EFFECTS: dict[str, Effect] = {
     "agent": "workers",  # loaded by workers; the API checks a session's choice
     "model": "workers",
     "mcp": "workers",
+    # A worker's runners take their continuation schedule at its start (recovery judges by
+    # it too).
+    "recovery.auto_continue": "workers",
+    "recovery.attempt_delays": "workers",
     "subagents.max_depth": "workers",
     "subagents.max_children": "workers",
     "tasks.kinds": "workers",  # the start_task tool; the task keeper runs them
@@ -72,6 +77,7 @@ EFFECTS: dict[str, Effect] = {
     "delivery.targets.*": "workers",
     "log": "workers",  # each process sets its own logger up
     "restart": "workers",  # the restart desk reads it anew; workers offer request_restart by it
+    "restart.turn_wait": "live",  # the restart desk's alone
 }
 
 

@@ -155,10 +155,8 @@ class Api:
         self._reads_config(sent).add(r)
         restarts = RestartRoutes(self.config, self.store, self.host_id, lambda: self.restarts)
         self._reads_config(restarts).add(r)
-        reloads = ReloadRoutes(
-            lambda: self.reloader, lambda: self.stopping, self.config.http.read_timeout
-        )
-        reloads.add(r)
+        reloads = ReloadRoutes(self.config, lambda: self.reloader, lambda: self.stopping)
+        self._reads_config(reloads).add(r)
         r.add_get("/v1/status", self.status)
         r.add_get("/healthz", self.healthz)
         r.add_get("/readyz", self.readyz)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -128,6 +128,17 @@ class Hub:
         self._by_principal.clear()
         self._follow = Follow()
         self._stop()
+
+    def hang_up(self, principals: Collection[str]) -> int:
+        """End the streams of `principals` (a reload revoked or replaced their tokens: a
+        stream opened with one must not outlive it); how many there were."""
+        ended = [s for subs in self._subs.values() for s in subs if s.principal in principals]
+        for sub in ended:
+            sub.dropped = True
+            with_room(sub.queue)
+            sub.queue.put_nowait(_CLOSE)
+            self.unsubscribe(sub)
+        return len(ended)
 
     @property
     def streams(self) -> int:

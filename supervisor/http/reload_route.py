@@ -3,10 +3,11 @@
 Body (optional) `{"wait": true, "workers": false}`: with `wait` true the answer comes once
 the new configuration is in force (the pool resized, the workers replaced if a key they
 read changed, or always with `workers` true); with false once it is applied to the
-supervisor and the workers' changes have begun. The answer is
-what changed (`ReloadOut`). A configuration a start would refuse changes nothing: a 422
-`invalid_config` whose message is the start's one line, with the result beside it. While
-the daemon stops, a 503.
+supervisor and the workers' changes have begun. The answer is what changed (`ReloadOut`)
+and, in `incomplete`, why the pool is not (yet) as the configuration in force says (a new
+worker that could not start stopped the rolling restart; the daemon began to stop). A
+configuration a start would refuse changes nothing: a 422 `invalid_config` whose message
+is the start's one line, with the result beside it. While the daemon stops, a 503.
 
 The route only carries the request to the daemon's reloader (`supervisor.reloading`);
 `/v1/status` shows the configuration in force (`config_state`).
@@ -89,7 +90,14 @@ class ReloadOut(BaseModel):
     loaded_at: float = Field(description="when the configuration in force was loaded")
     changes: list[ChangeOut]
     needs_restart: list[str] = Field(description="keys changed that need a restart, not applied")
-    workers_replaced: bool = Field(description="a key the workers read changed: they are replaced")
+    workers_replaced: bool = Field(
+        description="the workers were replaced (a key they read changed, or `workers` asked)"
+    )
+    incomplete: str | None = Field(
+        description="why the pool is not yet as the configuration says, although it is in "
+        "force: a new worker that could not start stopped the rolling restart (the workers "
+        "not yet replaced go on), or the daemon began to stop",
+    )
 
 
 class ReloadRefused(BaseModel):
@@ -117,13 +125,13 @@ class ReloadRoutes:
 
     def __init__(
         self,
+        config: Config,
         reloader: Callable[[], ReloaderView | None],
         stopping: Callable[[], bool],
-        read_timeout: float,
     ) -> None:
+        self.config = config  # read on each request: a reload swaps it
         self.reloader = reloader  # the daemon attaches its reloader after the app is made
         self.stopping = stopping
-        self.read_timeout = read_timeout  # http.read_timeout: a key that needs a restart
 
     def add(self, router: web.UrlDispatcher) -> None:
         router.add_post("/v1/reload", self.reload)
@@ -133,7 +141,7 @@ class ReloadRoutes:
             raise ApiError(403, "forbidden", "only the admin principal may reload the daemon")
         body = ReloadBody()
         if request.can_read_body:
-            body = await read_body(request, ReloadBody, self.read_timeout)
+            body = await read_body(request, ReloadBody, self.config.http.read_timeout)
         reloader = self.reloader()
         if self.stopping() or reloader is None:
             raise ApiError(

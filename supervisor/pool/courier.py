@@ -97,7 +97,7 @@ class Courier:
         """Look again now (an operator retried a delivery)."""
         self._wake.set()
 
-    async def reconfigure(self, config: Config) -> None:
+    def reconfigure(self, config: Config) -> None:
         """A reload: passes read `config` from now on. If the targets' events changed, the
         next pass syncs them to their bound sessions (as at boot); the clients of targets
         removed or changed (of all, for a new `delivery.concurrency`) are closed once idle."""
@@ -107,7 +107,7 @@ class Courier:
         if _kinds(before) != _kinds(after):
             self._targets_seen += 1
         same = old.concurrency == new.concurrency
-        await self.poster.retire([n for n, t in before.items() if not same or after.get(n) != t])
+        self.poster.retire([n for n, t in before.items() if not same or after.get(n) != t])
         self._wake.set()
 
     # --- the loop -------------------------------------------------------------------

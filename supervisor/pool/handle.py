@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from supervisor.core import engine
+from supervisor.core.engine import HEARTBEATS_MISSED
 from supervisor.core.slots import Slot
 
 
@@ -35,6 +36,10 @@ class WorkerHandle:
     mcp: dict[str, str] = field(default_factory=dict)  # its MCP servers' states by name
     replacing: bool = False  # sent a malformed message: killed, its frames ignored
     exited: bool = False  # its sentinel fired: gone, whether reaped yet or not
+    # It beats at the interval it was started with (a reload may have changed the key
+    # since); its silences are judged by that, and by the hang timeout that goes with it.
+    heartbeat_interval: float = 1.0
+    hang_timeout: float = 5.0
 
     @property
     def pid(self) -> int:
@@ -44,15 +49,23 @@ class WorkerHandle:
     def alive(self) -> bool:
         return not self.exited and self.process.exitcode is None
 
-    def view(self) -> engine.WorkerView:
-        """What the ownership engine reads of it."""
+    def view(self, interval: float | None = None) -> engine.WorkerView:
+        """What the ownership engine reads of it.
+
+        The engine judges every worker's heartbeats by one interval (`interval`, the one in
+        force); a worker started with another is judged by its own: its last heartbeat is
+        shown moved by the difference, which only the freshness rule reads.
+        """
+        moved = (
+            0.0 if interval is None else HEARTBEATS_MISSED * (self.heartbeat_interval - interval)
+        )
         return engine.WorkerView(
             name=self.identity,
             ready=self.ready,
             alive=self.alive,
             spare=self.spare,
             sessions=len(self.sessions),
-            last_heartbeat=self.last_heartbeat,
+            last_heartbeat=self.last_heartbeat + moved,
             retiring=self.retiring,
             stop_requested=self.stop_requested,
             aborted=self.aborted_at is not None,

@@ -161,7 +161,7 @@ class Ownership:
         )
         commands = engine.plan(
             [engine.SessionView.of(info) for info in sessions],
-            {name: w.view() for name, w in self.workers.items()},
+            {name: w.view(facts.heartbeat_interval) for name, w in self.workers.items()},
             {sid: w.identity for sid, w in self.assigned.items()},
             self.woken,
             self.recovery.memory,
@@ -270,8 +270,9 @@ class Ownership:
         )
 
     def _choose(self, prefer_spare: bool) -> WorkerHandle | None:
-        views = [w.view() for w in self.workers.values()]
-        fresh = self.clock() - engine.HEARTBEATS_MISSED * self.config.pool.heartbeat_interval
+        interval = self.config.pool.heartbeat_interval  # each judged by its own (`view`)
+        views = [w.view(interval) for w in self.workers.values()]
+        fresh = self.clock() - engine.HEARTBEATS_MISSED * interval
         name = engine.choose(
             [v for v in views if engine.takes_sessions(v, fresh)],
             {v.name: v.sessions for v in views},

@@ -16,11 +16,12 @@ Nothing runs on a tick (housekeeping.py). Children are reaped on SIGCHLD: the wo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import secrets
 import signal
 from collections import Counter
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +54,6 @@ from supervisor.pool.processes import (
 from supervisor.pool.recoverer import Recoverer
 from supervisor.pool.requests import Requests
 from supervisor.pool.resizing import Resizing
-from supervisor.pool.rolling import RollingRestart
 from supervisor.pool.scheduler import Scheduler
 from supervisor.pool.subagents import Reconciler
 from supervisor.pool.tasks import TaskKeeper
@@ -61,7 +61,7 @@ from supervisor.store import Store
 from workers.entry import run_worker
 
 
-class Pool(Requests, RollingRestart, Resizing):
+class Pool(Requests, Resizing):
     """The worker processes; who owns what (`ownership`) and how they talk (`plane`)."""
 
     def __init__(
@@ -91,6 +91,7 @@ class Pool(Requests, RollingRestart, Resizing):
         self.held: list[Slot] = []  # at boot: slots that start once the first worker is up
         self.retired: dict[int, int] = {}  # slots a reload retired: their last generation
         self.burying: set[int] = set()  # pids of exited workers whose status `_bury` reads
+        self.holding = 0  # `orphans_held` calls under way: SIGCHLD reaps no orphan
         self.plane = ControlPlane(address, self.workers, self._handle, self._replace, self.clock)
         self.ownership = Ownership(
             config, store, recovery, self.workers, self.plane.send, self.clock
@@ -148,20 +149,6 @@ class Pool(Requests, RollingRestart, Resizing):
             asyncio.create_task(self.task_keeper.run(), name="pool-tasks"),
             asyncio.create_task(self.courier.run(), name="pool-deliveries"),
         ]
-
-    async def wait_ready(self, timeout: float) -> bool:
-        """Wait until every slot has a ready worker or is fatal; True if any is ready."""
-        deadline = self.clock() + timeout
-        while self.clock() < deadline:
-            settled = [
-                s.state is SlotState.FATAL
-                or ((w := self.current.get(s.index)) is not None and w.ready)
-                for s in self.slots
-            ]
-            if all(settled):
-                return not self.fatal.is_set()
-            await self.timer.sleep(0.05)
-        return False
 
     async def stop(self, grace: float) -> None:
         """Stop every descendant: SIGTERM to all at once, SIGKILL whoever is left after `grace`.
@@ -253,6 +240,8 @@ class Pool(Requests, RollingRestart, Resizing):
             route=route.encode(),
             secret=secret,
             last_heartbeat=now,
+            heartbeat_interval=self.config.pool.heartbeat_interval,
+            hang_timeout=self.config.pool.hang_timeout,
         )
         self.current[slot.index] = worker
         self.workers[worker.identity] = worker
@@ -323,8 +312,22 @@ class Pool(Requests, RollingRestart, Resizing):
         if all_fatal(self.slots):
             self.fatal.set()
 
+    @contextlib.contextmanager
+    def orphans_held(self) -> Iterator[None]:
+        """No orphan is reaped meanwhile: a child of the supervisor's that its own waiter
+        reaps (a reload's agent check) may exit then. Those that exited are reaped after."""
+        self.holding += 1
+        try:
+            yield
+        finally:
+            self.holding -= 1
+            if not self.holding:
+                self._on_child_exit()
+
     def _on_child_exit(self) -> None:
         # SIGCHLD. The workers' exit statuses are `_bury`'s to read: they are kept.
+        if self.holding:
+            return  # `orphans_held` reaps them once it ends
         runners = self.task_keeper.runners.values()  # reaped by the task keeper
         reaped = reap_orphans([*(w.pid for w in self.workers.values()), *self.burying, *runners])
         if reaped:
@@ -340,7 +343,7 @@ class Pool(Requests, RollingRestart, Resizing):
                     self._spawn(slot)
                 elif slot.restart_at is not None:
                     deadline = min(deadline, slot.restart_at)
-        return min(deadline, check_hangs(self.workers.values(), now, self.config.pool))
+        return min(deadline, check_hangs(self.workers.values(), now))
 
     def _background(self, work: Coroutine[Any, Any, Any]) -> None:
         task = asyncio.create_task(work)
@@ -366,7 +369,7 @@ class Pool(Requests, RollingRestart, Resizing):
 
     def _handle(self, worker: WorkerHandle, message: control.FromWorker) -> None:
         now = self.clock()
-        if now - worker.last_heartbeat > HEARTBEATS_MISSED * self.config.pool.heartbeat_interval:
+        if now - worker.last_heartbeat > HEARTBEATS_MISSED * worker.heartbeat_interval:
             self._wanted.set()  # silent so long it was given nothing: it takes sessions again
         worker.last_heartbeat = now
         match message:

@@ -64,6 +64,7 @@ class Poster:
         self._clients: dict[tuple[str, int], httpx.AsyncClient] = {}
         self._using: dict[httpx.AsyncClient, int] = {}  # attempts in flight, by client
         self._retired: set[httpx.AsyncClient] = set()  # a reload's: closed once not in use
+        self._closing: set[asyncio.Future[None]] = set()  # a reload's idle ones, closing
         self._resolved: dict[tuple[str, int], tuple[str, float]] = {}
         self._looking = 0  # lookup threads alive (one may outlive its attempt)
 
@@ -164,19 +165,22 @@ class Poster:
                 with contextlib.suppress(Exception):
                     await client.aclose()
 
-    async def retire(self, names: Collection[str]) -> None:
+    def retire(self, names: Collection[str]) -> None:
         """A reload removed or changed these targets: their clients take no new attempt
         (the next one makes a client of the target as it is now), and each is closed once
-        the attempts it carries end."""
+        the attempts it carries end (an idle one at once, in the background: the reload
+        that calls this does not wait)."""
         for key in [key for key in self._clients if key[0] in names]:
             client = self._clients.pop(key)
             if self._using.get(client):
                 self._retired.add(client)
             else:
-                with contextlib.suppress(Exception):
-                    await client.aclose()
+                closing = asyncio.ensure_future(_close(client))
+                self._closing.add(closing)
+                closing.add_done_callback(self._closing.discard)
 
     async def aclose(self) -> None:
+        await asyncio.gather(*self._closing, return_exceptions=True)
         clients, self._clients = [*self._clients.values(), *self._retired], {}
         self._retired = set()
         for client in clients:
@@ -210,6 +214,11 @@ class Poster:
         self._looking += 1
         threading.Thread(target=work, name="turnkeeper-lookup", daemon=True).start()
         return await answer
+
+
+async def _close(client: httpx.AsyncClient) -> None:
+    with contextlib.suppress(Exception):  # one that will not close: nothing waits on it
+        await client.aclose()
 
 
 async def _drain(response: httpx.Response) -> None:

@@ -7,12 +7,11 @@ import contextlib
 import os
 import signal
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Protocol
 
 import multiprocess
 import multiprocess.resource_tracker
 
-from supervisor.contract.config import PoolConfig
 from supervisor.contract.logs import log
 from supervisor.core.slots import Slot
 from supervisor.pool.handle import WorkerHandle
@@ -58,13 +57,25 @@ def describe_exit(code: int | None, requested: bool = False) -> str:
     return f"code {code}"
 
 
-def check_hangs(workers: Iterable[WorkerHandle], now: float, pool: PoolConfig) -> float:
+class Timing(Protocol):
+    """How often a worker beats and how long a silence may be (`pool.*`)."""
+
+    @property
+    def heartbeat_interval(self) -> float: ...
+
+    @property
+    def hang_timeout(self) -> float: ...
+
+
+def check_hangs(workers: Iterable[WorkerHandle], now: float, pool: Timing | None = None) -> float:
     """Abort the workers silent for longer than `pool.hang_timeout` and still silent
     `CONFIRM_HEARTBEATS` intervals after that was first seen: SIGABRT (its traceback goes
     to the log), and SIGKILL `ABORT_GRACE` later, again every `ABORT_GRACE` until it is
-    gone. Returns the time of the next check it needs."""
+    gone. Without `pool`, each worker is judged by its own interval and timeout (those
+    it was started with). Returns the time of the next check it needs."""
     next_check = float("inf")
     for worker in list(workers):
+        timing = worker if pool is None else pool
         if not worker.alive or worker.stop_requested:
             continue
         if worker.aborted_at is not None:
@@ -73,9 +84,10 @@ def check_hangs(workers: Iterable[WorkerHandle], now: float, pool: PoolConfig) -
                 send_signal(worker.pid, signal.SIGKILL)
             next_check = min(next_check, killed_at if now < killed_at else now + ABORT_GRACE)
             continue
-        limit = pool.hang_timeout if worker.ready else max(pool.hang_timeout, START_TIMEOUT)
+        hang = timing.hang_timeout
+        limit = hang if worker.ready else max(hang, START_TIMEOUT)
         silent = now - worker.last_heartbeat
-        confirm = max(CONFIRM_HEARTBEATS * pool.heartbeat_interval, CONFIRM_MIN)
+        confirm = max(CONFIRM_HEARTBEATS * timing.heartbeat_interval, CONFIRM_MIN)
         suspected = worker.suspected_at
         if silent > limit and (suspected is None or suspected < worker.last_heartbeat):
             # Silent past its limit, as far as the supervisor can tell: but the supervisor

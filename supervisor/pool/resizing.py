@@ -1,47 +1,63 @@
 """The pool resized by a reload (`pool.workers`, `pool.spare`): slots added or retired,
-no session lost.
+no session lost; and the waits on the slots' workers being ready.
 
 Growing adds slots at the end and starts their workers at once. Shrinking retires the
-highest slots the way the rolling restart retires a worker: its sessions are released at
-their next event boundary and handed over to the other workers, then it is asked to stop
-(SIGKILL if it has not exited by the timeout), and its slot goes. Which live workers are
-spares follows `pool.spare`: spares beyond it become ordinary workers, and idle workers
-become spares while there are too few.
+slots that serve least first (`retire_order`): one that gave up (FATAL), then one waiting
+to start its worker again, then one whose worker is starting, then an idle spare, then
+an idle worker, then the least busy; the highest index first among equals. A retired
+slot's worker lets go as in the rolling restart (`RollingRestart.let_go`: its sessions
+handed over at event boundaries, then asked to stop, SIGKILL after
+`shutdown.kill_grace`), and its slot goes. Which live workers are spares follows
+`pool.spare`: spares beyond it become ordinary workers, and idle workers become spares
+while there are too few. A reload that replaces the workers also starts again the slots
+that gave up (`revive`): what kept their workers from starting may be fixed.
 """
 
 from __future__ import annotations
 
-import signal
-from collections.abc import Callable
-from typing import Any
+import asyncio
 
-from supervisor.contract.clock import Clock
 from supervisor.contract.config import Config
 from supervisor.core.slots import Slot, SlotState
 from supervisor.pool.handle import WorkerHandle
 from supervisor.pool.housekeeping import Housekeeper
-from supervisor.pool.plane import ControlPlane
-from supervisor.pool.processes import send_signal
-
-POLL = 0.05  # seconds between looks at a retiring worker
+from supervisor.pool.rolling import POLL, RollingRestart
 
 
-class Resizing:
-    """The resizing part of `supervisor.pool.pool.Pool`."""
+def retire_order(slot: Slot, worker: WorkerHandle | None) -> tuple[int, int, int]:
+    """Sorts the slots a shrink retires first first (the module's docstring)."""
+    if slot.state is SlotState.FATAL:
+        rank = 0
+    elif worker is None or not worker.alive:
+        rank = 1  # waiting to start its worker again (or held at boot)
+    elif not worker.ready:
+        rank = 2
+    elif not worker.sessions:
+        rank = 3 if worker.spare else 4
+    else:
+        rank = 5
+    return rank, len(worker.sessions) if worker is not None else 0, -slot.index
 
-    log: Any
-    config: Config
-    slots: list[Slot]
+
+class Resizing(RollingRestart):
+    """The resizing part of `supervisor.pool.pool.Pool` (a retired slot's worker lets go
+    as the rolling restart's do)."""
+
     held: list[Slot]
     retired: dict[int, int]  # a retired slot's index -> its last generation
-    current: dict[int, WorkerHandle]
-    stopping: bool
-    clock: Callable[[], float]
-    timer: Clock
-    plane: ControlPlane
+    workers: dict[str, WorkerHandle]
+    fatal: asyncio.Event
     housekeeper: Housekeeper
 
-    def _spawn(self, slot: Slot, spare: bool = True) -> None: ...
+    def reconfigure(self, config: Config) -> None:
+        """A reload: `config` is in force. A worker started with its heartbeat interval is
+        judged by its hang timeout from now on; the others keep the pair they were started
+        with until they are replaced."""
+        self.config = config
+        for worker in self.workers.values():
+            if worker.heartbeat_interval == config.pool.heartbeat_interval:
+                worker.hang_timeout = config.pool.hang_timeout
+        self.housekeeper.stir()  # a hang check may be due sooner
 
     def grow(self) -> list[int]:
         """Add the slots `pool.workers + pool.spare` asks for beyond those there are and
@@ -62,11 +78,12 @@ class Resizing:
         return added
 
     async def shrink(self, timeout: float = 60.0) -> list[int]:
-        """Retire the highest slots beyond `pool.workers + pool.spare`, one after another;
-        returns their indexes."""
+        """Retire the slots beyond `pool.workers + pool.spare`, those that serve least
+        first, one after another; returns their indexes, in that order."""
         wanted = self.config.pool.workers + self.config.pool.spare
-        extra = sorted(self.slots, key=lambda s: s.index)[wanted:]
-        for slot in reversed(extra):
+        ordered = sorted(self.slots, key=lambda s: retire_order(s, self.current.get(s.index)))
+        extra = ordered[: max(0, len(self.slots) - wanted)]
+        for slot in extra:
             await self._retire(slot, timeout)
         if extra:
             retired = [s.index for s in extra]
@@ -78,29 +95,27 @@ class Resizing:
         slot.stop_requested()  # its worker's exit is final: the slot is not started again
         worker = self.current.get(slot.index)
         if worker is not None and worker.alive:
-            worker.retiring = True  # takes no session from now on
-            deadline = self.clock() + timeout
-            for session_id in list(worker.sessions):
-                self.plane.send(worker, "release", session=session_id)
-            while worker.sessions and worker.alive and self.clock() < deadline:
-                await self.timer.sleep(POLL)
-            worker.stop_requested = True
-            if not self.plane.send(worker, "stop"):  # not connected yet: it stops on SIGTERM
-                send_signal(worker.pid, signal.SIGTERM)
-            while worker.alive and self.clock() < deadline:
-                await self.timer.sleep(POLL)
-            if worker.alive:
-                self.log.warning(
-                    "worker {} did not stop within {:g} s of its slot's retirement; killing it",
-                    worker.identity,
-                    timeout,
-                )
-                send_signal(worker.pid, signal.SIGKILL)
+            await self.let_go(worker, timeout)
         if slot in self.held:
             self.held.remove(slot)
         self.slots.remove(slot)
         self.retired[slot.index] = slot.generation
         self.housekeeper.stir()
+
+    def revive(self) -> list[int]:
+        """Start the workers of the slots that gave up (FATAL) again, each slot afresh;
+        returns their indexes."""
+        revived = []
+        for position, slot in enumerate(self.slots):
+            if slot.state is SlotState.FATAL and not self.stopping:
+                fresh = Slot(slot.index, slot.policy, generation=slot.generation)
+                self.slots[position] = fresh
+                self._spawn(fresh)
+                revived.append(slot.index)
+        if revived:
+            self.log.info("slot {} gave up before: its worker is started again", revived)
+            self.settle_spares()
+        return revived
 
     def settle_spares(self) -> None:
         """Mark as many live workers spare as `pool.spare` says: extras first become
@@ -128,5 +143,19 @@ class Resizing:
                 return True
             if all(r or s.state is SlotState.FATAL for r, s in zip(ready, slots, strict=True)):
                 return False
+            await self.timer.sleep(POLL)
+        return False
+
+    async def wait_ready(self, timeout: float) -> bool:
+        """Wait until every slot has a ready worker or is fatal; True if any is ready."""
+        deadline = self.clock() + timeout
+        while self.clock() < deadline:
+            settled = [
+                s.state is SlotState.FATAL
+                or ((w := self.current.get(s.index)) is not None and w.ready)
+                for s in self.slots
+            ]
+            if all(settled):
+                return not self.fatal.is_set()
             await self.timer.sleep(POLL)
         return False
