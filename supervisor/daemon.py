@@ -191,7 +191,6 @@ class Daemon(StopSteps):
         self.reloader = reloader = Reloader(
             self.config, self.config_path, pool=pool, api=self.api, on_config=self._configured
         )
-        self.api.reloader = reloader
         self.restarter = restarter = restarting.Restarter(
             store,
             host=self.host,
@@ -242,6 +241,7 @@ class Daemon(StopSteps):
         """Ready: say so, start recovery's passes and the watchdog, serve until a stop."""
         assert self.api is not None
         self.api.ready = True
+        self.api.reloader = self.reloader  # from now on: a reload while it starts is a 503
         self.notifier.ready(self._summary(pool))
         watchdog = asyncio.create_task(self._watchdog(pool), name="watchdog")
         self._watch(watchdog)
@@ -326,6 +326,8 @@ class Daemon(StopSteps):
     def _configured(self, config: Config) -> None:
         """A reload accepted `config`: from now on it is the daemon's."""
         self.config = config
+        if not self._stop.is_set():
+            self.drain_budget = config.shutdown.drain_budget  # also for a stop not by signal
 
     def _on_stop_signal(self, signum: int) -> None:
         if self._stop.is_set() and self.reexec:

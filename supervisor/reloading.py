@@ -62,6 +62,7 @@ from supervisor.preflight import PluginError, check_plugins, read_tokens
 ROLL_TIMEOUT = 60.0
 STOPPING = "the daemon is stopping: the configuration was not read again"
 STOPPED = "the daemon began to stop: the pool was left as it was then"
+STOPPING_CODE, FAILED = "stopping", "failed"  # `ReloadResult.code` of refusals not the file's
 
 __all__ = ["Change", "ReloadResult", "Reloader"]
 
@@ -79,6 +80,9 @@ class ReloadResult:
     needs_restart: list[str] = field(default_factory=list)  # keys left as they were
     workers_replaced: bool = False
     incomplete: str | None = None  # why the pool is not (yet) as the configuration says
+    # Why it was refused, for the API's status: invalid_config (422: a start would refuse
+    # it), stopping (503) or failed (500: an error of the daemon's, in its log).
+    code: str = "ok"
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-safe: the API's `ReloadOut`."""
@@ -141,14 +145,14 @@ class Reloader:
         pool's changes have begun; with `workers`, every worker is replaced even if no
         key they read changed. A caller that goes away does not cut it short."""
         if self.closed:
-            return self._refused(STOPPING)
+            return self._refused(STOPPING, STOPPING_CODE)
         applied: asyncio.Future[ReloadResult] = asyncio.get_running_loop().create_future()
         task = self._begin(applied, workers)
         try:
             return await asyncio.shield(task if wait else applied)
         except asyncio.CancelledError:
             if task.cancelled():  # `cancel` came before it began
-                return self._refused(STOPPING)
+                return self._refused(STOPPING, STOPPING_CODE)
             raise
 
     def begin(self) -> None:
@@ -179,7 +183,7 @@ class Reloader:
     ) -> None:
         self._running.discard(task)
         if task.cancelled():  # before it began: `_reload` answers every later cancel
-            _settle(applied, self._refused(STOPPING))
+            _settle(applied, self._refused(STOPPING, STOPPING_CODE))
         elif (exc := task.exception()) is not None:
             self.log.opt(exception=exc).error("the reload failed: {!r}", exc)
 
@@ -190,7 +194,7 @@ class Reloader:
         try:
             async with self._lock:
                 if self.closed:  # it waited for the one before, and the daemon began to stop
-                    result = self._refused(STOPPING)
+                    result = self._refused(STOPPING, STOPPING_CODE)
                 else:
                     result, added = await self._take(workers)
                     _settle(applied, result)
@@ -198,21 +202,23 @@ class Reloader:
                         await self._change_pool(result, added)
         except asyncio.CancelledError:  # `cancel`: the daemon stops
             if result is None:
-                result = self._refused(STOPPING)
+                result = self._refused(STOPPING, STOPPING_CODE)
             else:
                 result.incomplete = STOPPED
                 self.log.info("{}", STOPPED)
         except Exception as exc:  # a bug; said, and the daemon goes on
             self.log.opt(exception=exc).error("the reload failed: {!r}", exc)
             if result is None:
-                result = self._refused(f"the reload failed: {exc!r} (see the daemon's log)")
+                result = self._refused(f"the reload failed: {exc!r} (see the daemon's log)", FAILED)
             else:
                 result.incomplete = f"changing the pool failed: {exc!r} (see the daemon's log)"
         _settle(applied, result)
         return result
 
-    def _refused(self, error: str) -> ReloadResult:
-        return ReloadResult(False, error, self.version, self.version, self.loaded_at)
+    def _refused(self, error: str, code: str = "invalid_config") -> ReloadResult:
+        result = ReloadResult(False, error, self.version, self.version, self.loaded_at)
+        result.code = code
+        return result
 
     async def _take(self, workers: bool) -> tuple[ReloadResult, list[int]]:
         """Steps 1 to 3, and the slots to add started; the result and the slots added."""
@@ -227,7 +233,7 @@ class Reloader:
             return self._refused(str(exc)), []
         except Exception as exc:
             self.log.opt(exception=exc).error("the configuration could not be read: {!r}", exc)
-            return self._refused(f"the configuration could not be read: {exc!r}"), []
+            return self._refused(f"the configuration could not be read: {exc!r}", FAILED), []
         version = config_version(in_force)
         try:
             self._apply(before, in_force, version, read_at, tokens)
@@ -238,7 +244,7 @@ class Reloader:
                 version_before,
                 exc,
             )
-            return self._refused(f"applying the configuration failed: {exc!r}"), []
+            return self._refused(f"applying the configuration failed: {exc!r}", FAILED), []
         result = ReloadResult(
             True,
             None,

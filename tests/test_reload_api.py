@@ -108,6 +108,25 @@ def test_a_refused_configuration_is_a_422_with_the_line_and_the_result(tmp_path:
 
 
 @pytest.mark.parametrize(
+    ("code", "status", "error"), [("stopping", 503, "stopping"), ("failed", 500, "reload_failed")]
+)
+def test_a_reload_refused_by_the_daemon_not_the_file_is_no_422(
+    tmp_path: Path, code: str, status: int, error: str
+) -> None:
+    """A stop begun meanwhile, or an error of the daemon's: not a configuration error (the
+    CLI exits 78 only for one)."""
+    refused = ReloadResult(False, "why", "95311db4df12", "95311db4df12", 1.0)
+    refused.code = code
+
+    async def check(api: Api, client: TestClient) -> None:
+        answer = await client.post("/v1/reload", headers=ADMIN)
+        assert answer.status == status
+        assert (await answer.json())["error"] == {"code": error, "message": "why"}
+
+    serve(tmp_path, check, Recorder(refused))
+
+
+@pytest.mark.parametrize(
     ("headers", "data", "status", "code"),
     [
         (ALICE, b"", 403, "forbidden"),

@@ -161,7 +161,7 @@ def test_a_failure_anywhere_is_a_refused_reload_that_changes_nothing(tmp_path: P
 
         api.reconfigure = refuse  # type: ignore[method-assign]  # the last part swapped
         answer = await client.post("/v1/reload", headers=ADMIN)
-        assert answer.status == 422, await answer.text()
+        assert answer.status == 500, await answer.text()  # the daemon's error, not the file's
         assert "ValueError" in (await answer.json())["error"]["message"]
         assert reloader.version == version and reloader.config is old and daemon.config is old
         assert reloader.pool.config is old and reloader.pool.scheduler.config is old

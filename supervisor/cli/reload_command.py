@@ -84,8 +84,8 @@ def reload(
     breaker, timeouts, MCP servers, agents, tokens file, log level, delivery
     targets, schedules, tasks); workers are replaced by a rolling restart,
     no turn lost, when a key they read changed (or always, with --workers).
-    Keys that need a restart
-    (daemon.*, store.*, http.*, ...) are named and left as they were.
+    Keys that need a restart (daemon.*, store.*, http.*, ...) are named and
+    left as they were.
     Waits until the new configuration is in force and prints each change,
     the configuration's version before and after, and whether the workers
     were replaced. A configuration a start would refuse changes nothing:

@@ -34,6 +34,7 @@ class ResultView(Protocol):
 
     ok: bool
     error: str | None
+    code: str  # of a refusal: invalid_config (422), stopping (503), failed (500)
 
     def as_dict(self) -> dict[str, Any]:
         """The result as JSON-safe data (`ReloadOut`'s fields)."""
@@ -157,5 +158,10 @@ class ReloadRoutes:
         out = ReloadOut.model_validate(result.as_dict())
         if result.ok:
             return answer(out)
-        error = ErrorDetail(code="invalid_config", message=result.error or "refused")
+        message = result.error or "refused"
+        if result.code == "stopping":
+            raise ApiError(503, "stopping", message, headers={"Retry-After": RETRY_AFTER})
+        if result.code == "failed":
+            raise ApiError(500, "reload_failed", message)
+        error = ErrorDetail(code="invalid_config", message=message)
         return answer(ReloadRefused(error=error, result=out), 422)
