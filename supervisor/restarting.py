@@ -38,6 +38,8 @@ from supervisor.preflight import PluginError
 from supervisor.store import Admitted, RestartInfo, SessionNotFound, Settled, Store
 
 POLL = 5.0  # a request a worker committed but could not announce is found this soon
+# Read for every committed event (`heard`): module names, not enum member lookups.
+_REQUESTED, _ENDED = EventType.RESTART_REQUESTED, EventType.TURN_ENDED
 FRESH_CHECK = 2.0  # seconds a check made at admission stands for the restart's begin
 
 Load = Callable[[], Config]
@@ -134,9 +136,7 @@ class Restarter:
         """An event was committed: a request, or the end of the turn a request waits for
         (no other turn's end costs a look)."""
         kind = event.get("type")
-        if kind == EventType.RESTART_REQUESTED or (
-            kind == EventType.TURN_ENDED and session_id == self._waiting
-        ):
+        if kind == _REQUESTED or (kind == _ENDED and session_id == self._waiting):
             self._due.set()
 
     # --- the loop -------------------------------------------------------------------

@@ -65,6 +65,17 @@ def locked_row(session_id: str) -> Session:
     return row
 
 
+def locked_row_if_any(session_id: str | None) -> Session | None:
+    """`locked_row`, or None when there is no such session (or no id): a registry row
+    whose session was deleted, or that never had one."""
+    if session_id is None:
+        return None
+    try:
+        return locked_row(session_id)
+    except SessionNotFound:
+        return None
+
+
 def _turn_ended(row: Session, writer: str, payload: dict[str, Any]) -> list[AppendRequest]:
     """The active turn's `turn_ended`, if a turn is active."""
     if row.active_turn_id is None:

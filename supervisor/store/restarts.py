@@ -25,10 +25,10 @@ from supervisor.core import restarts as rules
 from supervisor.core.vocabulary import EventType, RestartState, SessionStatus, Writer
 from supervisor.store import lifecycle
 from supervisor.store.db import db_now, run_write
-from supervisor.store.errors import LeaseLost, SessionNotFound
+from supervisor.store.errors import LeaseLost
 from supervisor.store.eventlog import make_request
 from supervisor.store.events import AppendRequest, call_key
-from supervisor.store.models import AgentBootLog, RestartRequest, Session
+from supervisor.store.models import AgentBootLog, RestartRequest
 from supervisor.store.restart_rows import (
     Admitted,
     RateLimited,
@@ -196,7 +196,7 @@ class Restarts(Reading):
             row = RestartRequest.get_or_none(RestartRequest.id == restart_id)
             if row is None or row.state == RestartState.DONE:
                 return None
-            session = _locked_session(row.session)
+            session = lifecycle.locked_row_if_any(row.session)
             row = locked(restart_id)
             if row is None or row.state == RestartState.DONE:
                 return None
@@ -248,16 +248,6 @@ def _made_by(session: str, key: str, turn_id: str | None) -> RestartRequest | No
         .first()
     )
     return row
-
-
-def _locked_session(session_id: str | None) -> Session | None:
-    """The request's session row, locked first (the lock order), or None if none or gone."""
-    if session_id is None:
-        return None
-    try:
-        return lifecycle.locked_row(session_id)
-    except SessionNotFound:
-        return None
 
 
 def _told(

@@ -23,7 +23,6 @@ from supervisor.core.vocabulary import (
     Writer,
 )
 from supervisor.store import lifecycle
-from supervisor.store.errors import SessionNotFound
 from supervisor.store.eventlog import EventRecord, make_request
 from supervisor.store.models import Event, Session, Subagent
 
@@ -172,7 +171,7 @@ def cancel_within(db: peewee.Database, parent_id: str, by: str, why: str) -> lis
         row = locked(child_id)
         if row is None or row.status != SubagentStatus.RUNNING:
             continue
-        child = locked_session(child_id)
+        child = lifecycle.locked_row_if_any(child_id)
         status, text = SubagentStatus.CANCELLED, why
         facts = rules.Child.of(child, running_children(child_id))
         over = facts.status == SessionStatus.OPEN and rules.reconcile(facts) is rules.Step.REPORT
@@ -212,13 +211,6 @@ def locked(child_id: str) -> Subagent | None:
         query = query.for_update()
     row: Subagent | None = query.first()
     return row
-
-
-def locked_session(session_id: str) -> Session | None:
-    try:
-        return lifecycle.locked_row(session_id)
-    except SessionNotFound:
-        return None
 
 
 def latest(session_id: str) -> list[EventRecord]:

@@ -43,7 +43,6 @@ from supervisor.store.subagent_rows import (
     info_of,
     latest,
     locked,
-    locked_session,
     running_children,
 )
 
@@ -284,7 +283,7 @@ class Subagents:
             row = locked(child_id)
             if row is None or row.status != SubagentStatus.RUNNING:
                 return None
-            child = locked_session(child_id)
+            child = lifecycle.locked_row_if_any(child_id)
             facts = rules.Child.of(child, running_children(child_id))
             if rules.reconcile(facts) is not rules.Step.REPORT:
                 return None
@@ -317,7 +316,7 @@ class Subagents:
                 return None
             lifecycle.locked_row(row.parent)
             row = locked(child_id)
-            child = locked_session(child_id)
+            child = lifecycle.locked_row_if_any(child_id)
             if row is None or row.status != SubagentStatus.RUNNING or child is None:
                 return None
             if child.active_turn_id != turn_id or token not in (None, child.lease_token):

@@ -28,7 +28,7 @@ from supervisor.core import tasks as rules
 from supervisor.core.vocabulary import EventType, SessionStatus, TaskStatus, Writer
 from supervisor.store import lifecycle
 from supervisor.store.db import db_now, run_write
-from supervisor.store.errors import LeaseLost, SessionNotFound
+from supervisor.store.errors import LeaseLost
 from supervisor.store.eventlog import make_request
 from supervisor.store.events import call_key
 from supervisor.store.models import Session, Task
@@ -43,14 +43,6 @@ from supervisor.store.task_rows import (
 )
 
 __all__ = ["Started", "TaskInfo", "TaskReported", "Tasks"]
-
-
-def _locked_session(session_id: str) -> Session | None:
-    """The task's session row, locked first (the lock order), or None if it is gone."""
-    try:
-        return lifecycle.locked_row(session_id)
-    except SessionNotFound:
-        return None
 
 
 class Tasks(Reading):
@@ -232,7 +224,7 @@ class Tasks(Reading):
             row = Task.get_or_none(Task.id == task_id)
             if row is None or not TaskStatus(row.status).final or row.result_seq is not None:
                 return None
-            session = _locked_session(row.session)
+            session = lifecycle.locked_row_if_any(row.session)
             row = locked(task_id)
             if row is None or not TaskStatus(row.status).final or row.result_seq is not None:
                 return None
@@ -297,7 +289,7 @@ class Tasks(Reading):
             row = Task.get_or_none(Task.id == task_id)
             if row is None or row.status != TaskStatus.RUNNING:
                 return None
-            session = _locked_session(row.session)
+            session = lifecycle.locked_row_if_any(row.session)
             row = locked(task_id)
             now = db_now(self._db)
             if row is None or row.status != TaskStatus.RUNNING or row.attempt != attempt:
