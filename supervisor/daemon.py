@@ -68,6 +68,7 @@ class Daemon(StopSteps):
         self.notifier = Notifier.from_environ()  # before any child is started
         self.stop_started = time.monotonic()
         self.drain_budget = config.shutdown.drain_budget
+        self.drain_until: float | None = None
         self.step_seconds: dict[str, float] = {}
         self.step_failed: set[str] = set()  # steps of the stop that failed or ran out
         self._stop = asyncio.Event()
@@ -332,7 +333,14 @@ class Daemon(StopSteps):
     def _on_stop_signal(self, signum: int) -> None:
         if self._stop.is_set() and self.reexec:
             name = signal.Signals(signum).name
-            log("shutdown").info("received {} during the restart: stopping instead", name)
+            budget = self._requested_drain()
+            log("shutdown").info(
+                "received {} during the restart: stopping instead, with a drain of at most "
+                "{:g} s from now",
+                name,
+                budget,
+            )
+            self._cut_drain(budget)
             self.reexec = False
             self.cancelled = f"the daemon was told to stop ({name}) during it, and stopped"
             self.notifier.stopping(f"stopping on {name}")

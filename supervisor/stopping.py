@@ -35,6 +35,7 @@ class StopSteps:
     notifier: Notifier
     outcome: str
     drain_budget: float
+    drain_until: float | None  # the drain's deadline (time.monotonic) once it has begun
     step_seconds: dict[str, float]
     paths: Paths
     restart: RestartInfo | None
@@ -54,7 +55,19 @@ class StopSteps:
         budget = self.drain_budget
         if budget > 0 and self.outcome != "startup_failed":
             self.notifier.extend_timeout(budget + 30)
-            await self._step("drain", budget, lambda: drain.drain(pool, budget))
+            self.drain_until = deadline = time.monotonic() + budget
+
+            def until() -> float:  # moved nearer by `_cut_drain`
+                return deadline if self.drain_until is None else self.drain_until
+
+            await self._step("drain", budget, lambda: drain.drain(pool, until))
+
+    def _cut_drain(self, budget: float) -> None:
+        """A stop's own drain `budget`, from now, for a drain begun or to begin, if it is
+        shorter than what is left: a SIGTERM during a restart's drain stops on its terms."""
+        self.drain_budget = min(self.drain_budget, budget)
+        if self.drain_until is not None:
+            self.drain_until = min(self.drain_until, time.monotonic() + budget)
 
     async def _subagent_drain_step(self, pool: Pool) -> None:
         """After the listener: a subagent's turn in flight may end (capped; drain.py)."""

@@ -108,6 +108,24 @@ def test_at_the_cap_the_drain_names_the_subagents_still_running(lines: list[str]
     )
 
 
+def test_the_drain_reads_its_deadline_at_every_poll_and_ends_when_it_is_brought_nearer(
+    lines: list[str],
+) -> None:
+    pool = FakePool([[session("top", kind="attached")]], assigned={"top"})
+    clock = Clock()
+    deadline = [clock.now + 60.0]  # a restart's drain of 60 s
+
+    async def sleep(seconds: float) -> None:
+        await clock.sleep(seconds)
+        if len(clock.slept) == 2:  # a SIGTERM: the stop's own budget, 0.5 s from now
+            deadline[0] = min(deadline[0], clock.now + 0.5)
+
+    asyncio.run(drain.drain(pool, lambda: deadline[0], clock=clock, sleep=sleep))  # type: ignore[arg-type]
+    assert clock.slept == [1.0, 1.0, 0.5]  # the turn never ended; never past the deadline
+    assert pool.count == 3
+    assert lines == ["draining: waiting up to 60 s for turns in flight"]
+
+
 def test_a_failed_first_read_skips_the_drain(lines: list[str]) -> None:
     pool = FakePool([[]], assigned=set())
 
