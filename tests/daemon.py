@@ -65,7 +65,9 @@ class Daemon:
         self.state = root / "state"
         config: dict[str, dict[str, Any]] = {
             "daemon": {"state_dir": str(self.state), "runtime_dir": str(root / "run")},
-            "pool": {"workers": 2, "spare": 1, "heartbeat_interval": 0.2, "hang_timeout": 5.0},
+            # No spare unless a test asks: each worker's start is about a second of CPU,
+            # and the suite runs four daemons at a time on two cores.
+            "pool": {"workers": 2, "spare": 0, "heartbeat_interval": 0.2, "hang_timeout": 5.0},
             "agent": {"class": "tests.agents:ChaosAgent"},
             "shutdown": {"kill_grace": 3.0},
             # The attempt schedule shortened from 0, 5 and 30 s, so tests need not wait.

@@ -375,7 +375,7 @@ def wait_for_mcp(daemon: Daemon) -> dict[str, Any]:
     return found
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 def test_status_labels_its_columns_and_shows_mcp_servers(daemons: Daemons) -> None:
     tiny = {"name": "tiny", "command": [PYTHON, "-m", "tests.mcp_servers.tiny"]}
     daemon = daemons(pool={"workers": 2, "spare": 0}, mcp={"servers": [tiny]}).start()

@@ -84,6 +84,7 @@ def history_cache(daemon: Daemon, megabytes: int) -> None:
     daemon.config_path.write_text(tomli_w.dumps(daemon.config))
 
 
+@pytest.mark.timeout(240)  # a minute or more on a busy two-core machine
 def test_reload_waits_for_the_rolling_restart_and_says_what_it_did(daemons: Daemons) -> None:
     daemon = daemons().start()
     before = daemon.worker_pids(ready=True)

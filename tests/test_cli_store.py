@@ -237,6 +237,7 @@ def boot_states(daemon: Daemon) -> dict[int, str]:
     return {b["pid"]: b["state"] for b in json.loads(result.stdout)["boots"]}
 
 
+@pytest.mark.timeout(240)  # a minute or more on a busy two-core machine
 def test_boots_shows_running_crashed_clean_and_startup_failed(daemons: Daemons) -> None:
     daemon = daemons().start()
     first = daemon.pid
@@ -365,6 +366,7 @@ def write_tokens(path: Path, **tokens: str) -> None:
     path.chmod(0o600)
 
 
+@pytest.mark.timeout(240)  # a minute or more on a busy two-core machine
 def test_close_and_release_go_through_the_daemon(daemons: Daemons, tmp_path: Path) -> None:
     bob = f"bob-{uuid.uuid4().hex}"
     write_tokens(tmp_path / "tokens", bob=bob)

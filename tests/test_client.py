@@ -186,7 +186,7 @@ def test_status_shows_the_daemon_and_its_slots(daemon: Daemon) -> None:
         "SERVED",
     ]
     slots = [line for line in lines if re.match(r"\d+\s+\w+\s+w\d+\.\d+\s+\d+\s", line)]
-    assert len(slots) == 3, result.stdout  # 2 workers + 1 spare
+    assert len(slots) == 2, result.stdout  # 2 workers, no spare
     assert "worker restarts 0" in lines
     assert any(re.fullmatch(r"sessions \d+ open \(.*\), 0 quarantined, 0 closed", x) for x in lines)
     assert any(line.startswith("attach streams ") for line in lines)

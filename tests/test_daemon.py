@@ -115,6 +115,7 @@ def test_sigkill_of_a_worker_mid_turn_twenty_times(daemons: Daemons, tmp_path: P
     assert "exited with signal SIGKILL" in daemon.log()
 
 
+@pytest.mark.timeout(240)  # a minute or more on a busy two-core machine
 def test_sigkill_of_the_supervisor_leaves_no_worker_and_turns_finish_after_restart(
     daemons: Daemons, tmp_path: Path
 ) -> None:
@@ -174,7 +175,7 @@ def test_a_hung_worker_is_detected_by_heartbeat_and_replaced(
     assert "hung; aborting it" in log
     # faulthandler's traceback of the hung event loop, pointing at the blocking line.
     assert "Fatal Python error: Aborted" in log and "tests/agents.py" in log
-    wait_until(lambda: len(daemon.live_workers()) == 3, 20, "a replacement worker")
+    wait_until(lambda: len(daemon.live_workers()) == 2, 20, "a replacement worker")
 
 
 @pytest.mark.timeout(180)
@@ -217,7 +218,7 @@ def test_rolling_restart_under_load_loses_and_duplicates_nothing(daemons: Daemon
         for sid in handed:
             continuation = next(e for e in events(store, sid) if e.type == "continuation")
             assert continuation.payload["cause"] == "handoff"
-    assert "rolling restart of 3 workers" in daemon.log()
+    assert "rolling restart of 2 workers" in daemon.log()
 
 
 def test_a_frozen_worker_is_fenced_out_after_its_lease_goes_stale(

@@ -311,7 +311,7 @@ def wait_ready(sup: Supervisord, what: str) -> None:
         time.sleep(0.2)
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(180)
 def test_supervisorctl_stop_and_start_finish_the_turn_in_flight(supervisord: Supervisord) -> None:
     sup = supervisord
     wait_ready(sup, "the daemon under supervisord to be ready")

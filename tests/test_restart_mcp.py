@@ -56,7 +56,7 @@ def test_at_boot_one_worker_starts_first_and_the_rest_once_it_is_ready(
 ) -> None:
     held = tmp_path / "mcp"
     held.mkdir()
-    daemon = daemons(mcp={"servers": [gated(held, free=0)]})
+    daemon = daemons(pool={"spare": 1}, mcp={"servers": [gated(held, free=0)]})
     daemon.start(wait=False)
     slots = wait_until(lambda: held_slots(daemon), 60, "a worker with its server held")
     # Its server is held, so it is not ready: no other worker was started meanwhile.

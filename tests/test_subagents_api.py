@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from supervisor.contract.config import Config
@@ -172,6 +173,7 @@ def test_interrupt_and_close_cancel_running_subagents_and_stop_their_workers(
             assert not any(e.type == "model_response" for e in events(store, child.id))
 
 
+@pytest.mark.timeout(240)  # a minute or more on a busy two-core machine
 def test_the_command_line_lists_subagents_and_shows_the_tree(start: Callable[..., Api]) -> None:
     api = start()
     alice = api.client("alice")

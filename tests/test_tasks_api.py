@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from supervisor.contract.config import Config
@@ -220,6 +221,7 @@ def test_a_cancel_ends_a_pending_task_and_its_session_is_told_once(
         assert len(results(store, session)) == 2
 
 
+@pytest.mark.timeout(240)  # a minute or more on a busy two-core machine
 def test_the_command_line_lists_shows_and_cancels_tasks(start: Callable[..., Api]) -> None:
     api = start(tasks=TASKS)
     alice = api.client("alice")
