@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Annotated, Any
 from urllib.parse import urlsplit
 
-import httpx
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
 from pydantic import model_validator as _model_validator
 from pydantic_core import PydanticCustomError
@@ -57,6 +56,8 @@ class DeliveryTarget(_Section):
                 "target_url",
                 "must hold no user, password or #fragment (the secret goes in secret_env)",
             )
+        import httpx  # here: a worker's start (its configuration) need not import it
+
         try:
             parts.port  # noqa: B018 (a port out of range raises)
             httpx.URL(url)  # what the courier will send to: a host it cannot encode fails here
