@@ -3,10 +3,11 @@
 courier), the API and its routes and the daemon, on a real SQLite store, with the read of
 the configuration given by the test. Every part that holds a configuration holds the
 new one after a reload; a failure anywhere is a refused reload that changes nothing; a
-revoked token's attach streams are hung up; a SIGHUP's reload and an HTTP one run one
-after the other and both are answered; the daemon's loop survives a reload that fails
-and notices a fatal pool while one runs; a stop ends the reload under way and refuses
-those after it; a reload's agent check reaps its own child."""
+revoked token's attach streams are hung up, also one whose session was being read; a
+SIGHUP's reload and an HTTP one run one after the other and both are answered; the
+daemon's loop survives a reload that fails and notices a fatal pool while one runs; a
+stop ends the reload under way and refuses those after it; a reload's agent check reaps
+its own child."""
 
 from __future__ import annotations
 
@@ -190,6 +191,37 @@ def test_the_streams_of_a_revoked_or_replaced_token_are_hung_up(tmp_path: Path) 
         assert (await reloader.reload()).ok
         assert hub.streams_of("alice") == 0 and alice.dropped and alice.queue.qsize() == 1
         assert hub.streams_of("admin") == 1 and not admin.dropped
+
+    serve(tmp_path, scenario)
+
+
+def test_a_token_revoked_while_its_attach_reads_the_session_gets_no_stream(
+    tmp_path: Path,
+) -> None:
+    async def scenario(daemon: Daemon, reloader: Reloader, client: TestClient) -> None:
+        api = daemon.api
+        assert api is not None
+        alice = {"Authorization": "Bearer alice-token"}
+        made = await client.post("/v1/sessions", json={}, headers=alice)
+        sid = (await made.json())["id"]
+        read_session, entered, go = api._session, asyncio.Event(), asyncio.Event()
+
+        async def held(request: Any, *args: Any) -> Any:  # the read the reload falls into
+            info = await read_session(request, *args)
+            entered.set()
+            await go.wait()
+            return info
+
+        api._session = held  # type: ignore[method-assign]
+        attaching = asyncio.ensure_future(client.get(f"/v1/sessions/{sid}/attach", headers=alice))
+        await asyncio.wait_for(entered.wait(), 10)
+        reads(reloader, reloader.config, {"admin": TOKENS["admin"]})
+        assert (await reloader.reload()).ok
+        go.set()
+        answer = await asyncio.wait_for(attaching, 10)
+        assert answer.status == 401, await answer.text()
+        assert (await answer.json())["error"]["code"] == "unauthorized"
+        assert api.hub.streams_of("alice") == 0
 
     serve(tmp_path, scenario)
 

@@ -313,6 +313,15 @@ class Api:
             )
         if not self.hub.following:  # for the commits of other hosts, which nobody signals here
             self.hub.follow(follow.Heads(self.store.db))
+        # A reload may have revoked the token while the session was read; from here on (no
+        # await before the subscription) a reload's hang-up reaches this stream.
+        if self.tokens.principals().get(principal) != request["token_hash"]:
+            raise ApiError(
+                401,
+                "unauthorized",
+                "this token was revoked or replaced by a reload; send the new one",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
         return await attach.stream(
             request, info.id, after, self.hub, self.pages.sse, principal=principal
         )

@@ -206,6 +206,7 @@ def bearer(tokens: Tokens, public: Callable[[str], bool]) -> Any:
                     headers={"WWW-Authenticate": "Bearer"},
                 )
             request["principal"] = principal
+            request["token_hash"] = digest(token.strip())  # a stream checks it again (app.py)
         return await handler(request)
 
     return middleware
