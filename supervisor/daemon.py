@@ -45,7 +45,7 @@ from supervisor.pool.recoverer import Recoverer
 from supervisor.pool.signals import Signals
 from supervisor.preflight import PluginError, StartupError, check_plugins, take_files
 from supervisor.reloading import Reloader
-from supervisor.stopping import READY_TIMEOUT, REAP_BOUND, StopSteps
+from supervisor.stopping import READY_TIMEOUT, REAP_BOUND, STOP_REQUEST, StopSteps
 from supervisor.store import RestartInfo, Store
 
 CONTROL_SOCKET = "control.sock"
@@ -68,7 +68,8 @@ class Daemon(StopSteps):
         self.notifier = Notifier.from_environ()  # before any child is started
         self.stop_started = time.monotonic()
         self.drain_budget = config.shutdown.drain_budget
-        self.drain_until: float | None = None
+        self.drain_cut_at: float | None = None
+        self.drain_scope: asyncio.Timeout | None = None
         self.step_seconds: dict[str, float] = {}
         self.step_failed: set[str] = set()  # steps of the stop that failed or ran out
         self._stop = asyncio.Event()
@@ -101,6 +102,7 @@ class Daemon(StopSteps):
         check_plugins(self.config)
         become_subreaper()
         tokens = take_files(self.config, self.paths)
+        (self.paths.runtime_dir / STOP_REQUEST).unlink(missing_ok=True)  # an earlier boot's
         self._announce()
         async with contextlib.AsyncExitStack() as stack:
             store = await asyncio.to_thread(Store, self.paths.db_url, self.config.store.synchronous)
@@ -347,6 +349,7 @@ class Daemon(StopSteps):
             return
         if self._stop.is_set():
             log("shutdown").info("received {} again; already stopping", signal.Signals(signum).name)
+            self._requested_drain()  # a second `stop --drain`'s file is not left for later
             return
         self.stop_started = time.monotonic()
         log("shutdown").info("received {}", signal.Signals(signum).name)

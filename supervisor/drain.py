@@ -44,23 +44,11 @@ def subagent_turns(pool: Pool) -> list[str]:
     return [s.id for s in turns_in_flight(pool) if s.kind == SessionKind.SUBAGENT]
 
 
-async def drain(
-    pool: Pool,
-    until: Callable[[], float],
-    *,
-    clock: Callable[[], float] = time.monotonic,
-    sleep: Sleep = asyncio.sleep,
-) -> None:
-    """Let turns in flight finish, polled every heartbeat, until the deadline `until()` on
-    `clock`, read again at every poll: a SIGTERM during a restart's drain brings it nearer
-    (the caller also caps the whole wait)."""
-    log("shutdown").info(
-        "draining: waiting up to {:.0f} s for turns in flight", max(0.0, until() - clock())
-    )
-    while (left := until() - clock()) > 0:
-        if not await asyncio.to_thread(turns_in_flight, pool):
-            return
-        await sleep(min(pool.config.pool.heartbeat_interval, left))
+async def drain(pool: Pool, budget: float, sleep: Sleep = asyncio.sleep) -> None:
+    """Let turns in flight finish, polled every heartbeat; the caller caps it at `budget`."""
+    log("shutdown").info("draining: waiting up to {:.0f} s for turns in flight", budget)
+    while await asyncio.to_thread(turns_in_flight, pool):
+        await sleep(pool.config.pool.heartbeat_interval)
 
 
 async def subagents_in_flight(pool: Pool) -> list[str]:

@@ -35,7 +35,8 @@ class StopSteps:
     notifier: Notifier
     outcome: str
     drain_budget: float
-    drain_until: float | None  # the drain's deadline (time.monotonic) once it has begun
+    drain_cut_at: float | None  # the loop's time a SIGTERM during a restart ends the drain
+    drain_scope: asyncio.Timeout | None  # the drain's, while it runs
     step_seconds: dict[str, float]
     paths: Paths
     restart: RestartInfo | None
@@ -49,25 +50,37 @@ class StopSteps:
     def _stopping_now(self) -> None: ...
 
     async def _drain_step(self, pool: Pool) -> None:
-        """The optional drain, first of the stop: turns in flight may finish (capped)."""
+        """The optional drain, first of the stop: turns in flight may finish (capped, and
+        cut short at once by `_cut_drain`)."""
         if self.api is not None:
             self.api.stopping = True
+        loop = asyncio.get_running_loop()
         budget = self.drain_budget
+        if self.drain_cut_at is not None:  # a SIGTERM came before the drain began
+            budget = min(budget, self.drain_cut_at - loop.time())
         if budget > 0 and self.outcome != "startup_failed":
             self.notifier.extend_timeout(budget + 30)
-            self.drain_until = deadline = time.monotonic() + budget
 
-            def until() -> float:  # moved nearer by `_cut_drain`
-                return deadline if self.drain_until is None else self.drain_until
+            async def drained() -> None:
+                async with asyncio.timeout(budget) as scope:
+                    self.drain_scope = scope
+                    try:
+                        await drain.drain(pool, budget)
+                    finally:
+                        self.drain_scope = None
 
-            await self._step("drain", budget, lambda: drain.drain(pool, until))
+            await self._step("drain", budget, drained)
 
     def _cut_drain(self, budget: float) -> None:
-        """A stop's own drain `budget`, from now, for a drain begun or to begin, if it is
-        shorter than what is left: a SIGTERM during a restart's drain stops on its terms."""
-        self.drain_budget = min(self.drain_budget, budget)
-        if self.drain_until is not None:
-            self.drain_until = min(self.drain_until, time.monotonic() + budget)
+        """The stop's own drain `budget`, counted from now, for a drain begun or still to
+        begin, if it ends sooner: a SIGTERM during a restart's drain stops on its terms. A
+        drain under way is woken at once, even in a sleep or a database read."""
+        loop = asyncio.get_running_loop()
+        cut_at = loop.time() + budget
+        self.drain_cut_at = min(cut_at, self.drain_cut_at or cut_at)
+        scope = self.drain_scope
+        if scope is not None and (when := scope.when()) is not None and cut_at < when:
+            scope.reschedule(cut_at)
 
     async def _subagent_drain_step(self, pool: Pool) -> None:
         """After the listener: a subagent's turn in flight may end (capped; drain.py)."""

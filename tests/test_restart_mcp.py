@@ -80,7 +80,7 @@ def test_an_interrupted_turn_goes_on_while_the_other_workers_still_start(
     held.mkdir()
     mcp_gate = held / "gate"
     mcp_gate.touch()  # the first boot starts at once
-    daemon = daemons(mcp={"servers": [gated(held, free=1)]})
+    daemon = daemons(pool={"spare": 1}, mcp={"servers": [gated(held, free=1)]})
     daemon.start()
     with Store(daemon.url, migrate=False) as store:
         session = store.sessions.create("admin").id

@@ -1,5 +1,6 @@
-"""The subagent drain of a stop (`shutdown.subagent_drain`): its waits in-process with a
-moved clock, then the daemon's stop with a subagent's turn held in flight."""
+"""The waits of a stop: the subagent drain (`shutdown.subagent_drain`) in-process with a
+moved clock, the drain cut short by a SIGTERM during a restart's, then the daemon's stop
+with a subagent's turn held in flight."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ import pytest
 from loguru import logger
 
 from supervisor import drain
+from supervisor.contract.config import Config
+from supervisor.daemon import Daemon as Supervisor
 from supervisor.store import Store
 from tests.daemon import Daemon, daemons, inject, turn_ended, wait_until
 
@@ -108,22 +111,43 @@ def test_at_the_cap_the_drain_names_the_subagents_still_running(lines: list[str]
     )
 
 
-def test_the_drain_reads_its_deadline_at_every_poll_and_ends_when_it_is_brought_nearer(
-    lines: list[str],
-) -> None:
-    pool = FakePool([[session("top", kind="attached")]], assigned={"top"})
-    clock = Clock()
-    deadline = [clock.now + 60.0]  # a restart's drain of 60 s
+def stopping_daemon(budget: float) -> Supervisor:
+    """A daemon's stop steps, not started: a stop with a drain of `budget` seconds."""
+    daemon = Supervisor(Config())
+    daemon.outcome, daemon.drain_budget = "clean", budget
+    return daemon
 
-    async def sleep(seconds: float) -> None:
-        await clock.sleep(seconds)
-        if len(clock.slept) == 2:  # a SIGTERM: the stop's own budget, 0.5 s from now
-            deadline[0] = min(deadline[0], clock.now + 0.5)
 
-    asyncio.run(drain.drain(pool, lambda: deadline[0], clock=clock, sleep=sleep))  # type: ignore[arg-type]
-    assert clock.slept == [1.0, 1.0, 0.5]  # the turn never ended; never past the deadline
-    assert pool.count == 3
-    assert lines == ["draining: waiting up to 60 s for turns in flight"]
+def test_a_cut_ends_a_drain_under_way_at_once_even_in_a_long_pause() -> None:
+    async def scenario() -> None:
+        daemon = stopping_daemon(600.0)  # a restart's drain
+        pool = FakePool([[session("top", kind="attached")]], assigned={"top"})
+        pool.config.pool.heartbeat_interval = 300.0  # a pause the cut must not wait out
+        stop = asyncio.ensure_future(daemon._drain_step(pool))  # type: ignore[arg-type]
+        while daemon.drain_scope is None or not pool.count:
+            await asyncio.sleep(0.01)
+        daemon._cut_drain(0.0)  # a SIGTERM, with shutdown.drain_budget = 0
+        await asyncio.wait_for(stop, 10)
+        assert daemon.step_failed == {"drain"} and daemon.drain_scope is None
+
+    asyncio.run(scenario())
+
+
+def test_a_cut_before_the_drain_begins_counts_from_the_signal() -> None:
+    async def scenario() -> None:
+        daemon = stopping_daemon(600.0)
+        pool = FakePool([[session("top", kind="attached")]], assigned={"top"})
+        daemon._cut_drain(0.0)
+        await asyncio.wait_for(daemon._drain_step(pool), 10)  # type: ignore[arg-type]
+        assert pool.count == 0 and "drain" not in daemon.step_seconds  # no drain at all
+
+        later = stopping_daemon(600.0)
+        later._cut_drain(0.05)
+        await asyncio.sleep(0.1)  # the stop's other steps took longer than that
+        await asyncio.wait_for(later._drain_step(pool), 10)  # type: ignore[arg-type]
+        assert pool.count == 0 and "drain" not in later.step_seconds
+
+    asyncio.run(scenario())
 
 
 def test_a_failed_first_read_skips_the_drain(lines: list[str]) -> None:

@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         Receiver(SECRET) as receiver,
     ):
         target = {"name": "bench", "url": receiver.url, "secret_env": SECRET_ENV}
-        daemon = Daemon(Path(root) / "d", delivery={"targets": [target]})
+        daemon = Daemon(Path(root) / "d", pool={"spare": 1}, delivery={"targets": [target]})
         daemon.env[SECRET_ENV] = SECRET
         try:
             daemon.start()

@@ -1,6 +1,6 @@
 """Adoption across hosts: how soon the other daemons own a SIGKILLed daemon's sessions.
 
-Three daemons (`tests.cluster.Cluster`: host-a, host-b, host-c, the test pool of 2
+Three daemons (`tests.cluster.Cluster`: host-a, host-b, host-c, each with 2
 workers + 1 spare) share a PostgreSQL schema made for the run and dropped after it (on
 TURNKEEPER_TEST_POSTGRES_URL, or `--url`), with `lease.stale_after` from `--stale-after`.
 Each round makes K new sessions and sends each a `/gate PATH` message (`tests.agents:
@@ -268,7 +268,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     started = time.monotonic()
     measured: list[dict[str, Any]] = []
     with schema(base) as url, tempfile.TemporaryDirectory(prefix="tk-bench-hosts-") as tmp:
-        cluster = Cluster(Path(tmp), url, lease={"stale_after": args.stale_after})
+        cluster = Cluster(
+            Path(tmp), url, lease={"stale_after": args.stale_after}, pool={"spare": 1}
+        )
         try:
             cluster.start()
             for index in range(rounds):
