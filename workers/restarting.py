@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +31,7 @@ from supervisor.core.restarts import clean_reason
 from supervisor.core.vocabulary import EventType, RestartState
 from supervisor.store import Store
 from supervisor.store.restarts import Admitted, RateLimited, RestartInfo
+from workers.desk import Notify, SessionDesk
 from workers.models import ToolSpec
 from workers.tools import ToolOutcome
 
@@ -46,7 +47,6 @@ __all__ = [
 ]
 
 TOOL = "request_restart"
-Notify = Callable[..., Awaitable[None]]
 OFF = "agents may not ask for a restart here (restart.agent_may_request is false)"
 BY = "agent"  # `requested_by` of every request a turn makes
 
@@ -99,7 +99,7 @@ class RestartScope:
         )
 
 
-class Requester:
+class Requester(SessionDesk):
     """Asks for restarts for one session's turns, with the lease token they write with."""
 
     def __init__(
@@ -110,10 +110,7 @@ class Requester:
         notify: Notify,
         daemon: RestartScope,
     ) -> None:
-        self.session_id = session_id
-        self._store = store
-        self._token = token
-        self._notify = notify
+        super().__init__(session_id, store, token, notify)
         self.daemon = daemon
         self.spec = SPEC
 
@@ -177,12 +174,7 @@ class Requester:
             raise RestartRefused(str(exc)) from exc
         if admitted.new:
             # A signal only: the supervisor reads the row and restarts once the turn ends.
-            await self._notify(
-                "committed",
-                session=self.session_id,
-                seq=admitted.seq,
-                event_type=EventType.RESTART_REQUESTED,
-            )
+            await self._committed(self.session_id, admitted.seq, EventType.RESTART_REQUESTED)
         return admitted
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 import peewee
@@ -37,13 +37,12 @@ from workers import turns
 from workers.agent import Agent
 from workers.cache import HistoryCache, SessionLog
 from workers.continuation import Continuer
+from workers.desk import Notify
 from workers.models import Message, Model
 from workers.restarting import Requester, RestartScope
 from workers.spawning import Limits, Spawner
 from workers.tasking import Kinds, Starter
 from workers.tools import Toolbox
-
-Notify = Callable[..., Awaitable[None]]
 
 STORAGE_RETRY = (1.0, 30.0)  # first and longest wait before trying a failed write again
 # What a database that takes no writes raises: our own error, or the driver's.

@@ -12,13 +12,14 @@ with the child.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from supervisor.core.subagents import Refused
 from supervisor.core.vocabulary import EventType
 from supervisor.store import Store
+from workers.desk import Notify, SessionDesk
 from workers.models import ToolSpec
 from workers.tools import ToolOutcome
 
@@ -36,7 +37,6 @@ SPEC = ToolSpec(
         "required": ["task"],
     },
 )
-Notify = Callable[..., Awaitable[None]]
 
 
 class SpawnRefused(Exception):
@@ -57,7 +57,7 @@ class Limits:
         return self.max_depth > 0 and self.max_children > 0
 
 
-class Spawner:
+class Spawner(SessionDesk):
     """Spawns the subagents of one session's turns, with the lease token they write with."""
 
     def __init__(
@@ -68,10 +68,7 @@ class Spawner:
         notify: Notify,
         limits: Limits,
     ) -> None:
-        self.session_id = session_id
-        self._store = store
-        self._token = token
-        self._notify = notify
+        super().__init__(session_id, store, token, notify)
         self.limits = limits
 
     async def spawn(
@@ -103,18 +100,8 @@ class Spawner:
             raise SpawnRefused(str(exc)) from exc
         if spawned.new:
             # Signals only: the supervisor wakes the child (its task is pending input).
-            await self._notify(
-                "committed",
-                session=self.session_id,
-                seq=spawned.spawned_seq,
-                event_type=EventType.SUBAGENT_SPAWNED,
-            )
-            await self._notify(
-                "committed",
-                session=spawned.child.id,
-                seq=spawned.task_seq,
-                event_type=EventType.USER_MESSAGE,
-            )
+            await self._committed(self.session_id, spawned.spawned_seq, EventType.SUBAGENT_SPAWNED)
+            await self._committed(spawned.child.id, spawned.task_seq, EventType.USER_MESSAGE)
         return spawned.child.id
 
     async def call(self, arguments: dict[str, Any], turn_id: str, call_id: str) -> ToolOutcome:

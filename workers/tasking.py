@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,13 +29,13 @@ from supervisor.contract.task_kinds import TasksConfig
 from supervisor.core.tasks import KindRules, TaskRefused, check_args
 from supervisor.core.vocabulary import EventType
 from supervisor.store import Store
+from workers.desk import Notify, SessionDesk
 from workers.models import ToolSpec
 from workers.tools import ToolOutcome
 
 __all__ = ["TOOL", "Kinds", "Starter", "TaskRefused", "result_message", "started"]
 
 TOOL = "start_task"
-Notify = Callable[..., Awaitable[None]]
 OFF = "background tasks are off here (tasks.max_running is 0, or no [[tasks.kinds]] is configured)"
 
 
@@ -100,7 +100,7 @@ def spec(kinds: Kinds) -> ToolSpec:
     )
 
 
-class Starter:
+class Starter(SessionDesk):
     """Starts the background tasks of one session's turns, with the lease token they
     write with."""
 
@@ -112,10 +112,7 @@ class Starter:
         notify: Notify,
         kinds: Kinds,
     ) -> None:
-        self.session_id = session_id
-        self._store = store
-        self._token = token
-        self._notify = notify
+        super().__init__(session_id, store, token, notify)
         self.kinds = kinds
         self.spec = spec(kinds)
 
@@ -147,12 +144,7 @@ class Starter:
         )
         if started.new:
             # A signal only: the supervisor's launcher starts the task's runner.
-            await self._notify(
-                "committed",
-                session=self.session_id,
-                seq=started.seq,
-                event_type=EventType.TASK_STARTED,
-            )
+            await self._committed(self.session_id, started.seq, EventType.TASK_STARTED)
         return started.task.id
 
     async def start_once(self, kind: str, args: Any, turn_id: str, number: int) -> str:
