@@ -23,9 +23,10 @@ from pathlib import Path
 
 from supervisor import trust
 from supervisor.agent_probe import Probe, load_agents
-from supervisor.contract.config import Config, McpServer, parse_listen
+from supervisor.contract.config import Config, McpServer, parse_listen, resolve_paths
 from supervisor.contract.delivery_targets import DeliveryTarget
 from supervisor.contract.mcp_env import child_environment
+from supervisor.contract.paths import inside, task_work_dir
 from supervisor.contract.task_kinds import TaskKind
 
 
@@ -59,6 +60,7 @@ def verdicts(
         yield model_verdict(config, environ)
         for server in config.mcp.servers:
             yield from mcp_verdicts(server, environ)
+        yield from work_dir_verdicts(config, environ)
         for kind in config.tasks.kinds:
             yield from task_verdicts(kind, environ)
         for target in config.delivery.targets:
@@ -108,6 +110,31 @@ def mcp_verdicts(server: McpServer, environ: Mapping[str, str]) -> Generator[Ver
         yield Verdict(f"{key}.command", False, f"{key}.command: {problem}", fix)
     else:
         yield Verdict(f"{key}.command", True, f"{key}.command: {found}")
+
+
+def work_dir_verdicts(config: Config, environ: Mapping[str, str]) -> Generator[Verdict, None, None]:
+    """Tasks run outside the state directory: `tasks.work_dir` and every kind's `cwd` are
+    neither the state directory nor inside it (a command there would be `../` away from
+    `admin.token` and the database)."""
+    state_dir = resolve_paths(config, environ).state_dir
+    work_dir = task_work_dir(config.tasks.work_dir, state_dir, environ)
+    fix = "choose a directory outside the state directory"
+    if inside(work_dir, state_dir):
+        yield Verdict(
+            "tasks.work_dir",
+            False,
+            f"tasks.work_dir: {work_dir} is inside the state directory {state_dir}",
+            fix,
+        )
+        return
+    for kind in config.tasks.kinds:
+        if kind.cwd and inside(Path(kind.cwd), state_dir):
+            key = f"tasks.kinds.{kind.name}.cwd"
+            detail = f"{key}: {kind.cwd} is inside the state directory {state_dir}"
+            yield Verdict(key, False, detail, fix)
+            return
+    if config.tasks.kinds:
+        yield Verdict("tasks.work_dir", True, f"tasks.work_dir: {work_dir}")
 
 
 def task_verdicts(kind: TaskKind, environ: Mapping[str, str]) -> Generator[Verdict, None, None]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import signal
 import subprocess
 import time
@@ -33,6 +34,17 @@ def wait_until(
         if time.monotonic() > deadline:
             pytest.fail(f"timed out after {timeout} s waiting for {what}")
         time.sleep(interval)
+
+
+def tokens_file(path: Path, tokens: dict[str, str]) -> Path:
+    """An `auth.tokens_file` at `path` (0600) for `tokens`, principal -> token."""
+    path.write_text(
+        "".join(
+            f"{who} sha256:{hashlib.sha256(t.encode()).hexdigest()}\n" for who, t in tokens.items()
+        )
+    )
+    path.chmod(0o600)
+    return path
 
 
 def cli_env(**extra: str) -> dict[str, str]:

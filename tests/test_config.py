@@ -106,6 +106,8 @@ def test_example_task_kind_block_is_a_valid_kind(tmp_path: Path) -> None:
         "env": {},
         "cwd": "",
         "retry_on_restart": False,
+        "allow_dash": False,
+        "end_of_options": False,
     }
 
 

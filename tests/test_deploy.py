@@ -50,6 +50,7 @@ def test_the_shipped_unit_has_the_settings_restarts_rely_on() -> None:
         "RestartPreventExitStatus": "78",
         "StateDirectory": "turnkeeper",
         "RuntimeDirectory": "turnkeeper",
+        "CacheDirectory": "turnkeeper",  # tasks.work_dir: outside the state directory
         "NoNewPrivileges": "yes",
         "PrivateTmp": "yes",
     }
@@ -169,6 +170,7 @@ def program_section(root: Path, port: int) -> dict[str, str]:
     env.update(
         HOME=str(root),
         STATE_DIRECTORY=str(root / "state"),
+        CACHE_DIRECTORY=str(root / "cache"),
         TURNKEEPER_CONFIG=str(root / "turnkeeper.toml"),
         TURNKEEPER_HTTP__LISTEN=f"127.0.0.1:{port}",
         PYTHONPATH=str(REPO),

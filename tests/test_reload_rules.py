@@ -92,7 +92,7 @@ def test_each_key_has_the_effect_of_who_reads_it(
 EXPECTED: dict[str, str] = {
     "restart": """daemon.state_dir daemon.runtime_dir daemon.host_id store.url store.synchronous
         http.listen http.max_body http.read_timeout http.max_connections lease.stale_after
-        shutdown.kill_grace attach.shutdown_timeout""",
+        shutdown.kill_grace attach.shutdown_timeout tasks.work_dir""",
     "live": """http.max_streams_per_principal auth.tokens_file auth.metrics_public pool.workers
         pool.spare pool.hang_timeout shutdown.drain_budget shutdown.subagent_drain
         recovery.freshness recovery.max_per_boot recovery.retry_interval
@@ -110,7 +110,8 @@ EXPECTED: dict[str, str] = {
         mcp.servers.*.start_timeout mcp.servers.*.call_timeout recovery.auto_continue
         recovery.attempt_delays subagents.max_depth subagents.max_children
         tasks.kinds.*.command tasks.kinds.*.args.n tasks.kinds.*.timeout tasks.kinds.*.env.K
-        tasks.kinds.*.cwd tasks.kinds.*.retry_on_restart tasks.max_running
+        tasks.kinds.*.cwd tasks.kinds.*.retry_on_restart tasks.kinds.*.allow_dash
+        tasks.kinds.*.end_of_options tasks.max_running
         delivery.targets.*.secret_env restart.agent_may_request restart.min_interval
         log.format log.level""",
 }

@@ -50,11 +50,7 @@ class Kinds:
     @classmethod
     def of(cls, config: TasksConfig) -> Kinds:
         """The `[tasks]` section's kinds and limit."""
-        rules = tuple(
-            KindRules(k.name, tuple(k.command), dict(k.args), k.retry_on_restart)
-            for k in config.kinds
-        )
-        return cls(rules, config.max_running)
+        return cls(tuple(kind.rules() for kind in config.kinds), config.max_running)
 
     @property
     def enabled(self) -> bool:

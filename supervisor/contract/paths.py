@@ -68,6 +68,27 @@ def resolve_paths(
     return Paths(state, run, db_url, state / "admin.token")
 
 
+def task_work_dir(
+    configured: str, state_dir: Path, environ: Mapping[str, str] | None = None
+) -> Path:
+    """Where background tasks run (`tasks.work_dir`), one directory each: the configured
+    directory, else systemd's $CACHE_DIRECTORY/tasks, else `<state_dir>-tasks` beside the
+    state directory. Never inside it: see `inside`."""
+    env = os.environ if environ is None else environ
+    if configured:
+        return _absolute(configured, env)
+    cache = _first(env.get("CACHE_DIRECTORY", ""))
+    if cache:
+        return _absolute(cache, env) / "tasks"
+    return state_dir.with_name(state_dir.name + "-tasks")
+
+
+def inside(path: Path, directory: Path) -> bool:
+    """Whether `path` is `directory` or below it, once both are resolved (links followed)."""
+    resolved, top = path.resolve(), directory.resolve()
+    return resolved == top or top in resolved.parents
+
+
 def _first(paths: str) -> str:
     # systemd joins several configured directories with colons.
     return paths.split(":")[0]

@@ -16,6 +16,7 @@ from pydantic import model_validator as _model_validator
 from pydantic_core import PydanticCustomError
 
 from supervisor.contract.named import unique_names
+from supervisor.core.tasks import KindRules
 
 KIND_NAME = r"^[a-z0-9][a-z0-9_.-]{0,63}$"
 ARG_NAME = re.compile(r"[a-z_][a-z0-9_]{0,63}")
@@ -35,8 +36,10 @@ class TaskKind(_Section):
     args: dict[str, str] = Field(default_factory=dict)  # argument -> regex it must match whole
     timeout: Annotated[float, Field(gt=0)] = 3600.0
     env: dict[str, str] = Field(default_factory=dict)
-    cwd: str = ""  # "": the task's own directory under the state directory
+    cwd: str = ""  # "": the task's own directory under tasks.work_dir
     retry_on_restart: bool = False
+    allow_dash: bool = False  # an argument may start with '-' (refused otherwise)
+    end_of_options: bool = False  # '--' before the first element with a placeholder
 
     @field_validator("args")
     @classmethod
@@ -71,6 +74,17 @@ class TaskKind(_Section):
                     )
         return self
 
+    def rules(self) -> KindRules:
+        """What the pure rules (`supervisor.core.tasks`) need of this kind."""
+        return KindRules(
+            self.name,
+            tuple(self.command),
+            dict(self.args),
+            self.retry_on_restart,
+            self.allow_dash,
+            self.end_of_options,
+        )
+
     def placeholders(self) -> set[str]:
         """The argument names the command uses."""
         return {name for part in self.command for name in PLACEHOLDER.findall(part)}
@@ -84,6 +98,9 @@ class TasksConfig(_Section):
     kill_grace: Annotated[float, Field(gt=0)] = 5.0  # SIGTERM to SIGKILL when stopping one
     reconcile_interval: Annotated[float, Field(gt=0)] = 60.0
     lost_grace: Annotated[float, Field(gt=0)] = 60.0
+    # Where tasks run, one 0700 directory each, never inside the state directory; "": the
+    # service's cache directory ($CACHE_DIRECTORY/tasks), else <state_dir>-tasks beside it.
+    work_dir: str = ""
 
     @field_validator("kinds")
     @classmethod

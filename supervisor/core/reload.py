@@ -43,6 +43,7 @@ EFFECTS: dict[str, Effect] = {
     "attach": "restart",  # the listener's stop timeout, fixed when it starts
     "lease.stale_after": "restart",  # the host row's time to live, fixed at the start
     "shutdown.kill_grace": "restart",  # the stop's cap, fixed at the start
+    "tasks.work_dir": "restart",  # judged against the state directory at the start
     # Read anew at each use by the supervisor's parts (the reload swaps them a new one).
     "auth": "live",  # tokens file re-read and judged as at a start; metrics_public
     "pool.workers": "live",  # slots added or retired

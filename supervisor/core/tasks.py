@@ -3,7 +3,11 @@
 A task is a command of an operator-defined kind (`[[tasks.kinds]]`) that a turn starts.
 A request gives only the kind's name and its arguments; nothing from it becomes part of
 the command but an argument's value, whole, as one element of the argument list (no shell),
-and only once it matched the kind's pattern for it.
+and only once it matched the kind's pattern for it. Whatever the pattern admits, a value
+never becomes an option (one that starts with `-` is refused unless the kind says
+`allow_dash`) and never climbs out of a directory (one with a `..` path segment is
+refused): a pattern written carelessly (`^[A-Za-z0-9_./-]+$`) must not hand out files
+above the task's directory or flags the kind did not write.
 
 Where a task is (`TaskStatus`) and what a reconcile pass does with it:
 
@@ -51,6 +55,8 @@ class KindRules:
     command: tuple[str, ...]
     args: Mapping[str, str]  # argument -> the regular expression its value must match whole
     retry_on_restart: bool = False
+    allow_dash: bool = False  # a value may start with '-' (the kind handles it as an option)
+    end_of_options: bool = False  # '--' goes before the first element with a placeholder
 
 
 def check_args(kind: KindRules, args: Any) -> dict[str, str]:
@@ -73,7 +79,21 @@ def check_args(kind: KindRules, args: Any) -> dict[str, str]:
         if name not in args:
             raise TaskRefused(f"task kind {kind.name!r} needs the argument {name!r}")
         checked[name] = _check_value(kind.name, name, args[name], pattern)
+        _check_shape(kind, name, checked[name])
     return checked
+
+
+def _check_shape(kind: KindRules, name: str, text: str) -> None:
+    """Refuse what no pattern may admit: an option the kind did not write, a `..` path."""
+    if text.startswith("-") and not kind.allow_dash:
+        raise TaskRefused(
+            f"argument {name!r} of task kind {kind.name!r} may not start with '-' "
+            "(it would be read as an option; the kind may allow it with allow_dash)"
+        )
+    if ".." in text.replace("\\", "/").split("/"):
+        raise TaskRefused(
+            f"argument {name!r} of task kind {kind.name!r} may not hold a '..' path segment"
+        )
 
 
 def _check_value(kind: str, name: str, value: Any, pattern: str) -> str:
@@ -95,10 +115,21 @@ def _check_value(kind: str, name: str, value: Any, pattern: str) -> str:
     return text
 
 
-def render(command: tuple[str, ...] | list[str], args: Mapping[str, str]) -> list[str]:
+def render(
+    command: tuple[str, ...] | list[str], args: Mapping[str, str], end_of_options: bool = False
+) -> list[str]:
     """The argument list: each `{name}` replaced by its checked value, in place (a value
-    never splits into more elements, and a value's own braces are never read again)."""
-    return [PLACEHOLDER.sub(lambda match: args[match.group(1)], part) for part in command]
+    never splits into more elements, and a value's own braces are never read again).
+
+    With `end_of_options`, `--` goes right before the first element that holds a
+    placeholder (not before the program), so no value after it is read as an option.
+    """
+    argv: list[str] = []
+    for index, part in enumerate(command):
+        if end_of_options and index > 0 and "--" not in argv and PLACEHOLDER.search(part):
+            argv.append("--")
+        argv.append(PLACEHOLDER.sub(lambda match: args[match.group(1)], part))
+    return argv
 
 
 def decide(

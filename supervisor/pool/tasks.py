@@ -28,7 +28,7 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,7 @@ from supervisor.contract.clock import SYSTEM, Clock, sleep_unless
 from supervisor.contract.config import Config
 from supervisor.contract.logs import log
 from supervisor.contract.mcp_env import child_environment
+from supervisor.contract.paths import inside, task_work_dir
 from supervisor.contract.task_kinds import TaskKind
 from supervisor.contract.task_spec import output_path
 from supervisor.core import tasks as rules
@@ -76,6 +77,10 @@ class TaskKeeper:
         self.boot_id = boot_id
         self.owner = owner  # "<host>/<boot8>"
         self.directory = (state_dir / "tasks") if state_dir is not None else None
+        # Where the commands run: outside the state directory (`checks.work_dir_verdicts`).
+        self.work_dir = (
+            task_work_dir(config.tasks.work_dir, state_dir) if state_dir is not None else None
+        )
         self.clock = clock
         self.stirred = asyncio.Event()
         self.runners: dict[str, int] = {}  # task id -> its runner's pid, while it runs
@@ -242,16 +247,16 @@ class TaskKeeper:
         )
 
     def _spec(self, task: TaskInfo, kind: TaskKind) -> RunnerSpec:
-        assert self.directory is not None
-        rules.check_args(  # the kind may have changed since the task was admitted
-            rules.KindRules(kind.name, tuple(kind.command), dict(kind.args)), task.args
-        )
+        assert self.directory is not None and self.work_dir is not None
+        # The kind may have changed since the task was admitted.
+        rules.check_args(kind.rules(), task.args)
+        cwd = kind.cwd or str(self.work_dir / task.id)
         return RunnerSpec(
             task=task.id,
             attempt=task.attempt,
-            argv=rules.render(kind.command, task.args),
-            env=child_environment(kind.env),
-            cwd=kind.cwd or str(self.directory / task.id),
+            argv=rules.render(kind.command, task.args, kind.end_of_options),
+            env=task_environment(kind.env, self.directory.parent, cwd),
+            cwd=cwd,
             timeout=kind.timeout,
             kill_grace=self.config.tasks.kill_grace,
             max_output=self.config.tasks.max_output,
@@ -357,9 +362,23 @@ class TaskKeeper:
             return
         self._pruned_at = time.monotonic()
         live = await asyncio.to_thread(self.store.tasks.live_ids)
-        removed = await asyncio.to_thread(_prune, self.directory, self.config.tasks.keep, live)
+        removed = 0
+        for directory in (self.directory, self.work_dir):
+            if directory is not None:
+                keep = self.config.tasks.keep
+                removed += await asyncio.to_thread(_prune, directory, keep, live)
         if removed:
             self.log.info("removed {} task output files older than tasks.keep", removed)
+
+
+def task_environment(extra: Mapping[str, str], state_dir: Path, cwd: str) -> dict[str, str]:
+    """A command's environment: an MCP server's (`child_environment`: a few variables of
+    the daemon's, none of its secrets) and the kind's `env`. A HOME inside the state
+    directory (the service user's home often is) becomes the task's own directory."""
+    env = child_environment(extra)
+    if "HOME" not in extra and "HOME" in env and inside(Path(env["HOME"]), state_dir):
+        env["HOME"] = cwd
+    return env
 
 
 def _kill_runner(pid: int) -> None:

@@ -5,7 +5,6 @@ keys scoped to their principal. Each test drives a real daemon on a unix socket.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import socket
 import time
@@ -16,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.daemon import Daemon, daemons, wait_until
+from tests.daemon import Daemon, daemons, tokens_file, wait_until
 
 __all__ = ["daemons"]
 
@@ -205,23 +204,13 @@ def test_refused_requests_are_logged_one_line_each_at_most_and_rate_limited(
     assert 1 <= len(lines) <= 10
 
 
-def _tokens_file(path: Path, tokens: dict[str, str]) -> Path:
-    path.write_text(
-        "".join(
-            f"{who} sha256:{hashlib.sha256(t.encode()).hexdigest()}\n" for who, t in tokens.items()
-        )
-    )
-    path.chmod(0o600)
-    return path
-
-
 def test_an_idempotency_key_is_scoped_to_its_principal_and_bound_to_its_body(
     daemons: Daemons, tmp_path: Path
 ) -> None:
     tokens = {"alice": "alice-token-0123456789", "bob": "bob-token-0123456789"}
     daemon = daemons(
         http={"listen": f"unix:{tmp_path}/api.sock"},
-        auth={"tokens_file": str(_tokens_file(tmp_path / "tokens", tokens))},
+        auth={"tokens_file": str(tokens_file(tmp_path / "tokens", tokens))},
     ).start()
     with daemon.client() as admin:
         sid = admin.post("/v1/sessions", json={}).json()["id"]
