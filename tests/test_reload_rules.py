@@ -93,7 +93,8 @@ EXPECTED: dict[str, str] = {
     "restart": """daemon.state_dir daemon.runtime_dir daemon.host_id store.url store.synchronous
         http.listen http.max_body http.read_timeout http.max_connections lease.stale_after
         shutdown.kill_grace attach.shutdown_timeout tasks.work_dir""",
-    "live": """http.max_streams_per_principal auth.tokens_file auth.metrics_public pool.workers
+    "live": """http.max_streams_per_principal auth.tokens_file auth.metrics_public
+        auth.max_open_sessions_per_principal pool.workers
         pool.spare pool.hang_timeout shutdown.drain_budget shutdown.subagent_drain
         recovery.freshness recovery.max_per_boot recovery.retry_interval
         recovery.breaker_threshold recovery.breaker_window subagents.freshness
@@ -109,6 +110,7 @@ EXPECTED: dict[str, str] = {
         model.max_tokens mcp.servers.*.command mcp.servers.*.env.TOKEN mcp.servers.*.cwd
         mcp.servers.*.start_timeout mcp.servers.*.call_timeout recovery.auto_continue
         recovery.attempt_delays subagents.max_depth subagents.max_children
+        subagents.max_total_per_root restart.agent_principals
         tasks.kinds.*.command tasks.kinds.*.args.n tasks.kinds.*.timeout tasks.kinds.*.env.K
         tasks.kinds.*.cwd tasks.kinds.*.retry_on_restart tasks.kinds.*.allow_dash
         tasks.kinds.*.end_of_options tasks.max_running

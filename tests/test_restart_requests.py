@@ -30,7 +30,9 @@ from workers.turns import TurnContext
 
 TOKEN = 7
 HOST = "host-a"
-ON = RestartScope(HOST, "boot0001", 4242, "0123456789ab", enabled=True, min_interval=60.0)
+ON = RestartScope(
+    HOST, "boot0001", 4242, "0123456789ab", enabled=True, min_interval=60.0, principals=("alice",)
+)
 
 
 def session(store: Store) -> str:

@@ -13,7 +13,7 @@ import pytest
 from supervisor.core.subagents import Refused
 from supervisor.core.vocabulary import SubagentStatus
 from supervisor.http.metrics import Metrics
-from supervisor.store import EventRecord, LeaseLost, Spawned, Store
+from supervisor.store import EventRecord, LeaseLost, Spawned, Store, TooManySessions
 from tests.conftest import BACKENDS
 
 pytestmark = pytest.mark.parametrize("db_url", BACKENDS, indirect=True)
@@ -336,3 +336,28 @@ def test_counts_by_status_and_their_metric(store: Store) -> None:
     metrics.state.subagents = busy
     text = metrics.render().decode()
     assert "# TYPE turnkeeper_subagents gauge" in text and "turnkeeper_subagents{" not in text
+
+
+def test_a_tree_is_bounded_at_every_depth_and_carries_its_root_and_principal(
+    store: Store,
+) -> None:
+    root = top(store)
+    child = Turn(store, root.spawn("a", max_per_root=2).child.id)
+    grandchild = child.spawn("b", max_per_root=2).child
+    assert store.subagents.get(grandchild.id) is not None
+    assert store.sessions.get(grandchild.id).principal == "alice"  # the root's, not the ACL's
+    # Two running in the tree: neither the root nor its child may add a third.
+    for turn in (root, child):
+        with pytest.raises(Refused, match="subagents.max_total_per_root"):
+            turn.spawn("c", max_per_root=2)
+    child.spawn("c", max_per_root=3)  # a larger cap admits it
+
+
+def test_a_principal_has_at_most_max_open_sessions(store: Store) -> None:
+    first = store.sessions.create("carol", max_open=2)
+    store.sessions.create("carol", max_open=2)
+    with pytest.raises(TooManySessions, match="auth.max_open_sessions_per_principal"):
+        store.sessions.create("carol", max_open=2)
+    store.sessions.create("dave", max_open=2)  # another principal has its own
+    store.sessions.close(first.id, by="carol")
+    store.sessions.create("carol", max_open=2)  # a closed one no longer counts

@@ -128,6 +128,7 @@ class Worker:
             self.config.subagents.max_depth,
             self.config.subagents.max_children,
             tuple(agents.allowed_classes()),
+            self.config.subagents.max_total_per_root,
         )
         self._tasks = Kinds.of(self.config.tasks)
         self._daemon = RestartScope.of(self.spec, self.config)

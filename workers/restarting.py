@@ -1,6 +1,8 @@
 """Restart requests from inside a turn: the `request_restart` tool and `turn.request_restart`.
 
-Only where the operator allows it (`restart.agent_may_request`). A request is one
+Only where the operator allows it (`restart.agent_may_request`), and only for the sessions
+of the principals the operator lists (`restart.agent_principals`: the session's creator,
+or its tree's for a subagent; the admin alone by default). A request is one
 transaction of the store (`supervisor.store.restarts`): the restart's row and the
 session's `restart_requested`, written with the turn's lease token before anything
 stops, so a turn fenced out asks for nothing. The supervisor restarts once the turn
@@ -85,6 +87,7 @@ class RestartScope:
     config: str = ""  # `config_version` of the configuration it runs
     enabled: bool = False
     min_interval: float = 60.0
+    principals: tuple[str, ...] = ("admin",)  # whose sessions may ask
 
     @classmethod
     def of(cls, spec: WorkerSpec, config: Config) -> RestartScope:
@@ -96,6 +99,7 @@ class RestartScope:
             config=config_version(config),
             enabled=config.restart.agent_may_request,
             min_interval=config.restart.min_interval,
+            principals=tuple(config.restart.agent_principals),
         )
 
 
@@ -153,6 +157,12 @@ class Requester(SessionDesk):
         except ValueError as exc:
             raise RestartRefused(f"{exc} (the tool's `reason`)") from exc
         daemon = self.daemon
+        session = await asyncio.to_thread(self._store.sessions.get, self.session_id)
+        if session.principal not in daemon.principals:
+            raise RestartRefused(
+                f"this session's principal ({session.principal or 'unknown'}) is not one "
+                "whose agents may ask for a restart (restart.agent_principals)"
+            )
         try:
             admitted: Admitted = await asyncio.to_thread(
                 self._store.restarts.request,

@@ -51,6 +51,7 @@ class Limits:
     max_depth: int = 2
     max_children: int = 8
     agents: tuple[str, ...] = ()
+    max_per_root: int = 0  # subagents of one tree not closed (0: no limit)
 
     @property
     def enabled(self) -> bool:
@@ -92,6 +93,7 @@ class Spawner(SessionDesk):
                 turn_id=turn_id,
                 max_depth=self.limits.max_depth,
                 max_children=self.limits.max_children,
+                max_per_root=self.limits.max_per_root,
                 title=title or "",
                 agent=agent,
                 call_id=call_id,

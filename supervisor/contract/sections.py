@@ -88,6 +88,8 @@ class HttpConfig(_Section):
 class AuthConfig(_Section):
     tokens_file: str = ""
     metrics_public: bool = True
+    # Sessions one principal may have that are not closed (subagents not counted): 429 past it.
+    max_open_sessions_per_principal: Annotated[int, Field(ge=1)] = 10000
 
 
 class PoolConfig(_Section):
@@ -210,6 +212,7 @@ class RecoveryConfig(_Section):
 class SubagentsConfig(_Section):
     max_depth: Annotated[int, Field(ge=0, le=32)] = 2
     max_children: Annotated[int, Field(ge=0, le=1000)] = 8
+    max_total_per_root: Annotated[int, Field(ge=1)] = 64  # running in one tree, at all depths
     freshness: PositiveSeconds = 7200.0
     max_recoveries: Annotated[int, Field(ge=1, le=100)] = 3
     max_per_boot: Annotated[int, Field(ge=0)] = 10
@@ -222,6 +225,11 @@ MIN_AGENT_INTERVAL = 1.0  # restart.min_interval's floor while agents may ask
 class RestartConfig(_Section):
     # Whether a turn may ask for a restart of the daemon (tool `request_restart`).
     agent_may_request: bool = False
+    # The principals whose sessions' agents may ask (the session's creator; for a subagent
+    # its tree's): the admin only by default.
+    agent_principals: list[Annotated[str, Field(min_length=1, max_length=100)]] = Field(
+        default_factory=lambda: ["admin"]
+    )
     min_interval: Seconds = Field(default=60.0, validate_default=True)  # since the last request
     turn_wait: Seconds = 60.0  # an agent's request waits this long for its turn to end
 

@@ -72,6 +72,7 @@ EFFECTS: dict[str, Effect] = {
     "recovery.attempt_delays": "workers",
     "subagents.max_depth": "workers",
     "subagents.max_children": "workers",
+    "subagents.max_total_per_root": "workers",
     "tasks.kinds": "workers",  # the start_task tool; the task keeper runs them
     "tasks.max_running": "workers",
     # An added target's secret variable is dropped from a worker's environment at its start.

@@ -86,6 +86,16 @@ def refusal(
     return None
 
 
+def tree_refusal(open_in_tree: int, max_per_root: int) -> str | None:
+    """Why a tree with `open_in_tree` subagents running may not grow, or None."""
+    if open_in_tree >= max_per_root:
+        return (
+            f"this conversation's tree has {open_in_tree} subagents running, the "
+            f"limit (subagents.max_total_per_root) is {max_per_root}: do the task itself"
+        )
+    return None
+
+
 def check_task(task: Any) -> str:
     """The task as given, or ValueError saying what is wrong with it."""
     if not isinstance(task, str) or not task.strip():

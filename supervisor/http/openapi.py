@@ -58,8 +58,9 @@ ERRORS = {
     "for another reason).",
     413: "The body is over http.max_body.",
     422: "A field is invalid; `error.field` names it.",
-    429: "The principal holds http.max_streams_per_principal attach streams already, or a "
-    "restart was requested less than restart.min_interval ago; retry after Retry-After.",
+    429: "The principal holds http.max_streams_per_principal attach streams already, or "
+    "auth.max_open_sessions_per_principal open sessions (close one), or a restart was "
+    "requested less than restart.min_interval ago; retry after Retry-After.",
     503: "The daemon is stopping (or takes no restart request yet), or the database takes no "
     "writes; retry after Retry-After.",
 }
@@ -131,7 +132,7 @@ LAST_EVENT_ID = {
 Answer = tuple[type[BaseModel] | str, str]
 PATHS: list[tuple[str, str, str, str, list[Any], str | None, dict[int, Answer], str, Any]] = [
     ("post", "/v1/sessions", "createSession", "Create a session; the caller gets admin on it.",
-     [], "CreateSession", {201: (SessionOut, "Created.")}, "400 401 413 422 503", AUTH),
+     [], "CreateSession", {201: (SessionOut, "Created.")}, "400 401 413 422 429 503", AUTH),
     ("get", "/v1/sessions", "listSessions", "Sessions the caller may read.",
      [LIMIT], None, {200: (SessionList, "Newest first.")}, "401 422", AUTH),
     ("get", "/v1/sessions/{id}", "getSession", "One session.",

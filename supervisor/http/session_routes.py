@@ -29,7 +29,7 @@ from supervisor.http.auth import ADMIN
 from supervisor.http.lifecycle import Lookup
 from supervisor.http.schemas import CreateSession, SessionList, SessionOut, SessionUpdate
 from supervisor.http.storage import StorageHealth
-from supervisor.store import SessionInfo, SessionNotFound, Store
+from supervisor.store import SessionInfo, SessionNotFound, Store, TooManySessions
 
 MAX_LISTED = 1000  # sessions one answer lists (`limit`)
 LISTED = 100  # ... unless told
@@ -98,15 +98,19 @@ class SessionRoutes:
                 (EventType.CHECKPOINT, run.start_payload(now)),
                 (EventType.USER_MESSAGE, {"text": r.goal}),
             ]
-        info = await asyncio.to_thread(
-            self.store.sessions.create,
-            request["principal"],
-            kind=body.kind,
-            title=body.title,
-            agent=body.agent,
-            events=first,
-            deliver=deliver,
-        )
+        try:
+            info = await asyncio.to_thread(
+                self.store.sessions.create,
+                request["principal"],
+                kind=body.kind,
+                title=body.title,
+                agent=body.agent,
+                events=first,
+                deliver=deliver,
+                max_open=self.config.auth.max_open_sessions_per_principal,
+            )
+        except TooManySessions as exc:
+            raise ApiError(429, "too_many_sessions", str(exc)) from None
         self.storage.worked()
         if first and self.pool is not None:
             self.pool.wake(info.id)

@@ -26,6 +26,7 @@ from supervisor.store.errors import (
     StorageUnavailable,
     StoreBusy,
     StoreError,
+    TooManySessions,
 )
 from supervisor.store.eventlog import EVENT_TYPES, EventLog, EventRecord
 from supervisor.store.events import ReplayedSeq, request_digest, scoped_key
@@ -92,6 +93,7 @@ __all__ = [
     "TaskInfo",
     "TaskReported",
     "Tasks",
+    "TooManySessions",
     "request_digest",
     "scoped_key",
     "sqlite_path",

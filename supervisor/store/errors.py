@@ -75,3 +75,15 @@ class SessionClosed(StoreError):
             f"session {session_id!r} is closed: it takes no more messages; create a new session"
         )
         self.session_id = session_id
+
+
+class TooManySessions(StoreError):
+    """A principal has as many open sessions as it may (`auth.max_open_sessions_per_principal`)."""
+
+    def __init__(self, principal: str, limit: int) -> None:
+        super().__init__(
+            f"{principal!r} has {limit} open sessions, the most a principal may have "
+            "(auth.max_open_sessions_per_principal): close one first"
+        )
+        self.principal = principal
+        self.limit = limit

@@ -25,7 +25,9 @@ from supervisor.store.errors import SchemaMissing, SchemaTooNew
 from supervisor.store.events import scoped_key
 from supervisor.store.models import (
     HOST_ID_LEN,
+    ID_LEN,
     MODELS,
+    PRINCIPAL_LEN,
     TARGET_LEN,
     BaseModel,
     Delivery,
@@ -36,11 +38,13 @@ from supervisor.store.models import (
     Schedule,
     ScheduleFire,
     SchemaVersion,
+    Session,
+    SessionACL,
     Subagent,
     Task,
 )
 
-LATEST = 9
+LATEST = 10
 
 
 def _resend_mark(db: peewee.Database) -> None:
@@ -131,6 +135,38 @@ def _restarts(db: peewee.Database) -> None:
     create_tables(db, [RestartRequest])
 
 
+def _principals(db: peewee.Database) -> None:
+    """10: the principal each session belongs to, and each subagent's root, for the limits
+    per principal and per tree. A session made before has its creator's `admin` ACL row
+    (the first such principal by name where an admin granted more); a subagent its
+    parent's principal and root, read level by level from the top."""
+    migrator = SchemaMigrator.from_database(db)
+    run_migrations(
+        migrator.add_column(
+            "session", "principal", peewee.CharField(max_length=PRINCIPAL_LEN, null=True)
+        ),
+        migrator.add_index("session", ("principal", "status"), False),
+    )
+    # A subagent table made by step 6 from today's model has its root already.
+    if "root" not in {column.name for column in db.get_columns("subagent")}:
+        run_migrations(
+            migrator.add_column("subagent", "root", peewee.CharField(max_length=ID_LEN, null=True)),
+            migrator.add_index("subagent", ("root", "status"), False),
+        )
+    creator = SessionACL.select(peewee.fn.MIN(SessionACL.principal)).where(
+        (SessionACL.session == Session.id) & (SessionACL.permission == "admin")
+    )
+    Session.update(principal=creator).where(Session.parent.is_null()).execute()
+    for depth in range(1, 33):  # subagents.max_depth is at most 32
+        rows = Subagent.select(Subagent.id, Subagent.parent).where(Subagent.depth == depth)
+        for row in rows:
+            parent = Session.get_or_none(Session.id == row.parent)
+            root = Subagent.select(Subagent.root).where(Subagent.id == row.parent).scalar()
+            Subagent.update(root=root or row.parent).where(Subagent.id == row.id).execute()
+            if parent is not None:
+                Session.update(principal=parent.principal).where(Session.id == row.id).execute()
+
+
 # version -> the step that migrates version-1 to version.
 STEPS: dict[int, Callable[[peewee.Database], None]] = {
     2: _resend_mark,
@@ -141,6 +177,7 @@ STEPS: dict[int, Callable[[peewee.Database], None]] = {
     7: _tasks_and_schedules,
     8: _deliveries,
     9: _restarts,
+    10: _principals,
 }
 
 _LOCK_NAME = "turnkeeper_migrate"

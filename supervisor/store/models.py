@@ -14,6 +14,7 @@ from supervisor.store.db import JSON_TEXT
 ID_LEN = 64
 HOST_ID_LEN = 40  # a lease owner is "<host_id>/<boot>/<worker>" within ID_LEN
 TARGET_LEN = 40  # a delivery target's name
+PRINCIPAL_LEN = 100
 
 
 class JSONTextField(peewee.TextField):
@@ -75,11 +76,19 @@ class Session(BaseModel):
     # its lock, so a delivery is written in the transaction of its event.
     deliver_to = peewee.CharField(max_length=TARGET_LEN, null=True)
     deliver_kinds = peewee.CharField(max_length=200, default="")
+    # The principal the session belongs to, for its limits: who created it (a subagent:
+    # its root's creator; a scheduled session: the schedule's owner). Unlike the ACL it
+    # never changes, so no grant can make a session count as another's.
+    principal = peewee.CharField(max_length=PRINCIPAL_LEN, null=True)
 
     class Meta:
         table_name = "session"
         # The work query: pending sessions in the order they waited, read off the index.
-        indexes = ((("pending", "status", "updated_at"), False),)
+        # The second counts a principal's open sessions.
+        indexes = (
+            (("pending", "status", "updated_at"), False),
+            (("principal", "status"), False),
+        )
 
 
 class Event(BaseModel):
@@ -129,7 +138,7 @@ class SessionACL(BaseModel):
     """A principal's permission on a session: read, write or admin."""
 
     session = peewee.ForeignKeyField(Session, column_name="session_id", on_delete="CASCADE")
-    principal = peewee.CharField(max_length=100)
+    principal = peewee.CharField(max_length=PRINCIPAL_LEN)
     permission = peewee.CharField(max_length=8)
 
     class Meta:
@@ -204,10 +213,11 @@ class Subagent(BaseModel):
     ended_at = peewee.DoubleField(null=True)
     claimed_by = peewee.CharField(max_length=ID_LEN, null=True)  # "<host>/<boot8>"
     claim_expires_at = peewee.DoubleField(null=True)
+    root = peewee.CharField(max_length=ID_LEN, null=True)  # the top session of its tree
 
     class Meta:
         table_name = "subagent"
-        indexes = ((("parent", "status"), False),)
+        indexes = ((("parent", "status"), False), (("root", "status"), False))
 
 
 class Task(BaseModel):

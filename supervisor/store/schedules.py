@@ -361,6 +361,7 @@ class Schedules:
                 title=title[:200],
                 created_at=now,
                 updated_at=now,
+                principal=owner,
             ).execute()
             if owner:
                 SessionACL.insert(

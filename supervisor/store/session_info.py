@@ -32,6 +32,7 @@ class SessionInfo:
     quarantine_reason: str | None
     resend_requested_at: float | None = None
     deliver_to: str | None = None  # the delivery target it is bound to
+    principal: str | None = None  # who it belongs to, for limits (not shown by the API)
 
     def to_dict(self) -> dict[str, Any]:
         """The API shape of a session."""

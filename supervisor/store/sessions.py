@@ -23,7 +23,7 @@ from supervisor.core.vocabulary import (
 )
 from supervisor.store import lifecycle, subagent_rows
 from supervisor.store.db import chunks, run_write
-from supervisor.store.errors import SessionClosed, SessionNotFound
+from supervisor.store.errors import SessionClosed, SessionNotFound, TooManySessions
 from supervisor.store.eventlog import make_request, write_events
 from supervisor.store.models import Session, SessionACL
 from supervisor.store.session_info import INFO_FIELDS, SessionInfo, info_of
@@ -56,9 +56,13 @@ class Sessions:
         parent: str | None = None,
         events: list[tuple[str, dict[str, Any]]] = (),  # type: ignore[assignment]
         deliver: tuple[str, str] | None = None,  # its target, and the kinds it is sent
+        max_open: int = 0,  # the principal's open sessions at most (0: no limit)
     ) -> SessionInfo:
         """A new session, its creator's `admin` ACL row and its first `events` (type,
-        payload), in one transaction: an autonomous run starts whole or not at all."""
+        payload), in one transaction: an autonomous run starts whole or not at all.
+
+        TooManySessions when `principal` has `max_open` open sessions already (subagents,
+        bounded per tree, do not count)."""
         deliver_to, deliver_kinds = deliver or (None, "")
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {', '.join(KINDS)}, not {kind!r}")
@@ -68,6 +72,8 @@ class Sessions:
         now = time.time()
 
         def work() -> None:
+            if max_open and self.open_of(principal) >= max_open:
+                raise TooManySessions(principal, max_open)
             Session.insert(
                 id=session_id,
                 kind=kind,
@@ -78,6 +84,7 @@ class Sessions:
                 updated_at=now,
                 deliver_to=deliver_to,
                 deliver_kinds=deliver_kinds,
+                principal=principal,
             ).execute()
             SessionACL.insert(
                 session=session_id, principal=principal, permission=Permission.ADMIN
@@ -91,6 +98,16 @@ class Sessions:
 
         run_write(self._db, work)
         return self.get(session_id)
+
+    @staticmethod
+    def open_of(principal: str) -> int:
+        """How many sessions `principal` has that are not closed, subagents left out."""
+        query = Session.select().where(
+            (Session.principal == principal)
+            & (Session.status != SessionStatus.CLOSED)
+            & (Session.kind != SessionKind.SUBAGENT)
+        )
+        return int(query.count())
 
     def get(self, session_id: str) -> SessionInfo:
         """The session, or SessionNotFound: one prebuilt statement, no model instance."""

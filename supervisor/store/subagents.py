@@ -66,6 +66,7 @@ class Subagents:
         turn_id: str | None,
         max_depth: int,
         max_children: int,
+        max_per_root: int = 0,
         title: str = "",
         agent: str | None = None,
         call_id: str | None = None,
@@ -102,6 +103,9 @@ class Subagents:
                 .count()
             )
             why = rules.refusal(depth, running, max_depth=max_depth, max_children=max_children)
+            root = self._root(parent_id)
+            if why is None and max_per_root:
+                why = rules.tree_refusal(self._open_in_tree(root), max_per_root)
             if why is not None:
                 raise rules.Refused(why)
             child_id = uuid.uuid4().hex
@@ -115,6 +119,7 @@ class Subagents:
                 agent=child_agent,
                 created_at=now,
                 updated_at=now,
+                principal=parent.principal,
             ).execute()
             acl = SessionACL.select(SessionACL.principal, SessionACL.permission).where(
                 SessionACL.session == parent_id
@@ -155,12 +160,28 @@ class Subagents:
                 turn_id=turn_id,
                 spawned_seq=spawned_seq,
                 created_at=now,
+                root=root,
             ).execute()
             row = Subagent.get(Subagent.id == child_id)
             return Spawned(info_of(row), spawned_seq, task_seq, True)
 
         result: Spawned = run_write(self._db, work)
         return result
+
+    @staticmethod
+    def _root(session_id: str) -> str:
+        """The top session of the tree `session_id` is in (itself, for a top session)."""
+        root = Subagent.select(Subagent.root).where(Subagent.id == session_id).scalar()
+        return str(root or session_id)
+
+    @staticmethod
+    def _open_in_tree(root: str) -> int:
+        """The subagents under `root` still running (a child's session is closed, for
+        good, in the transaction that ends its row)."""
+        query = Subagent.select().where(
+            (Subagent.root == root) & (Subagent.status == SubagentStatus.RUNNING)
+        )
+        return int(query.count())
 
     @staticmethod
     def _depth(session_id: str) -> int:
