@@ -348,7 +348,7 @@ def test_a_tree_is_bounded_at_every_depth_and_carries_its_root_and_principal(
     assert store.sessions.get(grandchild.id).principal == "alice"  # the root's, not the ACL's
     # Two running in the tree: neither the root nor its child may add a third.
     for turn in (root, child):
-        with pytest.raises(Refused, match="subagents.max_total_per_root"):
+        with pytest.raises(Refused, match=r"subagents\.max_total_per_root"):
             turn.spawn("c", max_per_root=2)
     child.spawn("c", max_per_root=3)  # a larger cap admits it
 
@@ -356,7 +356,7 @@ def test_a_tree_is_bounded_at_every_depth_and_carries_its_root_and_principal(
 def test_a_principal_has_at_most_max_open_sessions(store: Store) -> None:
     first = store.sessions.create("carol", max_open=2)
     store.sessions.create("carol", max_open=2)
-    with pytest.raises(TooManySessions, match="auth.max_open_sessions_per_principal"):
+    with pytest.raises(TooManySessions, match=r"auth\.max_open_sessions_per_principal"):
         store.sessions.create("carol", max_open=2)
     store.sessions.create("dave", max_open=2)  # another principal has its own
     store.sessions.close(first.id, by="carol")
