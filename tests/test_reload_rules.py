@@ -113,7 +113,8 @@ EXPECTED: dict[str, str] = {
         subagents.max_total_per_root restart.agent_principals
         tasks.kinds.*.command tasks.kinds.*.args.n tasks.kinds.*.timeout tasks.kinds.*.env.K
         tasks.kinds.*.cwd tasks.kinds.*.retry_on_restart tasks.kinds.*.allow_dash
-        tasks.kinds.*.end_of_options tasks.max_running
+        tasks.kinds.*.end_of_options tasks.max_running tasks.max_running_total
+        tasks.max_running_per_principal
         delivery.targets.*.secret_env restart.agent_may_request restart.min_interval
         log.format log.level""",
 }

@@ -245,3 +245,22 @@ def test_cancels_and_a_closed_session(store: Store) -> None:
     assert store.tasks.get(other).result_seq == 0  # type: ignore[union-attr]
     counts = store.tasks.counts()
     assert counts["cancelled"] == 2 and counts["succeeded"] == 1 and counts["running"] == 0
+
+
+def test_a_claim_past_the_daemons_or_a_principals_share_leaves_the_task_pending(
+    store: Store,
+) -> None:
+    alice, bob = Turn(store), Turn(store, store.sessions.create("bob").id)
+    first, second = alice.start().task, alice.start().task
+    other = bob.start().task
+
+    def claim(task_id: str) -> bool:
+        taken = store.tasks.claim(task_id, "host-a", "host-a/boot0001", 2, 1)
+        return taken is not None
+
+    assert claim(first.id)
+    assert not claim(second.id)  # alice's share (1) is taken
+    assert store.tasks.get(second.id).status == "pending"
+    assert claim(other.id)  # bob's is not, and the daemon's (2) had room
+    store.tasks.record(first.id, 1, TaskStatus.SUCCEEDED, exit_code=0, duration=1.0, output_tail="")
+    assert claim(second.id)

@@ -28,7 +28,7 @@ from typing import Any
 from supervisor.contract.task_kinds import TasksConfig
 from supervisor.core.tasks import KindRules, TaskRefused, check_args
 from supervisor.core.vocabulary import EventType
-from supervisor.store import Store
+from supervisor.store import Started, Store
 from workers.desk import Notify, SessionDesk
 from workers.models import ToolSpec
 from workers.tools import ToolOutcome
@@ -46,11 +46,18 @@ class Kinds:
 
     kinds: tuple[KindRules, ...] = ()
     max_running: int = 0
+    max_running_total: int = 32  # past these a start waits `pending`: the result says so
+    max_running_per_principal: int = 8
 
     @classmethod
     def of(cls, config: TasksConfig) -> Kinds:
-        """The `[tasks]` section's kinds and limit."""
-        return cls(tuple(kind.rules() for kind in config.kinds), config.max_running)
+        """The `[tasks]` section's kinds and limits."""
+        return cls(
+            tuple(kind.rules() for kind in config.kinds),
+            config.max_running,
+            config.max_running_total,
+            config.max_running_per_principal,
+        )
 
     @property
     def enabled(self) -> bool:
@@ -119,6 +126,9 @@ class Starter(SessionDesk):
 
     async def start(self, kind: Any, args: Any, turn_id: str, *, call_id: str | None) -> str:
         """Start a task of `kind` with `args`; its id. TaskRefused saying why it may not."""
+        return (await self._start(kind, args, turn_id, call_id=call_id)).task.id
+
+    async def _start(self, kind: Any, args: Any, turn_id: str, *, call_id: str | None) -> Started:
         if not self.enabled:
             raise TaskRefused(OFF)
         rules = self.kinds.get(kind)
@@ -136,12 +146,14 @@ class Starter(SessionDesk):
             token=self._token(),
             turn_id=turn_id,
             max_running=self.kinds.max_running,
+            max_running_total=self.kinds.max_running_total,
+            max_running_per_principal=self.kinds.max_running_per_principal,
             call_id=call_id,
         )
         if started.new:
             # A signal only: the supervisor's launcher starts the task's runner.
             await self._committed(self.session_id, started.seq, EventType.TASK_STARTED)
-        return started.task.id
+        return started
 
     async def start_once(self, kind: str, args: Any, turn_id: str, number: int) -> str:
         """`turn.start_task`: the `number`-th start of this kind and these arguments in a
@@ -156,17 +168,19 @@ class Starter(SessionDesk):
         """The `start_task` tool: an error result the model reads when refused."""
         kind = arguments.get("kind")
         try:
-            task = await self.start(kind, arguments.get("args"), turn_id, call_id=call_id)
+            begun = await self._start(kind, arguments.get("args"), turn_id, call_id=call_id)
         except TaskRefused as exc:
             return ToolOutcome(f"no task started: {exc}", is_error=True)
-        return ToolOutcome(started(task, str(kind)))
+        return ToolOutcome(started(begun.task.id, str(kind), begun.waits))
 
 
-def started(task: str, kind: str) -> str:
-    """The tool's result for a task started (also what a repaired call says)."""
+def started(task: str, kind: str, waits: str | None = None) -> str:
+    """The tool's result for a task started (also what a repaired call says); `waits`:
+    why it is queued instead of running at once."""
+    queued = f"; it is queued, not running yet: {waits}" if waits else ""
     return (
-        f"started task {task} ({kind}); its outcome will arrive in this conversation as a "
-        "message when it ends"
+        f"started task {task} ({kind}){queued}; its outcome will arrive in this conversation "
+        "as a message when it ends"
     )
 
 

@@ -93,6 +93,10 @@ class TaskKind(_Section):
 class TasksConfig(_Section):
     kinds: list[TaskKind] = Field(default_factory=list, max_length=256)
     max_running: Annotated[int, Field(ge=0, le=1000)] = 8  # per session; 0 turns tasks off
+    # Running at once in the daemon, and for one principal (its sessions and their
+    # subagents); a task past either waits `pending`, in order.
+    max_running_total: Annotated[int, Field(ge=1)] = 32
+    max_running_per_principal: Annotated[int, Field(ge=1)] = 8
     keep: Annotated[float, Field(gt=0)] = 7 * 86400.0  # output files kept this long
     max_output: Annotated[int, Field(ge=1024)] = 1 << 20  # bytes of output kept per task
     kill_grace: Annotated[float, Field(gt=0)] = 5.0  # SIGTERM to SIGKILL when stopping one

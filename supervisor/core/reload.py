@@ -75,6 +75,8 @@ EFFECTS: dict[str, Effect] = {
     "subagents.max_total_per_root": "workers",
     "tasks.kinds": "workers",  # the start_task tool; the task keeper runs them
     "tasks.max_running": "workers",
+    "tasks.max_running_total": "workers",  # the keeper's claims, and the start's answer
+    "tasks.max_running_per_principal": "workers",
     # An added target's secret variable is dropped from a worker's environment at its start.
     "delivery.targets.*": "workers",
     "log": "workers",  # each process sets its own logger up

@@ -132,6 +132,26 @@ def render(
     return argv
 
 
+def waits(
+    running_total: int, running_of_principal: int, *, max_total: int, max_per_principal: int
+) -> str | None:
+    """Why a pending task may not start now (the daemon's or its principal's share of
+    running tasks is taken), or None: it may. A task that waits stays pending, in order;
+    it is never dropped."""
+    if running_total >= max_total:
+        return (
+            f"{running_total} tasks run or wait already, and the daemon runs at most "
+            f"{max_total} at once (tasks.max_running_total)"
+        )
+    if running_of_principal >= max_per_principal:
+        return (
+            f"{running_of_principal} tasks of this session's principal run or wait already, "
+            f"and one principal runs at most {max_per_principal} at once "
+            "(tasks.max_running_per_principal)"
+        )
+    return None
+
+
 def decide(
     status: TaskStatus | str,
     *,

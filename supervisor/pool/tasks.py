@@ -210,9 +210,17 @@ class TaskKeeper:
     # --- START ----------------------------------------------------------------------
 
     async def _start(self, row: TaskInfo) -> None:
-        claimed = await asyncio.to_thread(self.store.tasks.claim, row.id, self.host, self.owner)
+        tasks = self.config.tasks
+        claimed = await asyncio.to_thread(
+            self.store.tasks.claim,
+            row.id,
+            self.host,
+            self.owner,
+            tasks.max_running_total,
+            tasks.max_running_per_principal,
+        )
         if claimed is None:
-            return  # another daemon took it, or it was cancelled meanwhile
+            return  # another daemon took it, it was cancelled, or it waits for a free slot
         kind = self.config.tasks.kind(claimed.kind)
         if kind is None or self.directory is None:
             why = (

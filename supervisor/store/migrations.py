@@ -136,8 +136,8 @@ def _restarts(db: peewee.Database) -> None:
 
 
 def _principals(db: peewee.Database) -> None:
-    """10: the principal each session belongs to, and each subagent's root, for the limits
-    per principal and per tree. A session made before has its creator's `admin` ACL row
+    """10: the principal each session (and task) belongs to, and each subagent's root, for
+    the limits per principal and per tree. A session made before has its creator's `admin` ACL row
     (the first such principal by name where an admin granted more); a subagent its
     parent's principal and root, read level by level from the top."""
     migrator = SchemaMigrator.from_database(db)
@@ -147,12 +147,16 @@ def _principals(db: peewee.Database) -> None:
         ),
         migrator.add_index("session", ("principal", "status"), False),
     )
-    # A subagent table made by step 6 from today's model has its root already.
-    if "root" not in {column.name for column in db.get_columns("subagent")}:
-        run_migrations(
-            migrator.add_column("subagent", "root", peewee.CharField(max_length=ID_LEN, null=True)),
-            migrator.add_index("subagent", ("root", "status"), False),
-        )
+    # A table made by step 6 or 7 from today's model has its new column already.
+    for table, column, size, index in (
+        ("subagent", "root", ID_LEN, ("root", "status")),
+        ("task", "principal", PRINCIPAL_LEN, ("status", "principal")),
+    ):
+        if column not in {found.name for found in db.get_columns(table)}:
+            run_migrations(
+                migrator.add_column(table, column, peewee.CharField(max_length=size, null=True)),
+                migrator.add_index(table, index, False),
+            )
     creator = SessionACL.select(peewee.fn.MIN(SessionACL.principal)).where(
         (SessionACL.session == Session.id) & (SessionACL.permission == "admin")
     )
@@ -165,6 +169,8 @@ def _principals(db: peewee.Database) -> None:
             Subagent.update(root=root or row.parent).where(Subagent.id == row.id).execute()
             if parent is not None:
                 Session.update(principal=parent.principal).where(Session.id == row.id).execute()
+    of_session = Session.select(Session.principal).where(Session.id == Task.session)
+    Task.update(principal=of_session).execute()
 
 
 # version -> the step that migrates version-1 to version.

@@ -232,6 +232,7 @@ class Task(BaseModel):
 
     id = peewee.CharField(max_length=ID_LEN, primary_key=True)
     session = peewee.CharField(max_length=ID_LEN, index=True)
+    principal = peewee.CharField(max_length=PRINCIPAL_LEN, null=True)  # its session's
     kind = peewee.CharField(max_length=64)
     args = JSONTextField(default="{}")  # the validated arguments
     status = peewee.CharField(max_length=16, default="pending", index=True)
@@ -257,7 +258,8 @@ class Task(BaseModel):
 
     class Meta:
         table_name = "task"
-        indexes = ((("session", "turn_id", "call_id"), False),)
+        # The second counts what runs, in all and of one principal, at each claim.
+        indexes = ((("session", "turn_id", "call_id"), False), (("status", "principal"), False))
 
 
 class Schedule(BaseModel):

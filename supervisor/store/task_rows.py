@@ -61,6 +61,7 @@ class Started:
     task: TaskInfo
     seq: int  # the session's `task_started`
     new: bool
+    waits: str | None = None  # why it waits `pending` for a free slot, if it does
 
 
 @dataclass(frozen=True)

@@ -62,13 +62,18 @@ class Tasks(Reading):
         token: int,
         turn_id: str | None,
         max_running: int,
+        max_running_total: int = 1 << 30,
+        max_running_per_principal: int = 1 << 30,
         call_id: str | None = None,
     ) -> Started:
         """Admit a task of `kind` with checked `args`, as the session's turn holding `token`.
 
         LeaseLost if the token is not the session's; `rules.TaskRefused` (saying why) past
         `max_running` or for a session that is not open. With `call_id`, the same tool call
-        of the same turn made again (a continued turn) gets the task it started.
+        of the same turn made again (a continued turn) gets the task it started. Past
+        `max_running_total` or `max_running_per_principal` (counting the tasks running, and
+        its principal's pending before it) it is admitted all the same, to wait `pending` in order:
+        `Started.waits` says why.
         """
         key = call_key(call_id)
 
@@ -100,9 +105,14 @@ class Tasks(Reading):
                     )
                 ],
             )
+            ahead = self._ahead(session.principal)
+            waits = rules.waits(
+                *ahead, max_total=max_running_total, max_per_principal=max_running_per_principal
+            )
             Task.insert(
                 id=task_id,
                 session=session_id,
+                principal=session.principal,
                 kind=kind,
                 args=json.dumps(args),
                 status=TaskStatus.PENDING,
@@ -111,7 +121,7 @@ class Tasks(Reading):
                 started_seq=seq,
                 created_at=time.time(),
             ).execute()
-            return Started(info_of(Task.get(Task.id == task_id)), seq, True)
+            return Started(info_of(Task.get(Task.id == task_id)), seq, True, waits)
 
         result: Started = run_write(self._db, work)
         return result
@@ -122,11 +132,41 @@ class Tasks(Reading):
 
     # --- a daemon starts it ---------------------------------------------------------
 
-    def claim(self, task_id: str, host: str, owner: str) -> TaskInfo | None:
+    @staticmethod
+    def _ahead(principal: str | None) -> tuple[int, int]:
+        """What a new task of `principal` would wait behind: the tasks running, and its
+        principal's running or pending (each of those starts before it)."""
+        running = Task.select().where(Task.status == TaskStatus.RUNNING).count()
+        live = Task.select().where(Task.status.in_(LIVE) & (Task.principal == principal))
+        return int(running), int(live.count())
+
+    @staticmethod
+    def _running_counts(principal: str | None) -> tuple[int, int]:
+        """The tasks running, in all and of `principal`."""
+        running = Task.select().where(Task.status == TaskStatus.RUNNING)
+        return int(running.count()), int(running.where(Task.principal == principal).count())
+
+    def claim(
+        self,
+        task_id: str,
+        host: str,
+        owner: str,
+        max_total: int = 1 << 30,
+        max_per_principal: int = 1 << 30,
+    ) -> TaskInfo | None:
         """Take a pending task for this daemon: `running` on `host`, heard from now. None
-        if it is not pending (another daemon took it, or it was cancelled)."""
+        if it is not pending (another daemon took it, or it was cancelled), or if
+        `max_total` tasks run already, or `max_per_principal` of its principal's: it then
+        stays pending for a later pass (counted in this transaction; on a server database
+        two daemons claiming at the same instant may each pass a cap by one)."""
 
         def work() -> TaskInfo | None:
+            row = Task.get_or_none(Task.id == task_id)
+            if row is None or row.status != TaskStatus.PENDING:
+                return None
+            counts = self._running_counts(row.principal)
+            if rules.waits(*counts, max_total=max_total, max_per_principal=max_per_principal):
+                return None
             now = db_now(self._db)
             taken = (
                 Task.update(

@@ -101,3 +101,61 @@ def test_only_the_listed_principals_agents_may_restart_the_daemon(
         mine = admin.post("/v1/sessions", json={}).json()["id"]
         admin.post(f"/v1/sessions/{mine}/inject", json={"text": "/restart for the test"})
         wait_until(lambda: store.restarts.list(), 60, "the admin's agent's restart request")
+
+
+# A command held by a gate: it waits for the file `gate`, then exits 0.
+GATED = ["sh", "-c", 'while [ ! -e "$1" ]; do sleep 0.05; done', "sh", "{gate}"]
+TASKS = {
+    "kinds": [{"name": "gated", "command": GATED, "args": {"gate": "^/[A-Za-z0-9/_.-]+$"}}],
+    "reconcile_interval": 0.5,
+    "max_running_total": 2,
+    "max_running_per_principal": 1,
+}
+
+
+def test_tasks_past_the_daemons_and_a_principals_share_wait_in_order(
+    daemons: Daemons, tmp_path: Path
+) -> None:
+    daemon = shared_daemon(daemons, tmp_path, tasks=TASKS).start()
+    gates: dict[str, Path] = {}
+
+    def start(http: httpx.Client, store: Store, session: str, name: str) -> str:
+        gates[name] = daemon.root / f"gate-{name}"
+        say(http, store, session, f'/task gated {{"gate": "{gates[name]}"}}')
+        return tool_results(store, session)[-1]
+
+    with (
+        client_of(daemon, ALICE) as alice,
+        client_of(daemon) as admin,
+        Store(daemon.url, migrate=False) as store,
+    ):
+        mine = alice.post("/v1/sessions", json={}).json()["id"]
+        theirs = admin.post("/v1/sessions", json={}).json()["id"]
+        assert "queued" not in start(alice, store, mine, "a1")
+        waits = start(alice, store, mine, "a2")
+        assert "queued" in waits and "tasks.max_running_per_principal" in waits, waits
+        assert "queued" not in start(admin, store, theirs, "b1")
+        waits = start(admin, store, theirs, "b2")
+        assert "queued" in waits and "tasks.max_running_total" in waits, waits
+        ids = {t.id: t for t in store.tasks.of_session(mine) + store.tasks.of_session(theirs)}
+        by_gate = {name: next(i for i, t in ids.items() if str(gates[name]) in str(t.args))
+                   for name in gates}  # fmt: skip
+
+        def status(*names: str) -> list[str]:
+            return [store.tasks.get(by_gate[name]).status for name in names]
+
+        def settled(*expected: str) -> bool:
+            return status("a1", "a2", "b1", "b2") == list(expected)
+
+        wait_until(lambda: settled("running", "pending", "running", "pending"), 30, "2 running")
+        gates["a1"].touch()  # alice's share frees: her next one, not the admin's, starts
+        wait_until(lambda: settled("succeeded", "running", "running", "pending"), 30, "a2 to start")
+        gates["b1"].touch()  # the daemon's share frees: the admin's waiting one starts
+        wait_until(
+            lambda: settled("succeeded", "running", "succeeded", "running"), 30, "b2 to start"
+        )
+        gates["a2"].touch()
+        gates["b2"].touch()
+        wait_until(
+            lambda: settled("succeeded", "succeeded", "succeeded", "succeeded"), 30, "the end"
+        )
