@@ -261,7 +261,12 @@ class Daemon(StopSteps):
         await self._serve(pool)
 
     async def _listen(self, api: Api) -> Listener:
-        listener = Listener(api.app(), self.config.http, self.config.attach.shutdown_timeout)
+        listener = Listener(
+            api.app(),
+            self.config.http,
+            self.config.attach.shutdown_timeout,
+            api.metrics.connections_evicted.inc,
+        )
         try:
             await listener.start(parse_listen(self.config.http.listen))
         except OSError as exc:

@@ -91,7 +91,8 @@ def test_each_key_has_the_effect_of_who_reads_it(
 # Every key, by what its change needs: who reads it, and when (a named entry's name is *).
 EXPECTED: dict[str, str] = {
     "restart": """daemon.state_dir daemon.runtime_dir daemon.host_id store.url store.synchronous
-        http.listen http.max_body http.read_timeout http.max_connections lease.stale_after
+        http.listen http.max_body http.read_timeout http.max_connections http.write_timeout
+        lease.stale_after
         shutdown.kill_grace attach.shutdown_timeout tasks.work_dir""",
     "live": """http.max_streams_per_principal auth.tokens_file auth.metrics_public
         auth.max_open_sessions_per_principal pool.workers

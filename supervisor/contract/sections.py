@@ -74,6 +74,9 @@ class HttpConfig(_Section):
     read_timeout: PositiveSeconds = 30.0
     max_connections: Annotated[int, Field(ge=1)] = 1024
     max_streams_per_principal: Annotated[int, Field(ge=1)] = 32
+    # A client that reads none of what it is sent (an answer, an attach stream) for this
+    # long is disconnected.
+    write_timeout: PositiveSeconds = 30.0
 
     @field_validator("listen")
     @classmethod

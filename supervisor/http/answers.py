@@ -105,6 +105,16 @@ def errors(storage: StorageHealth, metrics: Metrics, max_body: int) -> Any:
 
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        declared = request.content_length
+        if declared is not None and declared > max_body:
+            # At once, from the header: a client need not send (nor the daemon read) a body
+            # it will refuse. The connection is closed: the body is never read.
+            metrics.intake_rejections.labels(Rejection.TOO_LARGE).inc()
+            response = error_response(
+                413, "too_large", f"the body is over http.max_body ({max_body} bytes)"
+            )
+            response.force_close()
+            return response
         try:
             return await handler(request)
         except ApiError as exc:

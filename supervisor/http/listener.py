@@ -4,7 +4,13 @@
   its start, or from its previous response) is closed; a body gets the same time
   (`Api._body`), and so does what is left of a body after an early answer. A client
   trickling bytes cannot hold a connection for long.
-- At most `http.max_connections` connections are open; one over that is closed at once.
+- At most `http.max_connections` connections are open. A connection over that evicts the
+  one idle longest: no request in flight (an attach stream is a request in flight), by
+  the time of the last bytes it sent. Only when every connection has a request in flight
+  is the new one closed instead. An idle client cannot lock the admin or `/healthz` out.
+- A client that reads nothing of what it is sent for `http.write_timeout` (the transport's
+  buffer stays full: asyncio paused the writing) is disconnected; the handler writing to
+  it ends with the connection.
 - A request aiohttp's parser rejects (oversized headers, bad framing) is answered with
   the API's JSON error body, and logged as one line, at most `LOG_BURST` lines per
   `LOG_WINDOW` seconds: these clients are not authenticated, and must not fill the log.
@@ -59,30 +65,91 @@ class RateLimitedLog:
 
 
 class _Limits:
-    def __init__(self, config: HttpConfig) -> None:
+    def __init__(self, config: HttpConfig, evicted: Callable[[], None]) -> None:
         self.max_connections = config.max_connections
+        self.write_timeout = config.write_timeout
+        self.evicted = evicted  # counts an eviction (the metric)
         self.refused = RateLimitedLog(log("http").warning)
 
 
 class _Handler(RequestHandler):
-    """aiohttp's connection handler, with a connection cap and JSON error bodies."""
+    """aiohttp's connection handler, with a connection cap that evicts the idlest, a write
+    timeout and JSON error bodies."""
 
-    __slots__ = ("_limits",)
+    __slots__ = ("_heard_at", "_limits", "_stalled")
 
     def __init__(self, manager: web.Server, limits: _Limits, **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
         self._limits = limits
+        self._heard_at = 0.0  # the loop's time of the last bytes the client sent
+        self._stalled: asyncio.TimerHandle | None = None  # the write timeout, while paused
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
+        now = asyncio.get_running_loop().time()
+        self._heard_at = now
         manager = self._manager
-        if manager is not None and len(manager.connections) > self._limits.max_connections:
+        if manager is None or len(manager.connections) <= self._limits.max_connections:
+            return
+        idle = [
+            other
+            for other in manager.connections
+            if isinstance(other, _Handler) and other is not self and other.idle
+        ]
+        limit = self._limits.max_connections
+        if idle:
+            victim = min(idle, key=lambda other: other._heard_at)
+            victim.force_close()
+            self._limits.evicted()
             self._limits.refused(
-                f"refused a connection: http.max_connections "
-                f"({self._limits.max_connections}) are open",
-                asyncio.get_running_loop().time(),
+                f"evicted the connection idle longest ({now - victim._heard_at:.0f} s): "
+                f"http.max_connections ({limit}) were open",
+                now,
             )
-            self.force_close()
+            return
+        self._limits.refused(
+            f"refused a connection: http.max_connections ({limit}) are open, each with a "
+            "request in flight",
+            now,
+        )
+        self.force_close()
+
+    @property
+    def idle(self) -> bool:
+        """No request in flight: waiting for a request head (or the rest of one)."""
+        return not self._request_in_progress and self.transport is not None
+
+    def data_received(self, data: bytes) -> None:
+        self._heard_at = asyncio.get_running_loop().time()
+        super().data_received(data)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._stalled is None:
+            loop = asyncio.get_running_loop()
+            self._stalled = loop.call_later(self._limits.write_timeout, self._write_timed_out)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._stalled is not None:
+            self._stalled.cancel()
+            self._stalled = None
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if self._stalled is not None:
+            self._stalled.cancel()
+            self._stalled = None
+        super().connection_lost(exc)
+
+    def _write_timed_out(self) -> None:
+        self._stalled = None
+        self._limits.refused(
+            f"disconnected a client that read nothing for http.write_timeout "
+            f"({self._limits.write_timeout:g} s)",
+            asyncio.get_running_loop().time(),
+        )
+        if self.transport is not None:
+            self.transport.abort()  # its buffer would never drain: no graceful close
 
     def log_exception(self, *args: Any, **kw: Any) -> None:
         """aiohttp's own failures (a body that broke while it was drained, say): one line."""
@@ -122,8 +189,15 @@ class _Handler(RequestHandler):
 class Listener:
     """The API's aiohttp application served on `http.listen`, with the limits above."""
 
-    def __init__(self, app: web.Application, config: HttpConfig, shutdown_timeout: float):
+    def __init__(
+        self,
+        app: web.Application,
+        config: HttpConfig,
+        shutdown_timeout: float,
+        evicted: Callable[[], None] = lambda: None,
+    ):
         self.config = config
+        self.evicted = evicted
         # aiohttp's keep-alive timer closes a connection that is waiting for a request
         # head; armed at the connection's start and after each response, it is the
         # read timeout for request heads.
@@ -146,7 +220,7 @@ class Listener:
         manager = self.runner.server
         assert manager is not None
         loop = asyncio.get_running_loop()
-        limits = _Limits(self.config)
+        limits = _Limits(self.config, self.evicted)
 
         def protocol() -> _Handler:
             return _Handler(manager, limits, loop=loop, **self._handler_options)

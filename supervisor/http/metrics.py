@@ -225,6 +225,11 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+        self.connections_evicted = Counter(
+            "turnkeeper_http_connections_evicted",
+            "Idle connections closed to make room under http.max_connections.",
+            registry=r,
+        )
         self.recovery = Counter(
             "turnkeeper_session_recovery",
             "Recovery decisions about interrupted turns, by action, cause and outcome.",

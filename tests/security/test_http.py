@@ -83,43 +83,6 @@ def test_a_client_that_sends_no_whole_request_in_time_is_disconnected(
         assert client.get("/readyz").status_code == 200
 
 
-def test_connections_over_the_limit_are_closed_and_the_daemon_serves_on(
-    daemons: Daemons, tmp_path: Path
-) -> None:
-    daemon = _daemon(daemons, tmp_path, max_connections=4).start()
-    held: list[socket.socket] = []
-
-    def hold_one() -> bool:
-        """Open a connection the daemon serves: one registered once it is accepted."""
-        conn = _connect(tmp_path)
-        try:
-            conn.sendall(b"GET /healthz HTTP/1.1\r\nHost: turnkeeper\r\n\r\n")
-            if b"200 OK" in conn.recv(65536):
-                held.append(conn)
-                return True
-        except OSError:
-            pass
-        conn.close()  # the readiness probe's connection was still counted: try again
-        return False
-
-    try:
-        for _ in range(4):
-            wait_until(hold_one, 10, "a connection under the limit to be served")
-        with contextlib.closing(_connect(tmp_path)) as extra:
-            assert _closed_by_peer(extra, 5.0), "a fifth connection was kept"
-    finally:
-        for conn in held:
-            conn.close()
-
-    def serves() -> bool:
-        with contextlib.suppress(httpx.HTTPError), daemon.client() as client:
-            return client.get("/healthz").status_code == 200
-        return False
-
-    wait_until(serves, 10, "a connection to be served again")
-    assert "refused a connection: http.max_connections (4) are open" in daemon.log()
-
-
 def test_attach_streams_over_the_per_principal_limit_get_429(
     daemons: Daemons, tmp_path: Path
 ) -> None:
