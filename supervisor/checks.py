@@ -60,6 +60,7 @@ def verdicts(
         yield model_verdict(config, environ)
         for server in config.mcp.servers:
             yield from mcp_verdicts(server, environ)
+        yield event_size_verdict(config)
         yield from work_dir_verdicts(config, environ)
         for kind in config.tasks.kinds:
             yield from task_verdicts(kind, environ)
@@ -110,6 +111,27 @@ def mcp_verdicts(server: McpServer, environ: Mapping[str, str]) -> Generator[Ver
         yield Verdict(f"{key}.command", False, f"{key}.command: {problem}", fix)
     else:
         yield Verdict(f"{key}.command", True, f"{key}.command: {found}")
+
+
+def event_size_verdict(config: Config) -> Verdict:
+    """`store.max_event_bytes` holds what the other limits admit: a message of
+    `http.max_body`, a model answer of `model.max_response_bytes`, a tool result of
+    `tools.max_result_bytes`."""
+    limit = config.store.max_event_bytes
+    for key, value in (
+        ("http.max_body", config.http.max_body),
+        ("model.max_response_bytes", config.model.max_response_bytes),
+        ("tools.max_result_bytes", config.tools.max_result_bytes),
+    ):
+        if limit <= value:
+            return Verdict(
+                "store.max_event_bytes",
+                False,
+                f"store.max_event_bytes: {limit} is not above {key} ({value}): what it admits "
+                "could not be stored",
+                f"raise store.max_event_bytes above {value}, or lower {key}",
+            )
+    return Verdict("store.max_event_bytes", True, f"store.max_event_bytes: {limit}")
 
 
 def work_dir_verdicts(config: Config, environ: Mapping[str, str]) -> Generator[Verdict, None, None]:

@@ -105,7 +105,12 @@ class Daemon(StopSteps):
         (self.paths.runtime_dir / STOP_REQUEST).unlink(missing_ok=True)  # an earlier boot's
         self._announce()
         async with contextlib.AsyncExitStack() as stack:
-            store = await asyncio.to_thread(Store, self.paths.db_url, self.config.store.synchronous)
+            store = await asyncio.to_thread(
+                Store,
+                self.paths.db_url,
+                self.config.store.synchronous,
+                max_event_bytes=self.config.store.max_event_bytes,
+            )
             stack.push_async_callback(self._close_store, store)
             boot_id = uuid.uuid4().hex
             # The host id first: a daemon that may not run writes no boot row of that host.

@@ -91,6 +91,7 @@ def test_each_key_has_the_effect_of_who_reads_it(
 # Every key, by what its change needs: who reads it, and when (a named entry's name is *).
 EXPECTED: dict[str, str] = {
     "restart": """daemon.state_dir daemon.runtime_dir daemon.host_id store.url store.synchronous
+        store.max_event_bytes
         http.listen http.max_body http.read_timeout http.max_connections http.write_timeout
         lease.stale_after
         shutdown.kill_grace attach.shutdown_timeout tasks.work_dir""",
@@ -108,7 +109,7 @@ EXPECTED: dict[str, str] = {
         restart.turn_wait""",
     "workers": """pool.heartbeat_interval pool.history_cache_mb agent.class agent.allowed
         model.provider model.delay model.base_url model.model model.api_key_env model.timeout
-        model.max_tokens mcp.servers.*.command mcp.servers.*.env.TOKEN mcp.servers.*.cwd
+        model.max_tokens model.max_response_bytes tools.max_result_bytes mcp.servers.*.command mcp.servers.*.env.TOKEN mcp.servers.*.cwd
         mcp.servers.*.start_timeout mcp.servers.*.call_timeout recovery.auto_continue
         recovery.attempt_delays subagents.max_depth subagents.max_children
         subagents.max_total_per_root restart.agent_principals

@@ -99,7 +99,11 @@ class Worker:
         # The MCP servers' processes first: their starts overlap the rest of this one.
         launched = await launch_all(self.config.mcp.servers)
         self.store = await asyncio.to_thread(
-            Store, self.spec.db_url, self.config.store.synchronous, migrate=False
+            Store,
+            self.spec.db_url,
+            self.config.store.synchronous,
+            migrate=False,
+            max_event_bytes=self.config.store.max_event_bytes,
         )
         self.agent_class = load_agent_class(self.config.agent.class_)
         self.model = make_model(self.config.model)
@@ -122,7 +126,7 @@ class Worker:
                 launched=launched,
             )
             boxes.append(self.mcp)
-        self.toolbox = Toolboxes(*boxes)
+        self.toolbox = Toolboxes(*boxes, max_result_bytes=self.config.tools.max_result_bytes)
         agents = self.config.agent
         self._limits = Limits(
             self.config.subagents.max_depth,

@@ -13,6 +13,22 @@ from typing import Any, Protocol
 
 from workers.models import ToolSpec
 
+MAX_RESULT_BYTES = 256 * 1024  # tools.max_result_bytes
+
+
+def cut(text: str, limit: int) -> str:
+    """`text` whole if its UTF-8 is at most `limit` bytes, else its first `limit` bytes (a
+    character never split) and a note saying how much was cut."""
+    data = text.encode("utf-8", "surrogatepass")
+    if len(data) <= limit:
+        return text
+    kept = data[:limit].decode("utf-8", "ignore")
+    dropped = len(data) - len(kept.encode("utf-8", "surrogatepass"))
+    return (
+        f"{kept}\n[cut: {dropped:,} of {len(data):,} bytes not kept; "
+        f"tools.max_result_bytes = {limit}]"
+    )
+
 
 @dataclass(frozen=True)
 class ToolOutcome:
@@ -80,10 +96,16 @@ class BuiltinTools:
 
 
 class Toolboxes:
-    """Several toolboxes offered as one; a name offered twice goes to the first toolbox."""
+    """Several toolboxes offered as one; a name offered twice goes to the first toolbox.
 
-    def __init__(self, *boxes: Toolbox) -> None:
+    A result longer than `max_result_bytes` (`tools.max_result_bytes`) of UTF-8 is cut
+    there, with a note saying how much was cut: that is what the model reads and what is
+    stored.
+    """
+
+    def __init__(self, *boxes: Toolbox, max_result_bytes: int = MAX_RESULT_BYTES) -> None:
         self.boxes = boxes
+        self.max_result_bytes = max_result_bytes
 
     def specs(self) -> list[ToolSpec]:
         """The tools of every toolbox, without duplicate names."""
@@ -100,6 +122,7 @@ class Toolboxes:
         """Run `name` in the first toolbox that offers it."""
         for box in self.boxes:
             if any(spec.name == name for spec in box.specs()):
-                return await box.call(name, arguments)
+                outcome = await box.call(name, arguments)
+                return ToolOutcome(cut(outcome.content, self.max_result_bytes), outcome.is_error)
         known = ", ".join(spec.name for spec in self.specs())
         return ToolOutcome(f"unknown tool {name!r}; known: {known}", is_error=True)

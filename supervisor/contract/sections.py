@@ -66,6 +66,9 @@ class DaemonConfig(_Section):
 class StoreConfig(_Section):
     url: str = ""
     synchronous: Annotated[Literal["full", "normal"], _lower] = "full"
+    # One event's payload at most (JSON, bytes); above http.max_body, model.max_response_bytes
+    # and tools.max_result_bytes (a start checks it), so what they admit can be stored.
+    max_event_bytes: Annotated[int, Field(ge=65536)] = 8 << 20
 
 
 class HttpConfig(_Section):
@@ -166,6 +169,8 @@ class ModelConfig(_Section):
     api_key_env: str = ""
     timeout: PositiveSeconds = 60.0
     max_tokens: Annotated[int, Field(ge=1)] = 1024
+    # An answer's body past this many bytes fails the call for good, unread.
+    max_response_bytes: Annotated[int, Field(ge=1024)] = 4 << 20
 
 
 class McpServer(_Section):
@@ -186,6 +191,12 @@ class McpConfig(_Section):
     def _unique_names(cls, servers: list[McpServer]) -> list[McpServer]:
         unique_names(servers, "server name", "mcp.servers")
         return servers
+
+
+class ToolsConfig(_Section):
+    # A tool's result past this many bytes of UTF-8 is cut, with a note, before the model
+    # reads it and before it is stored.
+    max_result_bytes: Annotated[int, Field(ge=1024)] = 256 * 1024
 
 
 class ShutdownConfig(_Section):
@@ -269,6 +280,7 @@ class Config(_Section):
     agent: AgentConfig = Field(default_factory=AgentConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     mcp: McpConfig = Field(default_factory=McpConfig)
+    tools: ToolsConfig = Field(default_factory=ToolsConfig)
     shutdown: ShutdownConfig = Field(default_factory=ShutdownConfig)
     attach: AttachConfig = Field(default_factory=AttachConfig)
     recovery: RecoveryConfig = Field(default_factory=RecoveryConfig)

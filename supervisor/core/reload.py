@@ -66,6 +66,7 @@ EFFECTS: dict[str, Effect] = {
     "agent": "workers",  # loaded by workers; the API checks a session's choice
     "model": "workers",
     "mcp": "workers",
+    "tools": "workers",  # each worker cuts its tools' results
     # A worker's runners take their continuation schedule at its start (recovery judges by
     # it too).
     "recovery.auto_continue": "workers",

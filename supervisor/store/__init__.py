@@ -29,7 +29,8 @@ from supervisor.store.errors import (
     TooManySessions,
 )
 from supervisor.store.eventlog import EVENT_TYPES, EventLog, EventRecord
-from supervisor.store.events import ReplayedSeq, request_digest, scoped_key
+from supervisor.store.events import EventTooLarge, ReplayedSeq, request_digest, scoped_key
+from supervisor.store.events import limits as event_limits
 from supervisor.store.hosts import Host, Hosts, HostTaken, Me, SingleHost
 from supervisor.store.leases import Grant, Granted, Lease, Leases
 from supervisor.store.models import MODELS, SchemaVersion
@@ -54,6 +55,7 @@ __all__ = [
     "DeliveryInfo",
     "EventLog",
     "EventRecord",
+    "EventTooLarge",
     "FireInfo",
     "Grant",
     "Granted",
@@ -108,7 +110,16 @@ class Store:
     error instead of creating a database by accident.
     """
 
-    def __init__(self, url: str, synchronous: str = "full", *, migrate: bool = True) -> None:
+    def __init__(
+        self,
+        url: str,
+        synchronous: str = "full",
+        *,
+        migrate: bool = True,
+        max_event_bytes: int | None = None,
+    ) -> None:
+        if max_event_bytes is not None:  # the process's limit (`events.limits`)
+            event_limits.max_event_bytes = max_event_bytes
         path = sqlite_path(url)
         if not migrate and path is not None and not path.exists():
             raise SchemaMissing(

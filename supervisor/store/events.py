@@ -98,6 +98,28 @@ def request_digest(canonical: str) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
+class EventLimits:
+    """How large one stored event may be: `store.max_event_bytes` of its payload's JSON.
+
+    One per process: the daemon and each worker set it from their configuration when they
+    open their store (`Store(..., max_event_bytes=...)`)."""
+
+    max_event_bytes: int = 8 << 20
+
+
+limits = EventLimits()
+
+
+class EventTooLarge(ValueError):
+    """An event whose payload is over `store.max_event_bytes`: nothing is written."""
+
+    def __init__(self, type: str, size: int, limit: int) -> None:
+        super().__init__(
+            f"a {type} event of {size} bytes is over store.max_event_bytes ({limit}); "
+            "it was not stored"
+        )
+
+
 @dataclass(slots=True)
 class AppendRequest:
     """An event to append; built by `make_request`, which validates it."""
@@ -155,6 +177,11 @@ def make_request(
         payload_json = _encode(payload)
     except (TypeError, ValueError, RecursionError) as exc:
         raise ValueError(f"event payload is not JSON-serializable: {exc}") from exc
+    # A character is at most 4 bytes of UTF-8: most payloads need no encoding to be judged.
+    if len(payload_json) * 4 > limits.max_event_bytes:
+        size = len(payload_json.encode("utf-8", "surrogatepass"))
+        if size > limits.max_event_bytes:
+            raise EventTooLarge(type, size, limits.max_event_bytes)
     if idempotency_key is not None and not 0 < len(idempotency_key) <= 200:
         raise ValueError("idempotency key must be 1 to 200 characters")
     if type in TURN_EVENTS and not turn_id:

@@ -1,8 +1,9 @@
 """An MCP server with one tool for each behaviour the client has to handle.
 
 `add` (read-only, idempotent), `slow` (sleeps), `fail` (an error result), `whoami`
-(selected environment variables, to check what the client passed on) and `die` (the
-process exits in the middle of the call, without answering).
+(selected environment variables, to check what the client passed on), `big` (a result
+of the size asked for) and `die` (the process exits in the middle of the call, without
+answering).
 
 When the file named by BASIC_REFUSE_IF_EXISTS exists, the server exits at once with
 status 2 instead of starting (a crash loop, without the cost of importing the SDK).
@@ -57,6 +58,12 @@ def whoami(names: list[str]) -> str:
             "names": sorted(os.environ),
         }
     )
+
+
+@server.tool(annotations=ToolAnnotations(read_only_hint=True, idempotent_hint=True))
+def big(size: int) -> str:
+    """`size` characters ("y"), for the cut of large results."""
+    return "y" * size
 
 
 @server.tool()

@@ -68,4 +68,5 @@ def make_model(cfg: ModelConfig, environ: Mapping[str, str] | None = None) -> Mo
         api_key=api_key,
         timeout=cfg.timeout,
         max_tokens=cfg.max_tokens,
+        max_response_bytes=cfg.max_response_bytes,
     )

@@ -1,7 +1,8 @@
 """The `openai` model: any OpenAI-compatible chat-completions server.
 
 Ollama, vLLM and the llama.cpp server all speak it. One POST to
-`{base_url}/chat/completions` per call, no streaming. Every failure becomes a
+`{base_url}/chat/completions` per call, no streaming; its answer is read up to
+`model.max_response_bytes` and no further. Every failure becomes a
 `ModelError` whose one-line message names the server; the API key is never part of one.
 
 A `user:password@` in `base_url` is taken out of the URL before any request and any
@@ -31,6 +32,7 @@ from workers.models.base import (
 )
 
 EXCERPT = 200
+DEFAULT_MAX_RESPONSE = 4 << 20  # model.max_response_bytes
 _AUTHORITY = re.compile(r"(?P<scheme>[^:/?#]+://)(?P<authority>[^/?#]*)(?P<rest>.*)", re.DOTALL)
 _FINISH_REASONS: frozenset[str] = frozenset({"stop", "tool_calls", "length"})
 
@@ -50,11 +52,13 @@ class OpenAIModel:
         timeout: float,
         max_tokens: int,
         transport: httpx.AsyncBaseTransport | None = None,
+        max_response_bytes: int = DEFAULT_MAX_RESPONSE,
     ) -> None:
         self.base_url, self._userinfo = without_userinfo(base_url.rstrip("/"))
         self.model = model
         self.timeout = timeout
         self.max_tokens = max_tokens
+        self.max_response_bytes = max_response_bytes
         self._api_key = api_key or None
         self._transport = transport
         self._client: httpx.AsyncClient | None = None
@@ -68,9 +72,7 @@ class OpenAIModel:
         headers = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
         try:
             async with asyncio.timeout(self.timeout):
-                answer = await self._http().post(
-                    f"{self.base_url}/chat/completions", json=body, headers=headers
-                )
+                answer = await self._post(body, headers)
         except (TimeoutError, httpx.TimeoutException):
             raise ModelError(
                 f"model server {self.base_url} did not answer within {self.timeout:g} s (timeout)",
@@ -95,6 +97,36 @@ class OpenAIModel:
             raise ModelError(
                 f"model server {self.base_url} sent a malformed answer: {_one_line(str(exc))}"
             ) from None
+
+    async def _post(self, body: dict[str, Any], headers: dict[str, str]) -> httpx.Response:
+        """The answer, its body read up to `max_response_bytes` (whatever Content-Length
+        says): a server that sends more fails the call, for good, before it is all held."""
+        request = self._http().build_request(
+            "POST", f"{self.base_url}/chat/completions", json=body, headers=headers
+        )
+        answer = await self._http().send(request, stream=True)
+        try:
+            declared = answer.headers.get("content-length", "")
+            if declared.isdigit() and int(declared) > self.max_response_bytes:
+                raise self._too_large(int(declared))
+            content = bytearray()
+            async for chunk in answer.aiter_bytes():  # decoded: a compressed bomb is cut too
+                content += chunk
+                if len(content) > self.max_response_bytes:
+                    raise self._too_large(None)
+        finally:
+            await answer.aclose()
+        kept = {"content-type": answer.headers.get("content-type", "application/json")}
+        return httpx.Response(
+            answer.status_code, headers=kept, content=bytes(content), request=request
+        )
+
+    def _too_large(self, declared: int | None) -> ModelError:
+        size = f"{declared} bytes" if declared is not None else "more"
+        return ModelError(
+            f"model server {self.base_url} answered {size} than model.max_response_bytes "
+            f"({self.max_response_bytes}) allows; the answer was not read"
+        )
 
     async def aclose(self) -> None:
         """Close the HTTP client; the next call opens a new one."""
