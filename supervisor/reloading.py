@@ -83,6 +83,7 @@ class ReloadResult:
     # Why it was refused, for the API's status: invalid_config (422: a start would refuse
     # it), stopping (503) or failed (500: an error of the daemon's, in its log).
     code: str = "ok"
+    revoked: list[str] = field(default_factory=list)  # principals no longer in the tokens file
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-safe: the API's `ReloadOut`."""
@@ -94,6 +95,7 @@ class ReloadResult:
             "loaded_at": self.loaded_at,
             "changes": [change.as_dict() for change in self.changes],
             "needs_restart": list(self.needs_restart),
+            "revoked": list(self.revoked),
             "workers_replaced": self.workers_replaced,
             "incomplete": self.incomplete,
         }
@@ -235,6 +237,7 @@ class Reloader:
             self.log.opt(exception=exc).error("the configuration could not be read: {!r}", exc)
             return self._refused(f"the configuration could not be read: {exc!r}", FAILED), []
         version = config_version(in_force)
+        known = self.api.tokens.principals().keys()
         try:
             self._apply(before, in_force, version, read_at, tokens)
         except Exception as exc:
@@ -245,6 +248,9 @@ class Reloader:
                 exc,
             )
             return self._refused(f"applying the configuration failed: {exc!r}", FAILED), []
+        now_known = tokens.principals().keys()
+        revoked = sorted(known - now_known)
+        await self._revoke(revoked, sorted(now_known - known))
         result = ReloadResult(
             True,
             None,
@@ -253,6 +259,7 @@ class Reloader:
             self.loaded_at,
             found,
             needs_restart=[c.key for c in found if c.effect == "restart"],
+            revoked=revoked,
             workers_replaced=workers or any(c.effect == "workers" for c in found),
         )
         self._say(result)
@@ -316,6 +323,34 @@ class Reloader:
         ended = self.api.hub.hang_up(lost)
         if ended:
             self.log.info("hung up {} attach streams opened with a token no longer valid", ended)
+
+    async def _revoke(self, revoked: list[str], restored: list[str]) -> None:
+        """Stop what the principals the tokens file no longer lists set in motion: their
+        schedules paused, their pending and running tasks cancelled (their requests in
+        flight are refused by the API, which checks the token again before it writes).
+        The schedules of principals listed again are resumed. A failure here is logged:
+        the tokens are in force already."""
+        store = self.pool.store
+        try:
+            if restored:
+                resumed = await asyncio.to_thread(store.schedules.resume_owned_by, restored)
+                if resumed:
+                    self.log.info("{} schedules of {} resumed", resumed, ", ".join(restored))
+            if not revoked:
+                return
+            paused = await asyncio.to_thread(store.schedules.pause_owned_by, revoked)
+            tasks = await asyncio.to_thread(store.tasks.live_of_principals, revoked)
+            for task_id in tasks:
+                if await asyncio.to_thread(store.tasks.cancel, task_id) is not None:
+                    self.pool.cancel_task(task_id)
+            self.log.warning(
+                "revoked {}: {} schedules paused, {} tasks cancelled",
+                ", ".join(revoked),
+                paused,
+                len(tasks),
+            )
+        except Exception as exc:
+            self.log.opt(exception=exc).error("stopping what {} set in motion failed", revoked)
 
     def _say(self, result: ReloadResult) -> None:
         for change in result.changes:

@@ -88,21 +88,47 @@ def test_a_schedule_needs_an_open_session_and_room(store: Store) -> None:
     with pytest.raises(SessionClosed):
         make(store, closed)
     make(store, limit=2)
-    make(store, limit=2)
-    with pytest.raises(ScheduleRefused, match=r"there are 2 schedules already") as full:
+    # The principals other than the admin share 90 % of the limit: the rest is the admin's.
+    with pytest.raises(ScheduleRefused, match=r"kept for the admin") as share:
         make(store, limit=2)
+    assert share.value.code == "too_many_schedules"
+    make(store, limit=2, owner="admin")
+    with pytest.raises(ScheduleRefused, match=r"there are 2 schedules already") as full:
+        make(store, limit=2, owner="admin")
     assert full.value.code == "too_many_schedules"
     with pytest.raises(ScheduleRefused, match=r"turned off") as off:
         make(store, limit=0)
     assert off.value.code == "schedules_off"
     assert len(store.schedules.visible()) == 2
     # Per owner: alice's two are her limit, not bob's.
+    make(store)
     with pytest.raises(ScheduleRefused, match=r"alice has made 2 schedules already") as mine:
         make(store, per_owner=2)
     assert mine.value.code == "too_many_own_schedules"
     assert "schedules.max_per_owner" in str(mine.value)
     make(store, owner="bob", per_owner=2)
-    assert len(store.schedules.visible()) == 3
+    assert len(store.schedules.visible()) == 4
+
+
+def test_a_schedule_ends_with_its_session_and_counts_no_more(store: Store) -> None:
+    session = store.sessions.create("alice").id
+    made = make(store, session, limit=2, owner="admin")
+    make(store, limit=2, owner="admin")
+    store.sessions.close(session, "alice")
+    assert store.schedules.get(made.id).status == "ended"
+    assert made.id not in {s.id for s in store.schedules.active()}
+    make(store, limit=2, owner="admin")  # the ended one left room
+
+
+def test_a_revoked_owners_schedules_pause_and_resume(store: Store) -> None:
+    mine, theirs = make(store), make(store, owner="bob")
+    assert store.schedules.pause_owned_by(["alice"]) == 1
+    assert [s.id for s in store.schedules.active()] == [theirs.id]
+    assert store.schedules.get(mine.id).status == "paused"
+    assert store.schedules.pause_owned_by(["alice"]) == 0  # once
+    assert store.schedules.resume_owned_by(["alice"]) == 1
+    resumed = store.schedules.get(mine.id)
+    assert resumed.status == "active" and resumed.armed_from > mine.armed_from
 
 
 def test_a_time_is_recorded_once_and_only_after_the_newest(store: Store) -> None:

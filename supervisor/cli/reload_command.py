@@ -253,6 +253,11 @@ def result_lines(result: dict[str, Any], *, waited: bool = True) -> list[str]:
         if c["effect"] != "restart"
     ]
     lines += [f"needs a restart: {key} (left as it was)" for key in result["needs_restart"]]
+    for principal in result.get("revoked", []):
+        lines.append(
+            f"revoked: {principal} (requests in flight refused, schedules paused, "
+            "running tasks cancelled)"
+        )
     before, now = result["version_before"], result["version"]
     lines.append(
         f"configuration {before} -> {now}" if before != now else f"configuration {now} unchanged"

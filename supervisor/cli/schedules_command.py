@@ -67,8 +67,9 @@ def schedules() -> None:
 def list_command(ctx: click.Context, as_json: bool) -> None:
     """List the schedules the caller may read, oldest first.
 
-    NEXT is the next scheduled time; LAST the latest one decided and its
-    outcome (fired, caught_up after a restart, skipped).
+    NEXT is the next scheduled time (or `paused`: its owner's token was
+    revoked; `ended`: its session was closed); LAST the latest one decided and
+    its outcome (fired, caught_up after a restart, skipped).
     """
     with connect(ctx) as client:
         found = list_schedules(client)
@@ -146,7 +147,7 @@ def schedule_table(found: list[dict[str, Any]], columns: int) -> list[str]:
                 s["timezone"],
                 s["misfire"],
                 s["session"] or NEW_EACH_RUN,
-                when(s["next_fire_at"]),
+                when(s["next_fire_at"]) if s.get("status", "active") == "active" else s["status"],
                 "-" if last is None else f"{when(last['scheduled_for'])} {last['outcome']}",
                 "",
             ]

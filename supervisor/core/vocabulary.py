@@ -206,6 +206,17 @@ class Misfire(StrEnum):
     SKIP = "skip"  # none; the next fire runs on time
 
 
+ADMIN_PRINCIPAL = "admin"  # the principal of the admin token (`<state_dir>/admin.token`)
+
+
+class ScheduleStatus(StrEnum):
+    """Whether a schedule fires."""
+
+    ACTIVE = "active"  # fires on its times
+    PAUSED = "paused"  # its owner's token was revoked: listed, never fired, until it is back
+    ENDED = "ended"  # its session was closed: never fires again, counted against no limit
+
+
 class FireOutcome(StrEnum):
     """How a scheduled time was handled (`turnkeeper_schedule_fires_total{outcome}`)."""
 

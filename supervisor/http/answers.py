@@ -74,7 +74,8 @@ def error_response(
 
 
 async def read_body(request: web.Request, model: type[M], timeout: float) -> M:
-    """The request's JSON body as `model`; an ApiError (400, 408, 422) saying what is wrong."""
+    """The request's JSON body as `model`; an ApiError (400, 408, 422) saying what is wrong,
+    or 401 if the request's token was revoked while the body was read (a reload)."""
     try:
         raw = await asyncio.wait_for(request.read(), timeout)
     except web.HTTPException:
@@ -83,6 +84,15 @@ async def read_body(request: web.Request, model: type[M], timeout: float) -> M:
         raise ApiError(408, "timeout", f"the body did not arrive within {timeout} s") from exc
     except Exception as exc:  # a broken transfer or content encoding
         raise ApiError(400, "bad_body", f"the body cannot be read: {exc}") from exc
+    still_valid = request.get("token_valid")
+    if still_valid is not None and not still_valid():
+        # A reload revoked or replaced the token while the body came in: nothing is written.
+        raise ApiError(
+            401,
+            "unauthorized",
+            "the token was revoked while the request was sent; nothing was stored",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
     try:
         data = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:

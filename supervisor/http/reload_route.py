@@ -91,6 +91,11 @@ class ReloadOut(BaseModel):
     loaded_at: float = Field(description="when the configuration in force was loaded")
     changes: list[ChangeOut]
     needs_restart: list[str] = Field(description="keys changed that need a restart, not applied")
+    revoked: list[str] = Field(
+        default_factory=list,
+        description="principals the tokens file no longer lists: their requests in flight are "
+        "refused, their schedules paused, their running tasks cancelled",
+    )
     workers_replaced: bool = Field(
         description="the workers were replaced (a key they read changed, or `workers` asked)"
     )

@@ -32,7 +32,7 @@ from pydantic_core import PydanticCustomError
 from supervisor.contract.config import Config
 from supervisor.contract.cron import MAX_CRON, MAX_TIMEZONE, Cron, CronError, zone
 from supervisor.core.schedules import GAP_SAMPLE, next_due, shortest_gap
-from supervisor.core.vocabulary import FireOutcome, Misfire, Permission
+from supervisor.core.vocabulary import FireOutcome, Misfire, Permission, ScheduleStatus
 from supervisor.http.answers import ApiError, answer, read_body, whole
 from supervisor.http.auth import ADMIN
 from supervisor.http.schemas import MAX_TEXT, SESSION_ID_PATTERN
@@ -110,8 +110,13 @@ class ScheduleOut(BaseModel):
     owner: str | None = Field(description="the principal that made it")
     misfire: Misfire
     created_at: float
+    status: ScheduleStatus = Field(
+        description="active; paused (its owner's token was revoked: it does not fire until "
+        "the owner is back in the tokens file); ended (its session was closed)"
+    )
     next_fire_at: float | None = Field(
-        description="its next scheduled time, epoch seconds; null: none within 50 years"
+        description="its next scheduled time, epoch seconds; null: none within 50 years, or "
+        "it is not active"
     )
     last_fire: FireOut | None
 
@@ -139,6 +144,8 @@ def schedule_out(info: ScheduleInfo, last: FireInfo | None, now: float) -> Sched
         since = max(info.armed_from, last.scheduled_for if last else info.armed_from)
         upcoming = next_due(Cron(info.cron, info.timezone), since, now)
     except CronError:  # a time zone this machine does not have: it cannot fire here
+        upcoming = None
+    if info.status != ScheduleStatus.ACTIVE:
         upcoming = None
     fire = None if last is None else FireOut.model_validate(last.to_dict())
     return ScheduleOut.model_validate(

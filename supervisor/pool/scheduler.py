@@ -35,7 +35,14 @@ from supervisor.contract.config import Config
 from supervisor.contract.cron import Cron, CronError
 from supervisor.contract.logs import log
 from supervisor.core import schedules as rules
-from supervisor.core.vocabulary import EventType, FireOutcome, Permission, SessionStatus, Writer
+from supervisor.core.vocabulary import (
+    EventType,
+    FireOutcome,
+    Permission,
+    ScheduleStatus,
+    SessionStatus,
+    Writer,
+)
 from supervisor.http.auth import ADMIN
 from supervisor.http.metrics import Metrics
 from supervisor.store import FireInfo, ScheduleInfo, SessionClosed, SessionNotFound, Store
@@ -135,7 +142,7 @@ class Scheduler:
         rest = min(rest, self.recheck_at - self.clock.monotonic())
         if self.config.schedules.max_schedules <= 0:
             return rest  # schedules are off: none fires
-        schedules = await asyncio.to_thread(self.store.schedules.all)
+        schedules = await asyncio.to_thread(self.store.schedules.active)
         newest = await asyncio.to_thread(self.store.schedules.newest, [s.id for s in schedules])
         now = self.clock.time()
         up: tuple[tuple[float, float], ...] = ()
@@ -220,6 +227,11 @@ class Scheduler:
     async def inject(self, schedule: ScheduleInfo, fire: FireInfo) -> None:
         """Put the fire's message in its session (a new one for a schedule without), as
         intake does, once: again, its idempotency key appends nothing."""
+        if schedule.status != ScheduleStatus.ACTIVE:  # paused or ended since the fire
+            stopped = f"the schedule is {schedule.status}"
+            await asyncio.to_thread(self.store.schedules.dropped, fire.id, stopped)
+            self.log.info("schedule {} did not run for {}: {}", schedule.id, _when(fire), stopped)
+            return
         outcome = FireOutcome(fire.outcome)
         owner = schedule.owner or ADMIN
         payload = rules.message(schedule.id, schedule.text, owner, fire.scheduled_for, outcome)

@@ -137,9 +137,10 @@ def _restarts(db: peewee.Database) -> None:
 
 def _principals(db: peewee.Database) -> None:
     """10: the principal each session (and task) belongs to, and each subagent's root, for
-    the limits per principal and per tree. A session made before has its creator's `admin` ACL row
-    (the first such principal by name where an admin granted more); a subagent its
-    parent's principal and root, read level by level from the top."""
+    the limits per principal and per tree; each schedule's status (active, paused, ended).
+    A session made before has its creator's `admin` ACL row (the first such principal by
+    name where an admin granted more); a subagent its parent's principal and root, read
+    level by level from the top."""
     migrator = SchemaMigrator.from_database(db)
     run_migrations(
         migrator.add_column(
@@ -157,6 +158,9 @@ def _principals(db: peewee.Database) -> None:
                 migrator.add_column(table, column, peewee.CharField(max_length=size, null=True)),
                 migrator.add_index(table, index, False),
             )
+    if "status" not in {found.name for found in db.get_columns("schedule")}:
+        status = peewee.CharField(max_length=16, default="active")
+        run_migrations(migrator.add_column("schedule", "status", status))
     creator = SessionACL.select(peewee.fn.MIN(SessionACL.principal)).where(
         (SessionACL.session == Session.id) & (SessionACL.permission == "admin")
     )

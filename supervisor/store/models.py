@@ -274,6 +274,7 @@ class Schedule(BaseModel):
     misfire = peewee.CharField(max_length=16, default="run_once")
     created_at = peewee.DoubleField()
     armed_from = peewee.DoubleField()  # no fire for a time before this (its creation)
+    status = peewee.CharField(max_length=16, default="active")  # `ScheduleStatus`
 
     class Meta:
         table_name = "schedule"

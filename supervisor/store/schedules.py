@@ -27,9 +27,11 @@ from typing import Any
 import peewee
 
 from supervisor.core.vocabulary import (
+    ADMIN_PRINCIPAL,
     EventType,
     FireOutcome,
     Permission,
+    ScheduleStatus,
     SessionKind,
     SessionStatus,
     Writer,
@@ -66,6 +68,7 @@ class ScheduleInfo:
     misfire: str
     created_at: float
     armed_from: float
+    status: str = ScheduleStatus.ACTIVE
 
     def to_dict(self) -> dict[str, Any]:
         """The API shape of a schedule (without its fire times)."""
@@ -90,6 +93,12 @@ class FireInfo:
         """The API shape of a fire."""
         shown = {k: v for k, v in asdict(self).items() if k not in ("id", "schedule", "fired_by")}
         return shown | {"reason": self.reason or None}
+
+
+def others_share(limit: int) -> int:
+    """How many of `schedules.max_schedules` the principals other than the admin may have
+    together: 90 %, so that the admin can always make one."""
+    return limit * 9 // 10
 
 
 def _schedule(row: Schedule) -> ScheduleInfo:
@@ -135,20 +144,30 @@ class Schedules:
                 raise ScheduleRefused(
                     "schedules_off", "schedules are turned off here (schedules.max_schedules = 0)"
                 )
-            if Schedule.select().where(Schedule.owner == owner).count() >= per_owner:
+            if session is not None and lifecycle.locked_row(session).status == SessionStatus.CLOSED:
+                raise SessionClosed(session)
+            counted = Schedule.select().where(Schedule.status != ScheduleStatus.ENDED)
+            if counted.where(Schedule.owner == owner).count() >= per_owner:
                 raise ScheduleRefused(
                     "too_many_own_schedules",
                     f"{owner} has made {per_owner} schedules already (schedules.max_per_owner); "
                     "delete one of them first",
                 )
-            if Schedule.select().count() >= limit:
+            if counted.count() >= limit:
                 raise ScheduleRefused(
                     "too_many_schedules",
                     f"there are {limit} schedules already (schedules.max_schedules); "
                     "delete one first",
                 )
-            if session is not None and lifecycle.locked_row(session).status == SessionStatus.CLOSED:
-                raise SessionClosed(session)
+            shared = others_share(limit)
+            others = counted.where(Schedule.owner != ADMIN_PRINCIPAL)
+            if owner != ADMIN_PRINCIPAL and others.count() >= shared:
+                raise ScheduleRefused(
+                    "too_many_schedules",
+                    f"principals other than the admin have {shared} schedules already, their "
+                    f"share of schedules.max_schedules ({limit}; the rest is kept for the "
+                    "admin); delete one first",
+                )
             Schedule.insert(
                 id=schedule_id,
                 cron=cron,
@@ -174,6 +193,37 @@ class Schedules:
     def all(self) -> list[ScheduleInfo]:
         """Every schedule, oldest first."""
         return [_schedule(row) for row in Schedule.select().order_by(Schedule.created_at)]
+
+    def active(self) -> list[ScheduleInfo]:
+        """The schedules that fire (neither paused nor ended), oldest first."""
+        query = Schedule.select().where(Schedule.status == ScheduleStatus.ACTIVE)
+        return [_schedule(row) for row in query.order_by(Schedule.created_at)]
+
+    def pause_owned_by(self, principals: Collection[str]) -> int:
+        """Pause the active schedules `principals` made (their tokens were revoked): they
+        are listed, and never fire while paused. How many were paused."""
+        return self._set_status(principals, ScheduleStatus.ACTIVE, ScheduleStatus.PAUSED)
+
+    def resume_owned_by(self, principals: Collection[str]) -> int:
+        """Resume the paused schedules of `principals` (their tokens are back), armed from
+        now: no time they were paused for is caught up. How many were resumed."""
+        return self._set_status(principals, ScheduleStatus.PAUSED, ScheduleStatus.ACTIVE)
+
+    def _set_status(
+        self, principals: Collection[str], was: ScheduleStatus, status: ScheduleStatus
+    ) -> int:
+        if not principals:
+            return 0
+        changes: dict[Any, Any] = {Schedule.status: status}
+        if status is ScheduleStatus.ACTIVE:
+            changes[Schedule.armed_from] = time.time()
+        query = Schedule.update(changes).where(
+            Schedule.owner.in_(list(principals)) & (Schedule.status == was)
+        )
+        changed = int(run_write(self._db, query.execute))
+        if changed:
+            self._changed()
+        return changed
 
     def visible(self, principal: str | None = None, limit: int = 100) -> list[ScheduleInfo]:
         """Schedules oldest first; with `principal`, those it may read: on a session it

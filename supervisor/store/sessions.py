@@ -15,6 +15,7 @@ import peewee
 from supervisor.core.vocabulary import (
     EventType,
     Permission,
+    ScheduleStatus,
     SessionCount,
     SessionKind,
     SessionStatus,
@@ -25,7 +26,7 @@ from supervisor.store import lifecycle, subagent_rows
 from supervisor.store.db import chunks, run_write
 from supervisor.store.errors import SessionClosed, SessionNotFound, TooManySessions
 from supervisor.store.eventlog import make_request, write_events
-from supervisor.store.models import Session, SessionACL
+from supervisor.store.models import Schedule, Session, SessionACL
 from supervisor.store.session_info import INFO_FIELDS, SessionInfo, info_of
 
 KINDS = tuple(SessionKind)
@@ -319,6 +320,10 @@ class Sessions:
             written = lifecycle.close(self._db, session_id, by)
             if written:
                 subagent_rows.cancel_within(self._db, session_id, by, why)
+                # Its schedules end with it: they fire no more and count against no limit.
+                Schedule.update(status=ScheduleStatus.ENDED).where(
+                    Schedule.session == session_id
+                ).execute()
             return written
 
         return run_write(self._db, work)

@@ -376,6 +376,16 @@ class Tasks(Reading):
 
     # --- cancel ---------------------------------------------------------------------
 
+    def live_of_principals(self, principals: list[str], limit: int = 10_000) -> list[str]:
+        """The pending and running tasks of `principals`' sessions, oldest first."""
+        query = (
+            Task.select(Task.id)
+            .where(Task.status.in_(LIVE) & Task.principal.in_(principals))
+            .order_by(Task.created_at, Task.id)
+            .limit(limit)
+        )
+        return [row.id for row in query]
+
     def cancel(self, task_id: str) -> TaskInfo | None:
         """Ask for the task to stop. A pending one is `cancelled` at once (its report is
         `report`'s); a running one gets `cancel_requested`, which its runner acts on. None
