@@ -171,7 +171,7 @@ def test_with_no_targets_a_name_is_refused_saying_where_targets_are_configured(
     alice = api.client("alice")
     error = assert_error(alice.post("/v1/sessions", json={"deliver_to": "bridge"}), 422)
     assert error["field"] == "deliver_to"
-    assert "none are configured" in error["message"]
+    assert "none you may use" in error["message"]
     assert "[[delivery.targets]]" in error["message"]
 
 

@@ -131,10 +131,22 @@ class SessionRoutes:
         self.refuse()
         info = await self.session(request, Permission.WRITE)
         body = await read_body(request, SessionUpdate, self.config.http.read_timeout)
+        principal = request["principal"]
+        current = self.config.delivery.target(info.deliver_to) if info.deliver_to else None
+        if current is not None and not may_use(current, principal):
+            # Unbinding or rebinding takes the replies away from the current target: only
+            # those that may send to it may.
+            raise ApiError(
+                403,
+                "forbidden",
+                f"deliver_to: {principal!r} may not change where this session's replies go: "
+                f"its target {current.name!r} lists the principals who may",
+                field="deliver_to",
+            )
         if body.deliver_to is None:
             name, kinds = None, []
         else:
-            target = self.target(body.deliver_to, request["principal"])
+            target = self.target(body.deliver_to, principal)
             name, kinds = target.name, list(target.events)
         try:
             bound = await asyncio.to_thread(self.store.deliveries.bind, info.id, name, kinds)
@@ -148,7 +160,7 @@ class SessionRoutes:
         if the target names the principals that may use it and `principal` is not one."""
         found = self.config.delivery.target(name)
         if found is not None:
-            if found.principals and principal != ADMIN and principal not in found.principals:
+            if not may_use(found, principal):
                 raise ApiError(
                     403,
                     "forbidden",
@@ -157,11 +169,12 @@ class SessionRoutes:
                     field="deliver_to",
                 )
             return found
-        names = [t.name for t in self.config.delivery.targets]
+        # Only the targets the caller may use are named: the others are none of its business.
+        names = [t.name for t in self.config.delivery.targets if may_use(t, principal)]
         there = (
-            f"configured: {', '.join(names)}"
+            f"yours to use: {', '.join(names)}"
             if names
-            else "none are configured: the operator lists them in [[delivery.targets]]"
+            else "none you may use: the operator lists them in [[delivery.targets]]"
         )
         raise ApiError(
             422,
@@ -170,3 +183,9 @@ class SessionRoutes:
             "a session names a target, never a URL",
             field="deliver_to",
         )
+
+
+def may_use(target: DeliveryTarget, principal: str) -> bool:
+    """Whether `principal` may send sessions to `target` (or take one away from it): any
+    principal where the target lists none, else the admin and those it lists."""
+    return not target.principals or principal == ADMIN or principal in target.principals
