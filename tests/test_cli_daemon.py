@@ -21,6 +21,7 @@ from typing import IO, Any
 import pytest
 
 from supervisor.cli.client import Client, Reconnect
+from supervisor.cli.common import Escaped
 from supervisor.cli.daemon_commands import status_lines
 from supervisor.contract.config import load_config
 from supervisor.store import Store
@@ -463,7 +464,9 @@ def test_status_colours_what_is_wrong_on_a_terminal_only(monkeypatch: pytest.Mon
     }
     monkeypatch.delenv("NO_COLOR", raising=False)
     monkeypatch.setattr(sys, "stdout", Terminal())
-    lines = status_lines(document)
+    printed = io.StringIO()  # as printed: through the stream that lets only our codes by
+    Escaped(printed).write("\n".join(status_lines(document)))
+    lines = printed.getvalue().split("\n")
     red = "\x1b[31m"
     assert lines[1] == f"{red}breaker TRIPPED: 3 unclean boots in the last 300 s\x1b[0m"
     fatal = next(line for line in lines if "fatal" in line)

@@ -5,10 +5,12 @@ time formats."""
 from __future__ import annotations
 
 import functools
+import io
+import secrets
 import sys
 from collections.abc import Callable
 from datetime import datetime
-from typing import TYPE_CHECKING, NoReturn, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, NoReturn, ParamSpec, TextIO, TypeVar
 
 import click
 
@@ -21,6 +23,7 @@ from supervisor.contract.config import (
     make_private_dir,
     resolve_paths,
 )
+from supervisor.contract.printable import escape
 
 if TYPE_CHECKING:
     from supervisor.cli.client import Client
@@ -163,7 +166,47 @@ def colour(text: str, fg: str, *, err: bool = False) -> str:
     stream = sys.stderr if err else sys.stdout
     if os.environ.get("NO_COLOR") or not stream.isatty():
         return text
-    return click.style(text, fg=fg)
+    # Our own escape codes get through `Escaped`, marked by a token no other text knows.
+    return click.style(text, fg=fg).replace("\x1b", _OUR_ESCAPE)
+
+
+_OUR_ESCAPE = f"<{secrets.token_hex(16)}>"
+
+
+class Escaped(io.TextIOBase):
+    """A text stream that shows what it is given with control characters escaped
+    (`supervisor.contract.printable`; newlines and tabs kept), so that no title, message
+    or reason phrase printed in a table or a line can act on the terminal. `colour`'s own
+    codes are the only ones that get through."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        self.stream.write(escape(text, keep="\n\t").replace(_OUR_ESCAPE, "\x1b"))
+        return len(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def isatty(self) -> bool:
+        return self.stream.isatty()
+
+    def fileno(self) -> int:
+        return self.stream.fileno()
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return self.stream.encoding
+
+
+def escape_output(ctx: click.Context) -> None:
+    """Print through `Escaped` for the rest of the command (stdout and stderr)."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if not isinstance(stream, Escaped):
+            setattr(sys, name, Escaped(stream))
+            ctx.call_on_close(functools.partial(setattr, sys, name, stream))
 
 
 def when(epoch: float | None) -> str:

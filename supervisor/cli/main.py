@@ -35,6 +35,7 @@ from supervisor.cli.common import (
     config_error,
     daemon_pid,
     emit_json,
+    escape_output,
     fail,
     json_option,
     load,
@@ -56,6 +57,7 @@ from supervisor.contract.config import Config, resolve_paths
 def main(ctx: click.Context, config_path: str | None) -> None:
     """turnkeeper: a supervisor for AI-agent daemons whose restarts are boring."""
     ctx.ensure_object(dict)["config_path"] = config_path
+    escape_output(ctx)  # what others wrote is shown, never obeyed by the terminal
 
 
 @main.command("run")

@@ -12,7 +12,9 @@ goes elsewhere (a file of supervisord's, say) is ignored. Each process (supervis
 configures its own logger; a loguru logger cannot be handed to a spawned child.
 
 The password in any URL is masked in every line written, tracebacks included: a database
-driver or HTTP client may echo the URL it was given, with `user:password@` in it.
+driver or HTTP client may echo the URL it was given, with `user:password@` in it. Control
+characters in a message are escaped (`supervisor.contract.printable`): a message is one
+line, whatever text of a principal's or a peer's it quotes.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 from loguru import logger
 
 from supervisor.contract.config import mask_urls
+from supervisor.contract.printable import escape
 
 if TYPE_CHECKING:
     from loguru import Logger, Message, Record
@@ -54,6 +57,9 @@ _INTERNAL = frozenset({"where", "priority", "process"})
 
 
 def _patch(record: Record) -> None:
+    # A message may quote what others wrote (a title, a webhook's reason phrase): no
+    # control character of theirs forges a line or reaches the operator's terminal.
+    record["message"] = escape(record["message"])
     extra = record["extra"]
     extra.setdefault("subsystem", "daemon")
     process = extra.get("process", SUPERVISOR)

@@ -49,6 +49,7 @@ from supervisor.pool.processes import (
     resource_tracker,
     send_signal,
     slot_status,
+    start_resource_tracker,
     stop_resource_tracker,
 )
 from supervisor.pool.recoverer import Recoverer
@@ -136,6 +137,7 @@ class Pool(Requests, Resizing):
         # with the whole pool's start. The others, the spare among them, follow once it is
         # ready (or gone).
         first, *self.held = self.slots
+        start_resource_tracker()  # before the first spawn would start it with our secrets
         self._spawn(first, spare=not self.held)
         self.scheduler = Scheduler(
             self.config, self.store, self.owner_prefix, self.committed, self.interrupt,

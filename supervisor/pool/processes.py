@@ -13,6 +13,7 @@ import multiprocess
 import multiprocess.resource_tracker
 
 from supervisor.contract.logs import log
+from supervisor.contract.mcp_env import child_environment
 from supervisor.core.slots import Slot
 from supervisor.pool.handle import WorkerHandle
 
@@ -29,6 +30,27 @@ def resource_tracker() -> int | None:
     tracker = getattr(multiprocess.resource_tracker, "_resource_tracker", None)
     pid = getattr(tracker, "_pid", None)
     return pid if isinstance(pid, int) else None
+
+
+# What the tracker (a Python process of its own) needs beyond an MCP server's few variables.
+TRACKER_ENV = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "LD_LIBRARY_PATH")
+
+
+def start_resource_tracker() -> None:
+    """Start multiprocess's resource tracker now, with an MCP server's environment: it
+    would otherwise start with the first worker and inherit the daemon's whole environment,
+    secrets included (a delivery target's key, a model's API key), readable for as long as
+    it runs in its `/proc/PID/environ`. Call it before any worker is spawned, from the
+    event loop's thread (the environment is swapped for the moment of the start)."""
+    kept = dict(os.environ)
+    env = child_environment({name: kept[name] for name in TRACKER_ENV if name in kept})
+    try:
+        os.environ.clear()
+        os.environ.update(env)
+        multiprocess.resource_tracker.ensure_running()
+    finally:
+        os.environ.clear()
+        os.environ.update(kept)
 
 
 def stop_resource_tracker() -> None:
