@@ -6,8 +6,10 @@ import contextlib
 import hashlib
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +47,24 @@ def tokens_file(path: Path, tokens: dict[str, str]) -> Path:
     )
     path.chmod(0o600)
     return path
+
+
+class LoopbackServer:
+    """An HTTP server of a test's on 127.0.0.1 (a model server, a webhook), answering with
+    `handler` in a thread of its own until `close`."""
+
+    def __init__(self, handler: type[BaseHTTPRequestHandler]) -> None:
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def url(self, path: str = "") -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}{path}"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(10)
 
 
 def cli_env(**extra: str) -> dict[str, str]:

@@ -194,7 +194,10 @@ def test_a_target_naming_its_principals_is_bound_to_by_them_and_the_admin_only(
     assert bind(admin, his, "bridge").json()["deliver_to"] == "bridge"  # the admin may
     made = admin.post("/v1/sessions", json={"deliver_to": "bridge"})
     assert made.status_code == 201, made.text
-    assert bind(bob, his, None).json()["deliver_to"] is None  # unbinding needs no leave
+    # Taking a session away from a target that lists its principals needs to be one.
+    error = assert_error(bind(bob, his, None), 403, "forbidden")
+    assert "'bridge'" in error["message"]
+    assert bind(admin, his, None).json()["deliver_to"] is None
     with api.store() as store:
         assert store.sessions.get(his).deliver_to is None
         assert store.sessions.get(mine).deliver_to == "bridge"

@@ -5,6 +5,7 @@ metrics; on a store the test fills with a live, a lost and a left host itself.""
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import re
 import subprocess
@@ -15,6 +16,7 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
+from supervisor.cli.common import Escaped
 from supervisor.cli.daemon_commands import status_lines
 from supervisor.contract.config import Config
 from supervisor.http.app import Api
@@ -294,6 +296,9 @@ def test_status_colours_a_lost_host_on_a_terminal(monkeypatch: pytest.MonkeyPatc
 
     monkeypatch.delenv("NO_COLOR", raising=False)
     monkeypatch.setattr(sys, "stdout", Terminal())
-    lines = status_lines(document([host(LIVE, "live", 3, 0.4), host(LOST, "lost", 1, 75.0)]))
+    printed = io.StringIO()  # as printed: through the stream that lets only our codes by
+    shown = status_lines(document([host(LIVE, "live", 3, 0.4), host(LOST, "lost", 1, 75.0)]))
+    Escaped(printed).write("\n".join(shown))
+    lines = printed.getvalue().split("\n")
     lost = next(line for line in lines if line.startswith(MACHINE[:12]))
     assert "\x1b[31mlost\x1b[0m" in lost

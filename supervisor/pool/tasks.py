@@ -87,7 +87,7 @@ class TaskKeeper:
         self._watched: dict[int, tuple[str, int]] = {}  # pidfd -> (task id, runner pid)
         self._starting: set[asyncio.Future[None]] = set()
         self._processes: dict[int, subprocess.Popen[bytes]] = {}  # runner pid -> process
-        self._pruned_at = 0.0
+        self._pruned_at: float | None = None  # None: not yet in this boot (the first pass does)
         self.log = log("tasks")
 
     # --- signals from the rest of the daemon ---------------------------------------
@@ -365,8 +365,11 @@ class TaskKeeper:
         self.metrics.task_reconcile.labels(action.value).inc()
 
     async def _prune(self) -> None:
-        """Remove output files older than `tasks.keep`, at most once an hour."""
-        if self.directory is None or time.monotonic() - self._pruned_at < PRUNE_EVERY:
+        """Remove output files and task directories older than `tasks.keep`: at the first
+        pass of a boot, then at most once an hour."""
+        if self.directory is None:
+            return
+        if self._pruned_at is not None and time.monotonic() - self._pruned_at < PRUNE_EVERY:
             return
         self._pruned_at = time.monotonic()
         live = await asyncio.to_thread(self.store.tasks.live_ids)

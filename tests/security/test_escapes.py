@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-import threading
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,15 @@ import pytest
 
 from supervisor.contract.printable import escape, is_safe
 from supervisor.store import Store
-from tests.daemon import Daemon, daemons, inject, turn_ended, turnkeeper, wait_until
+from tests.daemon import (
+    Daemon,
+    LoopbackServer,
+    daemons,
+    inject,
+    turn_ended,
+    turnkeeper,
+    wait_until,
+)
 
 __all__ = ["daemons"]
 
@@ -40,37 +47,22 @@ def test_escape_shows_every_unsafe_character_and_keeps_json_valid() -> None:
     assert json.loads(escape(text)) == HOSTILE
 
 
-class Webhook:
+class Hostile(BaseHTTPRequestHandler):
     """A delivery target that answers 500 with a hostile reason phrase."""
 
-    def __init__(self) -> None:
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                self.rfile.read(int(self.headers.get("Content-Length", "0")))
-                self.send_response(500, "broken \x1b[2J\x07\x9b31m")
-                self.send_header("Content-Length", "0")
-                self.end_headers()
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length", "0")))
+        self.send_response(500, "broken \x1b[2J\x07\x9b31m")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
 
-            def log_message(self, format: str, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server.server_address[1]}/hook"
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join(10)
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
 
 
 @pytest.fixture
-def webhook() -> Iterator[Webhook]:
-    hook = Webhook()
+def webhook() -> Iterator[LoopbackServer]:
+    hook = LoopbackServer(Hostile)
     yield hook
     hook.close()
 
@@ -80,9 +72,9 @@ def unsafe(text: str) -> list[str]:
 
 
 def test_hostile_text_is_escaped_in_every_table_and_line(
-    daemons: Daemons, webhook: Webhook
+    daemons: Daemons, webhook: LoopbackServer
 ) -> None:
-    target = {"name": "hook", "url": webhook.url, "secret_env": "TK_TEST_SECRET"}
+    target = {"name": "hook", "url": webhook.url("/hook"), "secret_env": "TK_TEST_SECRET"}
     daemon = daemons(
         tasks=TASKS,
         schedules={"min_interval": 0},

@@ -7,16 +7,15 @@ from __future__ import annotations
 
 import json
 import sys
-import threading
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 import pytest
 
 from supervisor.store import EventTooLarge, Store
 from supervisor.store.events import limits, make_request
-from tests.daemon import Daemon, daemons, events, inject, turn_ended, wait_until
+from tests.daemon import Daemon, LoopbackServer, daemons, events, inject, turn_ended, wait_until
 
 __all__ = ["daemons"]
 
@@ -26,70 +25,59 @@ pytestmark = pytest.mark.timeout(180)
 HUGE = 8 << 20  # bytes a hostile model server sends
 
 
-class Flood:
+class Flood(BaseHTTPRequestHandler):
     """An OpenAI-compatible server whose answer is `HUGE` bytes of one JSON string, with
-    its Content-Length (`declared`) or chunked without one."""
+    its Content-Length (a path with `declared`) or chunked without one."""
 
-    def __init__(self) -> None:
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
+    protocol_version = "HTTP/1.1"
 
-            def do_POST(self) -> None:
-                self.rfile.read(int(self.headers.get("Content-Length", "0")))
-                declared = "declared" in self.path
-                head = b'{"choices": [{"finish_reason": "stop", "message": {"content": "'
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length", "0")))
+        declared = "declared" in self.path
+        head = b'{"choices": [{"finish_reason": "stop", "message": {"content": "'
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        if declared:
+            self.send_header("Content-Length", str(len(head) + HUGE + 4))
+        else:
+            self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        try:
+            for part in [head, *[b"z" * (1 << 20)] * (HUGE >> 20), b'"}}]}']:
                 if declared:
-                    self.send_header("Content-Length", str(len(head) + HUGE + 4))
+                    self.wfile.write(part)
                 else:
-                    self.send_header("Transfer-Encoding", "chunked")
-                self.end_headers()
-                try:
-                    for part in [head, *[b"z" * (1 << 20)] * (HUGE >> 20), b'"}}]}']:
-                        if declared:
-                            self.wfile.write(part)
-                        else:
-                            self.wfile.write(b"%x\r\n%s\r\n" % (len(part), part))
-                    if not declared:
-                        self.wfile.write(b"0\r\n\r\n")
-                except OSError:
-                    pass  # the daemon hung up past its cap: as it should
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(part), part))
+            if not declared:
+                self.wfile.write(b"0\r\n\r\n")
+        except OSError:
+            pass  # the daemon hung up past its cap: as it should
 
-            def log_message(self, format: str, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    def model(self, how: str) -> dict[str, Any]:
-        port = self.server.server_address[1]
-        return {
-            "provider": "openai",
-            "base_url": f"http://127.0.0.1:{port}/{how}/v1",
-            "model": "flood",
-            "max_response_bytes": 65536,
-        }
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join(10)
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
 
 
 @pytest.fixture
-def flood() -> Iterator[Flood]:
-    server = Flood()
+def flood() -> Iterator[LoopbackServer]:
+    server = LoopbackServer(Flood)
     yield server
     server.close()
 
 
+def model_of(server: LoopbackServer, how: str) -> dict[str, Any]:
+    return {
+        "provider": "openai",
+        "base_url": server.url(f"/{how}/v1"),
+        "model": "flood",
+        "max_response_bytes": 65536,
+    }
+
+
 @pytest.mark.parametrize("how", ["declared", "chunked"])
 def test_a_model_answer_past_max_response_bytes_fails_the_turn_unread(
-    daemons: Daemons, flood: Flood, how: str
+    daemons: Daemons, flood: LoopbackServer, how: str
 ) -> None:
-    daemon = daemons(model=flood.model(how)).start()
+    daemon = daemons(model=model_of(flood, how)).start()
     with Store(daemon.url, migrate=False) as store:
         session = store.sessions.create("admin").id
         seq = inject(store, session, "hello")
