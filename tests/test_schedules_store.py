@@ -216,6 +216,19 @@ def test_a_fire_without_a_session_makes_one_for_its_owner_once(store: Store) -> 
     assert store.schedules.fires(schedule.id)[0].session == session_id
 
 
+def test_a_fire_makes_no_session_past_its_owners_open_sessions(store: Store) -> None:
+    schedule = make(store, None)
+    store.sessions.create("alice")  # alice's one open session: her limit below
+    (fire,) = store.schedules.record(schedule.id, [(W, "fired", "")], "h/b")
+    payload = {"text": "report", "schedule": schedule.id, "scheduled_for": int(W)}
+    key = idempotency_key(schedule.id, W)
+    assert store.schedules.inject_new(fire.id, "alice", "r", payload, key, max_open=1) is None
+    (dropped,) = store.schedules.fires(schedule.id)
+    assert dropped.seq is None and "auth.max_open_sessions_per_principal" in dropped.reason
+    assert len(store.sessions.list()) == 1  # none was made
+    assert store.schedules.owed() == []  # dropped for good, not owed
+
+
 def test_old_settled_fires_are_pruned_and_owed_ones_kept(
     store: Store, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -239,7 +239,13 @@ class Scheduler:
         if schedule.session is None:
             title = " ".join(schedule.text.split())[:TITLE_CHARS]
             made = await asyncio.to_thread(
-                self.store.schedules.inject_new, fire.id, schedule.owner, title, payload, key
+                self.store.schedules.inject_new,
+                fire.id,
+                schedule.owner,
+                title,
+                payload,
+                key,
+                self.config.auth.max_open_sessions_per_principal,
             )
             if made is None:
                 return

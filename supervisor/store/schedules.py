@@ -38,9 +38,10 @@ from supervisor.core.vocabulary import (
 )
 from supervisor.store import lifecycle
 from supervisor.store.db import chunks, db_now, run_write
-from supervisor.store.errors import SessionClosed
+from supervisor.store.errors import SessionClosed, TooManySessions
 from supervisor.store.eventlog import make_request
 from supervisor.store.models import Schedule, ScheduleFire, Session, SessionACL
+from supervisor.store.sessions import Sessions
 
 KEEP_FIRES = 1000  # fire rows kept per schedule (the newest); older settled ones go
 PRUNE_EVERY = 64  # a schedule's old rows are pruned after one in so many fires, on average
@@ -386,13 +387,21 @@ class Schedules:
         )
 
     def inject_new(
-        self, fire_id: int, owner: str | None, title: str, payload: dict[str, Any], key: str
+        self,
+        fire_id: int,
+        owner: str | None,
+        title: str,
+        payload: dict[str, Any],
+        key: str,
+        max_open: int = 0,
     ) -> tuple[str, int] | None:
         """The fire's message as the first event of a new session of kind `scheduled`,
         whose ACL gives `owner` admin (as a session's creator gets), in one transaction
         with the fire's `seq`: the session and its message, once. Returns (session, seq),
         the earlier ones if the fire was injected before; None if the fire is gone or
-        dropped."""
+        dropped. An owner with `max_open` open sessions already gets none: the fire is
+        dropped saying so (`auth.max_open_sessions_per_principal` bounds scheduled
+        sessions as it bounds those made through the API)."""
 
         def work() -> tuple[str, int] | None:
             query = ScheduleFire.select().where(ScheduleFire.id == fire_id)
@@ -403,6 +412,10 @@ class Schedules:
                 return None
             if fire.seq is not None:
                 return str(fire.session), int(fire.seq)
+            if max_open and owner and Sessions.open_of(owner) >= max_open:
+                reason = str(TooManySessions(owner, max_open))
+                ScheduleFire.update(reason=reason).where(ScheduleFire.id == fire_id).execute()
+                return None
             session_id = uuid.uuid4().hex
             now = time.time()
             Session.insert(
