@@ -69,12 +69,7 @@ def test_revoking_a_principal_stops_what_it_set_in_motion(daemons: Daemons, tmp_
     gate = tmp_path / "gate"
     with as_bob(daemon) as bob, Store(daemon.url, migrate=False) as store:
         session = bob.post("/v1/sessions", json={"title": "bob's"}).json()["id"]
-        made = bob.post(
-            "/v1/schedules", json={"cron": EVERY_2S, "text": "tick", "session": session}
-        )
-        assert made.status_code == 201, made.text
-        schedule = made.json()["id"]
-        wait_until(lambda: fired(daemon, schedule), 30, "the schedule to fire once")
+        # The task first: a tick's turn ending first must not be taken for the task's.
         seq = bob.post(
             f"/v1/sessions/{session}/inject",
             json={"text": f'/task gated {{"gate": "{gate}"}}'},
@@ -82,6 +77,12 @@ def test_revoking_a_principal_stops_what_it_set_in_motion(daemons: Daemons, tmp_
         wait_until(lambda: turn_ended(store, session, seq), 60, "the turn that starts a task")
         [task] = store.tasks.of_session(session)
         wait_until(lambda: store.tasks.get(task.id).status == "running", 30, "the task to run")
+        made = bob.post(
+            "/v1/schedules", json={"cron": EVERY_2S, "text": "tick", "session": session}
+        )
+        assert made.status_code == 201, made.text
+        schedule = made.json()["id"]
+        wait_until(lambda: fired(daemon, schedule), 30, "the schedule to fire once")
 
         # Bob's request past its headers: the body is on its way when the token goes.
         late = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
