@@ -70,12 +70,37 @@ def test_progress(
 ) -> None:
     got = progress(log(*steps), now)
     assert got == {
+        "goal": "win",
+        "budgets": {"max_turns": 3, "max_tokens": 100, "deadline_at": NOW + 60},
         "turns": turns,
         "tokens": tokens,
         "stop_reason": stop,
         "next_wake_at": None if stop else now,
         "prompt": "go on",
     }
+
+
+def test_progress_counts_on_from_the_newest_checkpoint_alone() -> None:
+    """A compaction lets the worker's log start after the run's first checkpoint: each
+    checkpoint sets the run out again, and its counters are where the count goes on."""
+    events = log(answer(), ENDED)
+    first = progress(events, NOW)
+    assert first is not None
+    tail = [
+        Ev(10, "checkpoint", first),
+        *(
+            Ev(11 + i, t, p)
+            for i, (t, p) in enumerate(
+                [("user_message", {"text": "go on"}), answer(tokens=80), ENDED]
+            )
+        ),
+    ]
+    second = progress(tail, NOW)
+    assert second is not None
+    assert (second["turns"], second["tokens"], second["stop_reason"]) == (2, 90, None)
+    third = progress([*tail, Ev(20, "checkpoint", second), Ev(21, *answer()), Ev(22, *ENDED)], NOW)
+    assert third is not None
+    assert (third["turns"], third["tokens"], third["stop_reason"]) == (3, 100, "max_turns")
 
 
 def test_a_session_without_a_run() -> None:

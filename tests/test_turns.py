@@ -243,7 +243,13 @@ def test_a_tool_call_commits_each_step_in_order() -> None:
         {"call_id": call["id"], "name": "echo", "arguments": {"x": 1}}
     ]
     assert log.payloads("tool_result") == [
-        {"call_id": call["id"], "name": "echo", "content": '{"x": 1}', "is_error": False}
+        {
+            "call_id": call["id"],
+            "name": "echo",
+            "content": '{"x": 1}',
+            "is_error": False,
+            "tokens": 3,  # its UTF-8 bytes / 3, rounded up: kept for the context's count
+        }
     ]
     assert final["text"] == 'echo: {"x": 1}'
     assert [m.role for m in ctx.messages] == ["user", "assistant", "tool", "assistant"]

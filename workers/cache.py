@@ -18,13 +18,16 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 from supervisor.contract.sections import PoolConfig
+from supervisor.core.vocabulary import EventType
 from supervisor.store import EventRecord
+from workers.context import Summary, ratio_of
 from workers.history import Calls, Conversation, MissingResult
 from workers.models import Message
 
 # An event held in memory costs its record, its payload's objects and its message: about
 # this much besides the text of its payload (tracemalloc, short events: ~960 bytes).
 EVENT_OVERHEAD = 1000
+_COMPACTION, _MODEL = EventType.COMPACTION, EventType.MODEL_RESPONSE
 DEFAULT_BUDGET = PoolConfig.model_fields["history_cache_mb"].default * 2**20  # bytes
 
 
@@ -47,12 +50,17 @@ class SessionLog(list[EventRecord]):
     built of them. A list, so it goes wherever the events do; it grows by `add` only.
 
     `token` is the lease token the log was read under: a log of another token is stale.
+    A `compaction` event read in makes its summary the log's start (`summary`): the events
+    it stands for are let go, so a log holds what the next prompt needs and no more
+    (`workers.context`). `ratio` is the newest server count over estimate of a prompt.
     """
 
     def __init__(self, events: Iterable[EventRecord] = (), token: int = 0) -> None:
         super().__init__()
         self.token = token
         self.size = 0  # estimated bytes
+        self.summary: Summary | None = None
+        self.ratio = 1.0
         self._conversation = Conversation()
         self._calls = Calls()
         self._extend(list(events))
@@ -75,17 +83,40 @@ class SessionLog(list[EventRecord]):
         return True
 
     def _extend(self, new: Sequence[EventRecord]) -> None:
+        summary = self.summary
         for event in new:
+            if event.type == _COMPACTION:
+                found = Summary.of(event)
+                if found is not None and (summary is None or found.to_seq > summary.to_seq):
+                    summary = found
+            elif event.type == _MODEL:
+                self.ratio = ratio_of(event.payload) or self.ratio
             if not self._conversation.follows(event):
                 self._conversation = Conversation()  # built again from the start, once
             self._calls.add(event)
             self.size += event_size(event)
         self.extend(new)
+        if summary is not self.summary:
+            assert summary is not None
+            self._rebase(summary)
         self._conversation.advance(self)
 
+    def _rebase(self, summary: Summary) -> None:
+        """Start the log at `summary`: the events it stands for are let go."""
+        self.summary = summary
+        keep = next((i for i, e in enumerate(self) if e.seq > summary.to_seq), len(self))
+        del self[:keep]
+        self._conversation, self._calls = Conversation(), Calls()
+        self.size = 0
+        for event in self:
+            self._calls.add(event)
+            self.size += event_size(event)
+
     def messages(self, extra: Sequence[EventRecord] = (), turn: str = "") -> list[Message]:
-        """`history.to_messages` of the log and `extra` (or of what `turn` read of them)."""
-        return self._conversation.messages(self, extra, turn)
+        """`history.to_messages` of the log and `extra` (or of what `turn` read of them),
+        after the summary of the newest compaction, if there is one."""
+        built = self._conversation.messages(self, extra, turn)
+        return built if self.summary is None else [self.summary.message(), *built]
 
     def missing_results(self) -> list[MissingResult]:
         """`history.missing_results` of the log."""

@@ -49,9 +49,11 @@ def message_of(event: EventRecord) -> Message | None:
     if event.type == _USER:
         return Message("user", str(payload.get("text", "")))
     if event.type == _MODEL:
-        return Message("assistant", str(payload.get("text", "")), tool_calls=calls_of(payload))
+        text, calls = str(payload.get("text", "")), calls_of(payload)
+        return Message("assistant", text, tool_calls=calls, tokens=_count(payload))
     if event.type == _RESULT:
-        return Message("tool", str(payload.get("content", "")), tool_call_id=payload.get("call_id"))
+        content, call_id = str(payload.get("content", "")), payload.get("call_id")
+        return Message("tool", content, tool_call_id=call_id, tokens=_count(payload))
     if event.type == _CONTINUATION:
         return Message("user", str(payload.get("text", "")), note=True)
     if event.type == _SUBAGENT:
@@ -61,6 +63,12 @@ def message_of(event: EventRecord) -> Message | None:
     if event.type == _RESTART:
         return Message("user", restarts.result_text(payload))
     return None
+
+
+def _count(payload: dict[str, Any]) -> int | None:
+    """The token count an event kept (`workers.context`), if it kept one."""
+    tokens = payload.get("tokens")
+    return tokens if isinstance(tokens, int) and not isinstance(tokens, bool) else None
 
 
 def calls_of(payload: dict[str, Any]) -> list[ToolCall]:
@@ -238,6 +246,25 @@ def _cut_in(events: Sequence[EventRecord]) -> tuple[int, list[Message]] | None:
     if found is None:
         return None
     return found[0], placement.messages[: found[1]]
+
+
+def compaction_cuts(events: Sequence[EventRecord]) -> list[tuple[int, int]]:
+    """Where the older part of `events` may be replaced by a summary: (the seq of the
+    last event before the cut, the number of `to_messages(events)` before it), oldest first.
+
+    A cut stands right after a `turn_ended`, where no tool call is open and no message is
+    held or waiting for its place: the messages before it are those of the events before
+    it, and every message after it, the input of the turn in flight included, is after
+    it. A turn in flight is never cut.
+    """
+    placement = _Placement(_unread_by(events))
+    cuts: list[tuple[int, int]] = []
+    for event in events:
+        released = event.type == _ENDED and event.turn_id in placement.waiting
+        placement.add(event)
+        if event.type == _ENDED and not released and placement.settled:
+            cuts.append((event.seq, len(placement.messages)))
+    return cuts
 
 
 def _is_turn_mark(event: EventRecord) -> bool:

@@ -29,6 +29,7 @@ from supervisor.contract.spawn import WorkerSpec
 from supervisor.store import Store
 from workers.agent import Agent, AgentLoadError, load_agent_class
 from workers.cache import HistoryCache
+from workers.context import Settings, Window
 from workers.mcp_launch import launch_all
 from workers.models import make_model
 from workers.restarting import TOOL as RESTART_TOOL
@@ -107,6 +108,7 @@ class Worker:
         )
         self.agent_class = load_agent_class(self.config.agent.class_)
         self.model = make_model(self.config.model)
+        self.window = Window(self.config.model.context_window)  # learned, for every session
         builtin = BuiltinTools()
         self.mcp: Any = None
         boxes: list[Toolbox] = [builtin]
@@ -213,6 +215,7 @@ class Worker:
 
     def _assign(self, a: control.Assignment) -> None:
         """Own the session with this token: a runner for it, or its runner re-tokened."""
+        model = self.config.model
         runner = self.runners.get(a.session)
         if runner is None or runner.task is None or runner.task.done():
             runner = SessionRunner(
@@ -232,6 +235,10 @@ class Worker:
                 subagents=self._limits,
                 tasks=self._tasks,
                 restarts=self._daemon,
+                window=self.window,
+                compaction=Settings(
+                    model.max_tokens, model.context_margin, model.compaction_prompt
+                ),
             )
             self.runners[a.session] = runner
             runner.start()

@@ -27,6 +27,7 @@ import peewee
 from loguru import logger
 
 from supervisor.contract.clock import SYSTEM, Clock
+from supervisor.contract.sections import COMPACTION_PROMPT
 from supervisor.core import autonomy, engine
 from supervisor.core.continuation import attempts_charged
 from supervisor.core.engine import SessionView, Step
@@ -36,6 +37,7 @@ from supervisor.store import Lease, LeaseLost, StorageUnavailable, Store
 from workers import turns
 from workers.agent import Agent
 from workers.cache import HistoryCache, SessionLog
+from workers.context import Compactor, Settings, Summary, Window
 from workers.continuation import Continuer
 from workers.desk import Notify
 from workers.models import Message, Model
@@ -76,6 +78,8 @@ class SessionRunner:
         subagents: Limits | None = None,
         tasks: Kinds | None = None,
         restarts: RestartScope | None = None,
+        window: Window | None = None,
+        compaction: Settings | None = None,
         clock: Clock = SYSTEM,
     ) -> None:
         self.session_id = session_id
@@ -111,6 +115,9 @@ class SessionRunner:
             session_id, store, lambda: self._turn_token, notify, restarts or RestartScope()
         )
         self._ended = False  # a turn ended since the runner last found the session idle
+        self._window = window if window is not None else Window(0)
+        self._compaction = compaction or Settings(1024, 128, COMPACTION_PROMPT)
+        self._log = SessionLog()  # the log as last read
         self._continuer = Continuer(
             session_id,
             store=store,
@@ -319,10 +326,15 @@ class SessionRunner:
             log = await asyncio.to_thread(self._read_whole, token)
         self._history.put(self.session_id, log)
         self._history.trim(keep=self.session_id)
+        self._log = log
         return log
 
     def _read_whole(self, token: int) -> SessionLog:
-        return SessionLog(self._store.events.read(self.session_id, 0, READ_LIMIT), token)
+        """The log from the newest compaction on: what it summarized is never read."""
+        newest = self._store.events.last_of(self.session_id, EventType.COMPACTION)
+        found = None if newest is None else Summary.of(newest)
+        after = 0 if found is None else found.to_seq
+        return SessionLog(self._store.events.read(self.session_id, after, READ_LIMIT), token)
 
     def _load_agent(self) -> Agent:
         if self._agent is None:
@@ -332,6 +344,21 @@ class SessionRunner:
     async def _run(self, turn_id: str, messages: list[Message]) -> str:
         """Run the agent on the turn; end the turn, or continue it (`workers.continuation`)."""
         agent = self._load_agent()
+        log = self._log  # what `messages` were built of
+        events, base, ratio = list(log), int(log.summary is not None), log.ratio
+
+        def compactor(turn: turns.TurnContext) -> Compactor:
+            return Compactor(
+                events=events,
+                base=base,
+                window=self._window,
+                settings=self._compaction,
+                ask=turn.ask,
+                commit=self._commit_keyed,
+                turn_id=turn_id,
+                ratio=ratio,
+            )
+
         context = turns.TurnContext(
             self.session_id,
             turn_id,
@@ -343,10 +370,16 @@ class SessionRunner:
             self._spawner,
             self._starter,
             self._requester,
+            compactor,
         )
         started = self._clock.time()
         ending = await turns.agent_ending(agent, context)
         return await self._continuer.after(turn_id, ending, started, self._run)
+
+    async def _commit_keyed(
+        self, type: str, payload: dict[str, Any], turn_id: str | None, key: str | None
+    ) -> int:
+        return await self._commit(type, payload, turn_id, key)
 
     async def _commit(
         self, type: str, payload: dict[str, Any], turn_id: str | None, key: str | None = None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -22,7 +23,7 @@ from loguru import logger
 from supervisor.contract.config import mask_urls
 from supervisor.core.vocabulary import Cause, EventType, TurnOutcome
 from supervisor.store import EventRecord, LeaseLost, StorageUnavailable
-from workers import history
+from workers import context, history
 from workers.agent import OUTCOMES, Agent
 from workers.cache import log_of
 from workers.history import Tail
@@ -62,6 +63,7 @@ class TurnContext:
         spawner: Spawner | None = None,
         starter: Starter | None = None,
         requester: Requester | None = None,
+        compactor: Callable[[TurnContext], context.Compactor] | None = None,
     ) -> None:
         self.session_id = session_id
         self.turn_id = turn_id
@@ -76,6 +78,7 @@ class TurnContext:
         self._starts = 0  # `start_task` calls in this run of the turn
         self._requester = requester
         self._requests = 0  # `request_restart` calls in this run of the turn
+        self._compactor = None if compactor is None else compactor(self)
 
     @property
     def messages(self) -> list[Message]:
@@ -97,9 +100,57 @@ class TurnContext:
             raise TurnReleased
 
     async def call_model(self) -> ModelResponse:
-        """Ask the model; commits `model_response`. A release abandons the call."""
+        """Ask the model; commits `model_response`. A release abandons the call.
+
+        A prompt that would not fit the context window is compacted first; a server that
+        says it did not fit gets one more call, after a compaction (`workers.context`).
+        """
         self._boundary()
-        call = asyncio.ensure_future(self._model.complete(list(self._messages), self.tools))
+        tools, compactor = self.tools, self._compactor
+        if compactor is not None:
+            await compactor.fit(self._messages, tools)
+        estimated = context.prompt_estimate(self._messages, tools)
+        try:
+            response = await self.ask(list(self._messages), tools)
+        except ModelError as exc:
+            if compactor is None or not exc.context_exceeded:
+                raise
+            compactor.window.learn(exc.window)
+            if not await compactor.fit(self._messages, tools, forced=True):
+                raise
+            estimated = context.prompt_estimate(self._messages, tools)
+            response = await self.ask(list(self._messages), tools)
+        if compactor is not None:
+            compactor.counted(estimated, response.usage)
+        calls = [
+            {"id": c.id, "name": c.name, "arguments": c.arguments} for c in response.tool_calls
+        ]
+        tokens = response.usage.get("completion_tokens")
+        if tokens is None:
+            tokens = context.estimate(response.text) + sum(
+                context.estimate(json.dumps(call)) for call in calls
+            )
+        await self._commit(
+            EventType.MODEL_RESPONSE,
+            {
+                "text": response.text,
+                "tool_calls": calls,
+                "finish_reason": response.finish_reason,
+                "usage": response.usage,
+                "prompt_estimate": estimated,
+                "tokens": tokens,
+            },
+            self.turn_id,
+        )
+        self._messages.append(
+            Message("assistant", response.text, tool_calls=list(response.tool_calls), tokens=tokens)
+        )
+        return response
+
+    async def ask(self, messages: list[Message], tools: list[ToolSpec]) -> ModelResponse:
+        """One model call, nothing committed; a release abandons it (TurnReleased)."""
+        self._boundary()
+        call = asyncio.ensure_future(self._model.complete(messages, tools))
         release = asyncio.ensure_future(self._released.wait())
         try:
             await asyncio.wait({call, release}, return_when=asyncio.FIRST_COMPLETED)
@@ -111,24 +162,7 @@ class TurnContext:
         if not call.done():
             call.cancel()
             raise TurnReleased
-        response = call.result()
-        await self._commit(
-            EventType.MODEL_RESPONSE,
-            {
-                "text": response.text,
-                "tool_calls": [
-                    {"id": c.id, "name": c.name, "arguments": c.arguments}
-                    for c in response.tool_calls
-                ],
-                "finish_reason": response.finish_reason,
-                "usage": response.usage,
-            },
-            self.turn_id,
-        )
-        self._messages.append(
-            Message("assistant", response.text, tool_calls=list(response.tool_calls))
-        )
-        return response
+        return call.result()
 
     async def call_tool(self, call: ToolCall) -> ToolOutcome:
         """Commit `tool_call`, run it to the end, commit `tool_result`."""
@@ -152,6 +186,7 @@ class TurnContext:
         except BaseException as exc:  # a tool bug (SystemExit included) must not end the worker
             logger.bind(subsystem="worker").exception("tool {} raised", call.name)
             outcome = ToolOutcome(f"the tool failed: {_describe(exc)}", is_error=True)
+        tokens = context.estimate(outcome.content)
         await self._commit(
             EventType.TOOL_RESULT,
             {
@@ -159,10 +194,11 @@ class TurnContext:
                 "name": call.name,
                 "content": outcome.content,
                 "is_error": outcome.is_error,
+                "tokens": tokens,
             },
             self.turn_id,
         )
-        self._messages.append(Message("tool", outcome.content, tool_call_id=call.id))
+        self._messages.append(Message("tool", outcome.content, tool_call_id=call.id, tokens=tokens))
         return outcome
 
     async def notice(self, text: str) -> None:

@@ -123,7 +123,7 @@ def sessions_show(
     the events after that seq. With --follow --json: one event a line (JSON Lines), the
     session itself not printed.
     """
-    from supervisor.cli.common import emit_json, fail, open_store
+    from supervisor.cli.common import emit_json, fail, load, open_store
     from supervisor.store import SessionNotFound
 
     with open_store(ctx, migrate=False) as store:
@@ -131,6 +131,7 @@ def sessions_show(
             info = store.sessions.get(session_id)
         except SessionNotFound as exc:
             fail(str(exc))
+        use = store.events.context_use(session_id, load(ctx).model.context_window)
         if tail is None and after is None:
             tail = DEFAULT_TAIL
         start = _start(info.last_seq, tail, after)
@@ -140,7 +141,11 @@ def sessions_show(
         if as_json and not follow:
             emit_json(
                 {
-                    "session": {**session_json(info), "acl": store.acl.entries(session_id)},
+                    "session": {
+                        **session_json(info),
+                        "acl": store.acl.entries(session_id),
+                        "context": use,
+                    },
                     "subagents": [child.to_dict() for _, child in tree],
                     "events": [e.to_dict() for e in events],
                     "omitted": omitted,
@@ -149,7 +154,8 @@ def sessions_show(
             return
         show = _json_line if as_json else _line_printer(full)
         if not as_json:
-            _header(info, store.acl.entries(session_id), omitted, _tree_lines(store, info, tree))
+            acl = store.acl.entries(session_id)
+            _header(info, acl, omitted, _tree_lines(store, info, tree), use)
         for event in events:
             show(event)
         if follow:
@@ -219,9 +225,12 @@ def _tree_lines(store: Store, info: SessionInfo, tree: list[tuple[int, SubagentI
     return lines
 
 
-def _header(info: SessionInfo, acl: dict[str, str], omitted: int, tree: list[str]) -> None:
+def _header(
+    info: SessionInfo, acl: dict[str, str], omitted: int, tree: list[str], use: dict[str, Any]
+) -> None:
     """The session's row, one labelled line per fact, as `systemctl status` does; its
-    parent and subagents; then how many earlier events the listing leaves out."""
+    context use; its parent and subagents; then how many earlier events the listing
+    leaves out."""
     click.echo(f"session  {info.id}  ({info.kind}, {state_of(info)})")
     if info.title:
         click.echo(f"title    {info.title}")
@@ -229,6 +238,7 @@ def _header(info: SessionInfo, acl: dict[str, str], omitted: int, tree: list[str
     click.echo(f"events   {info.last_seq}   active turn {info.active_turn_id or '-'}")
     click.echo(f"owner    {info.owner or '-'} (lease token {info.lease_token})")
     click.echo("acl      " + ", ".join(f"{p}={perm}" for p, perm in sorted(acl.items())))
+    click.echo("context  " + context_line(use))
     if info.quarantined_at is not None:
         click.echo(f"quarantined {when(info.quarantined_at)}: {info.quarantine_reason}")
     if info.resend_requested_at is not None:
@@ -243,6 +253,25 @@ def _header(info: SessionInfo, acl: dict[str, str], omitted: int, tree: list[str
             f"({omitted} earlier event{'' if omitted == 1 else 's'} not shown: "
             "--tail N for more, --after 0 for all)"
         )
+
+
+def context_line(use: dict[str, Any]) -> str:
+    """`context_use` in one line: `812 / 1024 tokens (79%), 3 compactions, last at ...`."""
+    tokens, window = use["last_prompt_tokens"], use["window"]
+    if tokens is None:
+        head = "no prompt yet"
+    else:
+        head = f"{tokens} / {window or 'unknown window'} tokens in the last prompt"
+        head += f" ({use['used']:.0%})" if use["used"] is not None else ""
+    count = use["compactions"]
+    line = f"{head}, {count} compaction{'' if count == 1 else 's'}"
+    last = use["last_compaction"]
+    if last is not None:
+        line += (
+            f", the last {when(last['at'])} up to seq {last['to_seq']} "
+            f"({last['tokens_before']} -> {last['tokens_after']} tokens)"
+        )
+    return line
 
 
 def _line_printer(full: bool) -> Callable[[EventRecord], None]:

@@ -161,6 +161,13 @@ class AgentConfig(_Section):
         return [self.class_, *(name for name in self.allowed if name != self.class_)]
 
 
+COMPACTION_PROMPT = (
+    "Summarize the conversation so far for your own later use; the summary replaces it. "
+    "Keep the user's goals and requests, decisions made, facts learned, the results of "
+    "tool calls that still matter, and the work left to do. Be brief."
+)
+
+
 class ModelConfig(_Section):
     provider: Annotated[Literal["echo", "openai"], _lower] = "echo"
     delay: Seconds = 0.0
@@ -171,6 +178,12 @@ class ModelConfig(_Section):
     max_tokens: Annotated[int, Field(ge=1)] = 1024
     # An answer's body past this many bytes fails the call for good, unread.
     max_response_bytes: Annotated[int, Field(ge=1024)] = 4 << 20
+    # Tokens the model reads at most (prompt and answer); 0: unknown, learned from the
+    # server's first context-length error. A prompt past `context_window - max_tokens -
+    # context_margin` has its older turns replaced by a summary first (compaction).
+    context_window: Annotated[int, Field(ge=0)] = 0
+    context_margin: Annotated[int, Field(ge=0)] = 128
+    compaction_prompt: Annotated[str, Field(min_length=1, max_length=4096)] = COMPACTION_PROMPT
 
 
 class McpServer(_Section):

@@ -6,9 +6,11 @@ and the budgets. After every turn the worker appends a `checkpoint` with the cou
 the stop reason and `next_wake_at`; while no budget is spent, it appends the prompt as
 the next user message and the run goes on.
 
-The counters are recounted from the log each time, never carried in memory, so a crash
-(of a worker or the daemon) cannot reset them: a turn counts once when its `turn_ended`
-is committed, however many times it was continued; the tokens are those every model
+The counters are counted from the log each time, never carried in memory, so a crash
+(of a worker or the daemon) cannot reset them: the newest checkpoint's counts (each
+checkpoint sets the run out again, so that it needs no older event, which a compaction
+may have let go) and the events after it. A turn counts once when its `turn_ended` is
+committed, however many times it was continued; the tokens are those every model
 response of the run reported, the answers a crash cut short included.
 
 The run lock is the session's lease: one worker at a time writes the session, and a
@@ -72,8 +74,9 @@ class Run:
 
 
 def run_of(events: Sequence[RunEvent]) -> tuple[Run, int] | None:
-    """The run and the seq of its first checkpoint; None for a session without one."""
-    for event in events:
+    """The run and the seq of its newest checkpoint that sets it out (each does, the
+    first one too); None for a session without one."""
+    for event in reversed(events):
         if event.type == "checkpoint" and "budgets" in event.payload:
             p, b = event.payload, event.payload["budgets"]
             run = Run(
@@ -104,27 +107,36 @@ def progress(events: Sequence[RunEvent], now: float) -> dict[str, Any] | None:
     if found is None:
         return None
     run, since = found
-    ended = [e for e in events if e.seq > since and e.type == "turn_ended"]
-    answers = [e for e in events if e.seq > since and e.type == "model_response"]
-    tokens = sum(_tokens(e.payload.get("usage")) for e in answers)
+    counted = next(e.payload for e in events if e.seq == since)
+    after = events[next(i for i, e in enumerate(events) if e.seq == since) + 1 :]
+    ended = [e for e in after if e.type == "turn_ended"]
+    answers = [e for e in after if e.type == "model_response"]
+    tokens = int(counted.get("tokens") or 0) + sum(_tokens(e.payload.get("usage")) for e in answers)
+    turns = int(counted.get("turns") or 0) + len(ended)
     last_answer = next((e for e in reversed(answers) if not e.payload.get("tool_calls")), None)
     stop: str | None = None
     if ended and ended[-1].payload.get("outcome") not in ("completed", "truncated"):
         stop = "failed"
     elif last_answer is not None and GOAL_MET in str(last_answer.payload.get("text", "")).lower():
         stop = "goal_met"
-    elif len(ended) >= run.max_turns:
+    elif turns >= run.max_turns:
         stop = "max_turns"
     elif run.max_tokens is not None and tokens >= run.max_tokens:
         stop = "max_tokens"
     elif run.deadline_at is not None and now >= run.deadline_at:
         stop = "deadline"
     return {
-        "turns": len(ended),
+        "goal": run.goal,
+        "prompt": run.prompt,  # so that resuming needs only the log's tail
+        "budgets": {
+            "max_turns": run.max_turns,
+            "max_tokens": run.max_tokens,
+            "deadline_at": run.deadline_at,
+        },
+        "turns": turns,
         "tokens": tokens,
         "stop_reason": stop,
         "next_wake_at": None if stop else now,
-        "prompt": run.prompt,  # so that resuming needs only the log's tail
     }
 
 

@@ -78,6 +78,7 @@ class EventType(StrEnum):
     TASK_RESULT = "task_result"  # a task's outcome (or that it was lost), for its session
     RESTART_REQUESTED = "restart_requested"  # a turn asked for a restart (its registry row)
     RESTART_RESULT = "restart_result"  # the restart a turn asked for happened (or not)
+    COMPACTION = "compaction"  # the older conversation replaced by a summary (workers.context)
 
 
 TURN_EVENTS = frozenset({EventType.TURN_STARTED, EventType.TURN_ENDED, EventType.CONTINUATION})

@@ -189,6 +189,8 @@ class Api:
         if not isinstance(seq, int) or isinstance(seq, bool):
             return
         self.metrics.events_committed.labels(kind).inc()
+        if kind == EventType.COMPACTION:
+            self.metrics.compactions.inc()
         self.hub.publish(session_id, {"seq": seq, "type": kind})
 
     def _public(self, path: str) -> bool:

@@ -212,6 +212,12 @@ class Metrics:
         self.events_committed = Counter(
             "turnkeeper_events_committed", "Events committed, by type.", ["type"], registry=r
         )
+        self.compactions = Counter(
+            "turnkeeper_compactions",
+            "Compactions committed: a session's older turns replaced by a summary (or "
+            "dropped) to fit the model's context window.",
+            registry=r,
+        )
         self.intake_replays = Counter(
             "turnkeeper_intake_replays",
             "Requests intake answered from an earlier commit (the same Idempotency-Key and "

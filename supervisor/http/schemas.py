@@ -122,6 +122,27 @@ class ErrorBody(BaseModel):
     error: ErrorDetail
 
 
+class Compaction(BaseModel):
+    """A session's newest compaction: its older turns replaced by a summary."""
+
+    seq: int
+    at: float
+    method: str | None = Field(description="summary, or dropped when none could be made")
+    to_seq: int | None = Field(description="the last event it stands for")
+    tokens_before: int | None
+    tokens_after: int | None
+
+
+class ContextUse(BaseModel):
+    """A session's use of the model's context window."""
+
+    last_prompt_tokens: int | None = Field(description="tokens of its last prompt")
+    window: int | None = Field(description="the model's window: configured, or learned")
+    used: float | None = Field(description="last_prompt_tokens / window")
+    compactions: int = Field(ge=0)
+    last_compaction: Compaction | None
+
+
 class SessionOut(BaseModel):
     """A session."""
 
@@ -141,6 +162,10 @@ class SessionOut(BaseModel):
         "resend; cleared by the next message"
     )
     deliver_to: str | None = Field(description="the delivery target it is bound to, if any")
+    context: ContextUse | None = Field(
+        default=None,
+        description="its use of the model's context window (GET /v1/sessions/{id} only)",
+    )
 
 
 class SessionList(BaseModel):

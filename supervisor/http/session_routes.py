@@ -125,7 +125,10 @@ class SessionRoutes:
         return answer(SessionList(sessions=[session_out(s) for s in sessions]))
 
     async def get(self, request: web.Request) -> web.Response:
-        return answer(session_out(await self.session(request, Permission.READ)))
+        info = await self.session(request, Permission.READ)
+        window = self.config.model.context_window
+        use = await asyncio.to_thread(self.store.events.context_use, info.id, window)
+        return answer(SessionOut.model_validate({**info.to_dict(), "context": use}))
 
     async def update(self, request: web.Request) -> web.Response:
         self.refuse()

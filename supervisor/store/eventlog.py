@@ -21,6 +21,8 @@ from typing import Any
 
 import peewee
 
+from supervisor.core.context_use import context_use
+from supervisor.core.vocabulary import EventType
 from supervisor.store.appends import Known, Outcome, write_batch, write_events
 from supervisor.store.db import run_append
 from supervisor.store.errors import StorageUnavailable, StoreError
@@ -160,6 +162,26 @@ class EventLog:
         """The last `count` events, oldest first; an index range scan, not a log scan."""
         cursor = self._db.execute_sql(self._sql.read_last, (session_id, count))
         return [_row_record(session_id, row) for row in reversed(cursor.fetchall())]
+
+    def last_of(self, session_id: str, type: str) -> EventRecord | None:
+        """The newest event of `type` in the session, if any (read back from the end)."""
+        cursor = self._db.execute_sql(self._sql.read_last_of, (session_id, type))
+        row = cursor.fetchone()
+        return None if row is None else _row_record(session_id, row)
+
+    def count_of(self, session_id: str, type: str) -> int:
+        """How many events of `type` the session has."""
+        cursor = self._db.execute_sql(self._sql.count_of, (session_id, type))
+        return int(cursor.fetchone()[0])
+
+    def context_use(self, session_id: str, window: int) -> dict[str, Any]:
+        """The session's use of the context window (`supervisor.core.context_use`)."""
+        return context_use(
+            self.last_of(session_id, EventType.MODEL_RESPONSE),
+            self.last_of(session_id, EventType.COMPACTION),
+            self.count_of(session_id, EventType.COMPACTION),
+            window,
+        )
 
     def close(self) -> None:
         """Commit what is queued, then stop the committer thread."""

@@ -84,6 +84,10 @@ class Sql:
         )
         self.read_after = f"{read} AND seq > {p} ORDER BY seq LIMIT {p}"
         self.read_last = f"{read} ORDER BY seq DESC LIMIT {p}"
+        self.read_last_of = f"{read} AND type = {p} ORDER BY seq DESC LIMIT 1"
+        self.count_of = (
+            f"SELECT COUNT(*) FROM {q[0]}event{q[1]} WHERE session_id = {p} AND type = {p}"
+        )
         inputs = ", ".join([p] * len(INPUT_EVENTS))
         self.last_user = (
             f"SELECT seq FROM {q[0]}event{q[1]} WHERE session_id = {p} AND type IN ({inputs}) "

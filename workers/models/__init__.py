@@ -50,7 +50,7 @@ def make_model(cfg: ModelConfig, environ: Mapping[str, str] | None = None) -> Mo
     unset or empty in `environ` (default: the process environment).
     """
     if cfg.provider == "echo":
-        return EchoModel(delay=cfg.delay, max_tokens=cfg.max_tokens)
+        return EchoModel(delay=cfg.delay, max_tokens=cfg.max_tokens, window=cfg.context_window)
     environ = os.environ if environ is None else environ
     api_key: str | None = None
     if cfg.api_key_env:

@@ -48,6 +48,7 @@ class Message:
     tool_calls: list[ToolCall] = field(default_factory=list)
     tool_call_id: str | None = None
     note: bool = False
+    tokens: int | None = None  # what its event counted, if it kept a count
 
 
 @dataclass(frozen=True)
@@ -71,11 +72,24 @@ class ModelError(Exception):
     The message is one line naming the server and what went wrong. `transient` says
     whether the same call may succeed if tried again later (timeouts, refused
     connections, 429 and 5xx) or not (other 4xx, malformed answers, missing settings).
+    `retry_after` is the wait a 429 or 503 asked for, in seconds, when it named one.
     """
 
-    def __init__(self, message: str, *, transient: bool = False) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        transient: bool = False,
+        context_exceeded: bool = False,
+        window: int | None = None,
+    ) -> None:
         super().__init__(message)
         self.transient = transient
+        # The prompt did not fit the model's context window (`window` tokens, when the
+        # server said): compacting the conversation may make the same call succeed.
+        self.context_exceeded = context_exceeded
+        self.window = window
+        self.retry_after: float | None = None
 
 
 @runtime_checkable

@@ -19,6 +19,12 @@ It answers the most recent user message T (a framework note is not a user messag
   message, its ends stripped), finish "tool_calls"; once a tool message follows,
   `echo: <its content>`. Whether agents may ask is the worker's to say.
 
+- `/big N` -> N words (`t0 t1 ...`), finish "stop" (cut at `max_tokens` like any answer).
+
+With a `window` (`model.context_window`), echo is a server with that context window: a
+prompt whose words and `max_tokens` together pass it fails as a real server's does, a
+non-transient `ModelError` naming the window (`context_exceeded`).
+
 A malformed command (`/sleep soon`, `/tool` without a name, a `/subagent` line without a
 task, `/task` without a kind or with arguments that are not a JSON object, `/restart`
 without a reason) is echoed whole. An answer longer than `max_tokens` words is cut there
@@ -35,14 +41,22 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from workers.models.base import FinishReason, Message, ModelResponse, ToolCall, ToolSpec
+from workers.models.base import (
+    FinishReason,
+    Message,
+    ModelError,
+    ModelResponse,
+    ToolCall,
+    ToolSpec,
+)
 
-_COMMAND = re.compile(r"/(tool|sleep|long|task|restart)(?:\s+(.*))?", re.DOTALL)
+_COMMAND = re.compile(r"/(tool|sleep|long|task|restart|big)(?:\s+(.*))?", re.DOTALL)
 _SUBAGENT = re.compile(r"/subagent(?:\s+(.*))?")  # one line of a `/subagent` message
 SPAWN = "spawn_subagent"
 TASK = "start_task"
 RESTART = "request_restart"
 _WORD = re.compile(r"\S+")
+BIG_MOST = 1_000_000  # words `/big` answers at most
 COUNTS_KEPT = 8  # conversations whose word counts are kept: about one per session in use
 
 
@@ -57,9 +71,10 @@ class _Answer:
 class EchoModel:
     """The deterministic `echo` provider; `delay` seconds are added to every call."""
 
-    def __init__(self, delay: float = 0.0, max_tokens: int = 1024) -> None:
+    def __init__(self, delay: float = 0.0, max_tokens: int = 1024, window: int = 0) -> None:
         self.delay = delay
         self.max_tokens = max_tokens
+        self.window = window
         # id of a conversation's first message -> (the messages counted, their words)
         self._counted: dict[int, tuple[list[Message], int]] = {}
 
@@ -67,16 +82,22 @@ class EchoModel:
         """Answer the most recent user message by the rules in the module docstring."""
         if self.delay > 0:
             await asyncio.sleep(self.delay)
+        prompt = self._prompt_tokens(messages)
+        if self.window and prompt + self.max_tokens > self.window:
+            raise ModelError(
+                f"echo answered 400: This model's maximum context length is {self.window} "
+                f"tokens. However, you requested {prompt + self.max_tokens} tokens "
+                f"({prompt} in the messages, {self.max_tokens} in the completion).",
+                context_exceeded=True,
+                window=self.window,
+            )
         answer = _plan(messages)
         if answer.sleep > 0:
             await asyncio.sleep(answer.sleep)
         text, finish = answer.text, answer.finish_reason
         if finish == "stop":
             text, finish = _cut(text, self.max_tokens)
-        usage = {
-            "prompt_tokens": self._prompt_tokens(messages),
-            "completion_tokens": _words(text),
-        }
+        usage = {"prompt_tokens": prompt, "completion_tokens": _words(text)}
         return ModelResponse(text, list(answer.tool_calls), finish, usage)
 
     async def aclose(self) -> None:
@@ -118,6 +139,11 @@ def _plan(messages: list[Message]) -> _Answer:
         return _task(messages, index, text, rest)
     if command == "restart":
         return _restart(messages, index, text, rest)
+    if command == "big":
+        count = rest.strip()
+        if not count.isdigit() or not 0 < int(count) <= BIG_MOST:
+            return _Answer(f"echo: {text}")
+        return _Answer(" ".join(f"t{i}" for i in range(int(count))))
     full = f"echo: {rest}"
     return _Answer(full[: max(1, len(full) // 2)], "length")
 

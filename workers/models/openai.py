@@ -14,8 +14,10 @@ user and password go as Basic auth only when there is no API key.
 from __future__ import annotations
 
 import asyncio
+import email.utils
 import json
 import re
+import time
 import uuid
 from typing import Any
 from urllib.parse import unquote
@@ -87,10 +89,16 @@ class OpenAIModel:
             ) from None
         if not answer.is_success:
             status = answer.status_code
-            raise ModelError(
-                f"model server {self.base_url} answered {status}: {self._excerpt(answer)}",
+            excerpt = self._excerpt(answer)
+            window = context_window_of(answer.text) if status in (400, 413) else None
+            error = ModelError(
+                f"model server {self.base_url} answered {status}: {excerpt}",
                 transient=status == 429 or status >= 500,
+                context_exceeded=window is not None,
+                window=window or None,
             )
+            error.retry_after = retry_after(answer.headers.get("retry-after"))
+            raise error
         try:
             return parse_answer(answer.json())
         except ValueError as exc:
@@ -107,16 +115,23 @@ class OpenAIModel:
         answer = await self._http().send(request, stream=True)
         try:
             declared = answer.headers.get("content-length", "")
-            if declared.isdigit() and int(declared) > self.max_response_bytes:
+            too_long = declared.isdigit() and int(declared) > self.max_response_bytes
+            if too_long and answer.is_success:
                 raise self._too_large(int(declared))
             content = bytearray()
             async for chunk in answer.aiter_bytes():  # decoded: a compressed bomb is cut too
                 content += chunk
                 if len(content) > self.max_response_bytes:
+                    if not answer.is_success:  # an error page: its start says enough
+                        del content[self.max_response_bytes :]
+                        break
                     raise self._too_large(None)
         finally:
             await answer.aclose()
-        kept = {"content-type": answer.headers.get("content-type", "application/json")}
+        kept = {
+            "content-type": answer.headers.get("content-type", "application/json"),
+            "retry-after": answer.headers.get("retry-after", ""),
+        }
         return httpx.Response(
             answer.status_code, headers=kept, content=bytes(content), request=request
         )
@@ -160,6 +175,49 @@ class OpenAIModel:
             if secret:
                 text = text.replace(secret, "***")
         return _one_line(text)[:EXCERPT] or "(empty body)"
+
+
+# How servers name a context window in a context-length error: OpenAI and servers that
+# copy its wording (vLLM, llama-cpp-python), llama.cpp's server, Ollama.
+_WINDOW_PATTERNS = (
+    re.compile(r"maximum context length is (\d+)", re.IGNORECASE),
+    re.compile(r"context (?:window|length|size) of (\d+)", re.IGNORECASE),
+    re.compile(r"exceeds? the available context size.*?n_ctx(?:_slot)?\s*=\s*(\d+)", re.I | re.S),
+    re.compile(r"context size \((\d+)", re.IGNORECASE),
+)
+_CONTEXT_WORDS = re.compile(
+    r"context_length_exceeded|context (?:window|length|size)|n_ctx|too many tokens|"
+    r"prompt is too long|maximum context",
+    re.IGNORECASE,
+)
+
+
+def context_window_of(body: str) -> int | None:
+    """For an error answer that says the prompt did not fit the model's context: the
+    window it names, or 0 when it names none. None for any other error."""
+    if not _CONTEXT_WORDS.search(body):
+        return None
+    for pattern in _WINDOW_PATTERNS:
+        match = pattern.search(body)
+        if match is not None:
+            return int(match.group(1))
+    return 0
+
+
+def retry_after(value: str | None) -> float | None:
+    """A `Retry-After` header's wait in seconds (delay-seconds or an HTTP date)."""
+    if not value:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return float(value)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError):
+        return None
+    if when.tzinfo is None:
+        return None
+    return max(0.0, when.timestamp() - time.time())
 
 
 def without_userinfo(url: str) -> tuple[str, tuple[str, str] | None]:
