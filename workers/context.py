@@ -42,6 +42,7 @@ DROPPED_NOTE = (
     "[turnkeeper] {count} earlier messages were dropped to fit the model's context window; "
     "no summary of them could be made."
 )
+SUMMARY_TRIES = 3  # summarizing calls a compaction makes at most
 KEY = "compaction:{to_seq}"  # a compaction of the same range is committed once
 
 # (type, payload, turn id, idempotency key) -> seq
@@ -204,6 +205,14 @@ class Compactor:
             )
             return False
         seq, count = self._choose(cuts, messages, tools, limit)
+        logger.bind(subsystem="worker").info(
+            "compacting the conversation up to seq {}: the prompt ({} tokens) {} the context "
+            "window ({})",
+            seq,
+            before,
+            "did not fit" if forced else "would not fit",
+            self.window.size or "unknown",
+        )
         summary, method, dropped = await self._summarize(messages[:count], cuts, limit)
         kept = messages[count:]
         head = Summary(summary, seq, method == "dropped").message()
@@ -263,27 +272,31 @@ class Compactor:
     ) -> tuple[str, str, int]:
         """(summary, method, messages left out of it). What is summarized is `older`
         less its oldest turns as far as the summarizing call needs to fit (an earlier
-        summary, first, is kept); with nothing left, the older part is dropped."""
+        summary, first, is kept); a server that still finds it too long gets the newer
+        half of it, up to `SUMMARY_TRIES` times; with nothing left, the older part is
+        dropped."""
         request = Message("user", self.settings.prompt)
         start = 1 if older and older[0].note and older[0].content.startswith(SUMMARY_NOTE) else 0
-        bounds = [count for _, count in cuts if count < len(older)]
+        bounds = [count for _, count in cuts if start < count < len(older)]
         first = start
         while (
             limit is not None and self.cost([*older[:start], *older[first:], request], []) > limit
         ):
             later = [b for b in bounds if b > first]
+            first = later[0] if later else len(older)
             if not later:
-                first = len(older)
                 break
-            first = later[0]
-        shown = [*older[:start], *older[first:]]
-        if first >= len(older) and not start:
-            return DROPPED_NOTE.format(count=len(older)), "dropped", len(older)
-        try:
-            answer = await self._ask([*shown, request], [])
-        except ModelError as exc:
-            if not exc.context_exceeded:
-                raise
-            return DROPPED_NOTE.format(count=len(older)), "dropped", len(older)
-        text = answer.text.strip() or "(the model gave an empty summary)"
-        return text, "summary", first - start
+        for _ in range(SUMMARY_TRIES):
+            if first >= len(older) and not start:
+                break
+            try:
+                answer = await self._ask([*older[:start], *older[first:], request], [])
+            except ModelError as exc:
+                if not exc.context_exceeded:
+                    raise
+                later = [b for b in bounds if b > first]
+                first = later[len(later) // 2] if later else len(older)
+                continue
+            text = answer.text.strip() or "(the model gave an empty summary)"
+            return text, "summary", first - start
+        return DROPPED_NOTE.format(count=len(older)), "dropped", len(older)

@@ -28,7 +28,8 @@ non-transient `ModelError` naming the window (`context_exceeded`).
 A malformed command (`/sleep soon`, `/tool` without a name, a `/subagent` line without a
 task, `/task` without a kind or with arguments that are not a JSON object, `/restart`
 without a reason) is echoed whole. An answer longer than `max_tokens` words is cut there
-with finish "length". Tokens are counted as whitespace-separated words.
+with finish "length". Tokens are counted as whitespace-separated words (a prompt's: its
+messages' and the JSON of the tools on offer).
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ class EchoModel:
         """Answer the most recent user message by the rules in the module docstring."""
         if self.delay > 0:
             await asyncio.sleep(self.delay)
-        prompt = self._prompt_tokens(messages)
+        prompt = self._prompt_tokens(messages) + _tools_words(tools)
         if self.window and prompt + self.max_tokens > self.window:
             raise ModelError(
                 f"echo answered 400: This model's maximum context length is {self.window} "
@@ -244,6 +245,14 @@ def _cut(text: str, max_tokens: int) -> tuple[str, FinishReason]:
     if len(words) <= max_tokens:
         return text, "stop"
     return text[: words[max_tokens - 1].end()], "length"
+
+
+def _tools_words(tools: list[ToolSpec]) -> int:
+    """The words of the tools on offer, as a server counts them in the prompt."""
+    if not tools:
+        return 0
+    specs = [[t.name, t.description, t.input_schema] for t in tools]
+    return _words(json.dumps(specs, separators=(", ", ": ")))
 
 
 def _words(text: str) -> int:
