@@ -82,8 +82,9 @@ def test_a_sigkill_during_a_compaction_leaves_it_to_be_redone_once(
                     f"/v1/sessions/{session}/inject", json={"text": f"/big {20 + index}"}
                 ).json()["seq"]
             wait_until(
-                lambda s=seq: turn_ended(store, session, s)
-                or "compacting the conversation" in daemon.log(),
+                lambda s=seq: (
+                    turn_ended(store, session, s) or "compacting the conversation" in daemon.log()
+                ),
                 60,
                 "the turn to end or to compact",
             )
