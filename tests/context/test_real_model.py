@@ -1,0 +1,68 @@
+"""Long sessions against a real OpenAI-compatible server (issue 29): llama-cpp-python's,
+with a tiny random-weight model and a 1,024-token window (`tests/model_server.py`). A
+session of 50 turns completes every turn, its older turns compacted, whether the window
+is configured or learned from the server's first context-length error."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from supervisor.store import Store
+from tests.daemon import Daemon, daemons, events, turn_ended, wait_until
+from tests.model_server import ModelServer, require
+
+__all__ = ["daemons"]
+
+Daemons = Callable[..., Daemon]
+pytestmark = pytest.mark.timeout(300)
+N_CTX, MAX_TOKENS = 1024, 64
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[ModelServer]:
+    require()
+    started = ModelServer(tmp_path / "model", N_CTX).start()
+    try:
+        yield started
+    finally:
+        started.stop()
+
+
+def model_config(server: ModelServer, window: int) -> dict[str, object]:
+    return {
+        "provider": "openai",
+        "base_url": server.base_url,
+        "model": "tiny",
+        "max_tokens": MAX_TOKENS,
+        "context_window": window,
+        "timeout": 60,
+    }
+
+
+@pytest.mark.parametrize("window", [N_CTX, 0], ids=["configured", "learned"])
+def test_fifty_turns_on_a_1024_token_window_all_complete(
+    daemons: Daemons, server: ModelServer, window: int
+) -> None:
+    daemon = daemons(model=model_config(server, window)).start()
+    with daemon.client() as api, Store(daemon.url, migrate=False) as store:
+        session = api.post("/v1/sessions", json={"title": "long"}).json()["id"]
+        for index in range(50):
+            text = f"message {index}: the weather, the news and a question about it"
+            seq = api.post(f"/v1/sessions/{session}/inject", json={"text": text}).json()["seq"]
+            ended = wait_until(lambda s=seq: turn_ended(store, session, s), 120, f"turn {index}")
+            assert ended.payload["outcome"] == "completed", (index, ended.payload)
+        log = events(store, session)
+        compactions = [e.payload for e in log if e.type == "compaction"]
+        assert len(compactions) >= 2
+        assert {c["window"] for c in compactions} == {N_CTX}
+        answers = [e.payload for e in log if e.type == "model_response"]
+        assert len(answers) >= 50
+        # The server counted every prompt it answered: each fit its window.
+        assert all(a["usage"]["prompt_tokens"] + MAX_TOKENS <= N_CTX for a in answers)
+        shown = api.get(f"/v1/sessions/{session}").json()["context"]
+        assert shown["window"] == N_CTX and shown["compactions"] == len(compactions)
+    if window == 0:  # learned from the server's error: the first compaction was forced
+        assert f"did not fit the context window ({N_CTX})" in daemon.log()
