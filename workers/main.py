@@ -32,6 +32,7 @@ from workers.cache import HistoryCache
 from workers.context import Settings, Window
 from workers.mcp_launch import launch_all
 from workers.models import make_model
+from workers.outage import Health
 from workers.restarting import TOOL as RESTART_TOOL
 from workers.restarting import RestartScope
 from workers.runner import SessionRunner
@@ -109,6 +110,7 @@ class Worker:
         self.agent_class = load_agent_class(self.config.agent.class_)
         self.model = make_model(self.config.model)
         self.window = Window(self.config.model.context_window)  # learned, for every session
+        self.health = Health()  # the model as the turns found it, for the heartbeats
         builtin = BuiltinTools()
         self.mcp: Any = None
         boxes: list[Toolbox] = [builtin]
@@ -236,6 +238,8 @@ class Worker:
                 tasks=self._tasks,
                 restarts=self._daemon,
                 window=self.window,
+                outage_budget=model.outage_budget,
+                health=self.health,
                 compaction=Settings(
                     model.max_tokens, model.context_margin, model.compaction_prompt
                 ),
@@ -304,6 +308,7 @@ class Worker:
                 turns_served=self.turns_served,
                 mcp={client.name: client.state.reported.value for client in clients},
                 append_latency=self.latency.take(),
+                model_down_since=self.health.down_since,
             )
             await asyncio.sleep(self.config.pool.heartbeat_interval)
 

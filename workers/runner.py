@@ -34,13 +34,14 @@ from supervisor.core.engine import SessionView, Step
 from supervisor.core.recovery import ATTEMPT_DELAYS
 from supervisor.core.vocabulary import AssignReason, EventType, SessionKind, Writer
 from supervisor.store import Lease, LeaseLost, StorageUnavailable, Store
-from workers import turns
+from workers import history, turns
 from workers.agent import Agent
 from workers.cache import HistoryCache, SessionLog
 from workers.context import Compactor, Settings, Summary, Window
 from workers.continuation import Continuer
 from workers.desk import Notify
 from workers.models import Message, Model
+from workers.outage import Health, Outage, outage_since
 from workers.restarting import Requester, RestartScope
 from workers.spawning import Limits, Spawner
 from workers.tasking import Kinds, Starter
@@ -80,6 +81,8 @@ class SessionRunner:
         restarts: RestartScope | None = None,
         window: Window | None = None,
         compaction: Settings | None = None,
+        outage_budget: float = 0.0,
+        health: Health | None = None,
         clock: Clock = SYSTEM,
     ) -> None:
         self.session_id = session_id
@@ -118,6 +121,8 @@ class SessionRunner:
         self._window = window if window is not None else Window(0)
         self._compaction = compaction or Settings(1024, 128, COMPACTION_PROMPT)
         self._log = SessionLog()  # the log as last read
+        self._outage_budget = outage_budget
+        self._health = health
         self._continuer = Continuer(
             session_id,
             store=store,
@@ -371,6 +376,8 @@ class SessionRunner:
             self._starter,
             self._requester,
             compactor,
+            Outage(self._outage_budget, outage_since(history.turn_events(log, turn_id))),
+            self._health,
         )
         started = self._clock.time()
         ending = await turns.agent_ending(agent, context)

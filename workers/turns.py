@@ -9,6 +9,7 @@ is let finish, so its result is recorded.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import time
@@ -28,6 +29,7 @@ from workers.agent import OUTCOMES, Agent
 from workers.cache import log_of
 from workers.history import Tail
 from workers.models import Message, Model, ModelError, ModelResponse, ToolCall, ToolSpec
+from workers.outage import NOTICE, OUTAGE_KEY, Health, Outage
 from workers.restarting import OFF as RESTARTS_OFF
 from workers.restarting import TOOL as RESTART_TOOL
 from workers.restarting import Requester, RestartRefused
@@ -64,6 +66,8 @@ class TurnContext:
         starter: Starter | None = None,
         requester: Requester | None = None,
         compactor: Callable[[TurnContext], context.Compactor] | None = None,
+        outage: Outage | None = None,
+        health: Health | None = None,
     ) -> None:
         self.session_id = session_id
         self.turn_id = turn_id
@@ -79,6 +83,8 @@ class TurnContext:
         self._requester = requester
         self._requests = 0  # `request_restart` calls in this run of the turn
         self._compactor = None if compactor is None else compactor(self)
+        self._outage = outage
+        self._health = health
 
     @property
     def messages(self) -> list[Message]:
@@ -148,7 +154,37 @@ class TurnContext:
         return response
 
     async def ask(self, messages: list[Message], tools: list[ToolSpec]) -> ModelResponse:
-        """One model call, nothing committed; a release abandons it (TurnReleased)."""
+        """One model call, nothing committed but an outage's notice; a release abandons
+        it (TurnReleased). A model server that is down is waited out (`workers.outage`)."""
+        outage = self._outage
+        while True:
+            try:
+                response = await self._ask_once(messages, tools)
+            except ModelError as exc:
+                if outage is None:
+                    raise
+                now = time.time()
+                delay = outage.wait(exc, now)
+                if delay is None:
+                    raise outage.spent(exc) from None
+                if outage.since is None:
+                    outage.since = now
+                    payload = {"text": NOTICE, OUTAGE_KEY: now, "error": str(exc)}
+                    await self._commit(EventType.NOTICE, payload, self.turn_id)
+                if self._health is not None:
+                    self._health.down(outage.since)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._released.wait(), delay)
+                self._boundary()
+                continue
+            if outage is not None:
+                outage.since = None
+                outage.tries = 0
+            if self._health is not None:
+                self._health.up()
+            return response
+
+    async def _ask_once(self, messages: list[Message], tools: list[ToolSpec]) -> ModelResponse:
         self._boundary()
         call = asyncio.ensure_future(self._model.complete(messages, tools))
         release = asyncio.ensure_future(self._released.wait())

@@ -293,6 +293,11 @@ def status_lines(data: dict[str, Any]) -> list[str]:
         tripped = bool(breaker["tripped"])
         line = f"breaker {'TRIPPED' if tripped else 'clear'}: {breaker['reason']}"
         lines.append(colour(line, "red") if tripped else line)
+    model = data.get("model") or {"state": "ok"}
+    if model["state"] == "ok":
+        lines.append("model ok")
+    else:
+        lines.append(colour(f"model UNAVAILABLE since {when(model['since'])}: retrying", "red"))
     lines += slot_table(data["slots"])
     lines += mcp_table(data["slots"])
     config = data.get("config")

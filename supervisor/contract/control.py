@@ -173,6 +173,8 @@ class Heartbeat(_FromWorker):
     turns_served: Total  # ended since the worker started
     mcp: Annotated[dict[ServerName, McpStateWord], Field(max_length=MAX_SERVERS)]  # by name
     append_latency: Latency
+    # Since when the model has not answered this worker's turns (an outage), else None.
+    model_down_since: Annotated[float | None, Field(ge=0.0, le=1e11, allow_inf_nan=False)] = None
 
 
 class _AboutSession(_FromWorker):

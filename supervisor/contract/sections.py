@@ -181,6 +181,9 @@ class ModelConfig(_Section):
     # Tokens the model reads at most (prompt and answer); 0: unknown, learned from the
     # server's first context-length error. A prompt past `context_window - max_tokens -
     # context_margin` has its older turns replaced by a summary first (compaction).
+    # A server that is down, answers 5xx or 429, or times out is waited out for this long
+    # (seconds from the outage's start), the turn calling again with backoff; then it fails.
+    outage_budget: Seconds = 900.0
     context_window: Annotated[int, Field(ge=0)] = 0
     context_margin: Annotated[int, Field(ge=0)] = 128
     compaction_prompt: Annotated[str, Field(min_length=1, max_length=4096)] = COMPACTION_PROMPT

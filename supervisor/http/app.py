@@ -347,7 +347,9 @@ class Api:
             raise ApiError(403, "forbidden", "only the admin principal may read the status")
         counts = await asyncio.to_thread(self.store.sessions.counts)
         pool: dict[str, Any] = (
-            self.pool.status() if self.pool is not None else {"slots": [], "restarts": 0}
+            self.pool.status()
+            if self.pool is not None
+            else {"slots": [], "restarts": 0, "model": {"state": "ok", "since": None}}
         )
         breaker = self.pool.breaker() if self.pool is not None else None
         seen = await asyncio.to_thread(hosts.seen, self.store, self.host_id)
@@ -358,6 +360,7 @@ class Api:
                 breaker=breaker,
                 slots=pool["slots"],
                 worker_restarts=pool["restarts"],
+                model=pool["model"],
                 sessions=counts,
                 attach_streams=self.hub.streams,
                 **seen,

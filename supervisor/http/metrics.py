@@ -72,6 +72,13 @@ class _State(Collector):
         for state in SlotState:
             workers.add_metric([state], counts.get(state, 0))
         yield workers
+        model = GaugeMetricFamily(
+            "turnkeeper_model_up",
+            "1 while the model answers; 0 while a worker waits out an outage (a server down, "
+            "5xx, 429 or timing out).",
+        )
+        model.add_metric([], 0 if status.get("model", {}).get("state") == "unavailable" else 1)
+        yield model
         mcp = GaugeMetricFamily(
             "turnkeeper_mcp_servers", "MCP servers of the live workers, by state.", labels=["state"]
         )

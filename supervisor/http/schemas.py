@@ -349,6 +349,13 @@ class ConfigState(BaseModel):
     source: str | None = Field(description="the file it was read from; null: built-in defaults")
 
 
+class ModelState(BaseModel):
+    """The model as the workers find it."""
+
+    state: Literal["ok", "unavailable"]
+    since: float | None = Field(description="when the outage began, while unavailable")
+
+
 class Status(BaseModel):
     """The daemon's state, for the operator."""
 
@@ -357,6 +364,7 @@ class Status(BaseModel):
     breaker: dict[str, Any] | None
     slots: list[SlotOut]
     worker_restarts: int = Field(ge=0)
+    model: ModelState
     sessions: dict[str, int] = Field(description="by state: open, running, pending, ...")
     attach_streams: int = Field(ge=0)
     host: HostSelf

@@ -34,6 +34,7 @@ class WorkerHandle:
     suspected_at: float | None = None  # when its silence was first seen past the limit
     child_row: int | None = None
     mcp: dict[str, str] = field(default_factory=dict)  # its MCP servers' states by name
+    model_down_since: float | None = None  # the model has not answered it since, if so
     replacing: bool = False  # sent a malformed message: killed, its frames ignored
     exited: bool = False  # its sentinel fired: gone, whether reaped yet or not
     # It beats at the interval it was started with (a reload may have changed the key

@@ -193,6 +193,14 @@ class Pool(Requests, Resizing):
         """MCP servers of the live workers by state, as their last heartbeats said."""
         return dict(Counter(state for w in self.workers.values() for state in w.mcp.values()))
 
+    def model_state(self) -> dict[str, Any]:
+        """The model as the live workers' last heartbeats found it: `ok`, or
+        `unavailable` since the earliest outage one of them is waiting out."""
+        down = [w.model_down_since for w in self.workers.values() if w.model_down_since]
+        if not down:
+            return {"state": "ok", "since": None}
+        return {"state": "unavailable", "since": min(down)}
+
     @property
     def assigned(self) -> dict[str, WorkerHandle]:
         """Which worker owns which session."""
@@ -208,7 +216,7 @@ class Pool(Requests, Resizing):
     def status(self) -> dict[str, Any]:
         """The slots and workers, for /v1/status and `turnkeeper status`."""
         slots = [slot_status(s, self.current.get(s.index)) for s in self.slots]
-        return {"slots": slots, "restarts": self.restarts}
+        return {"slots": slots, "restarts": self.restarts, "model": self.model_state()}
 
     # --- processes ------------------------------------------------------------------
 
@@ -386,6 +394,7 @@ class Pool(Requests, Resizing):
             case control.Heartbeat():
                 worker.turns, worker.turns_served = message.turns, message.turns_served
                 worker.mcp = dict(message.mcp)
+                worker.model_down_since = message.model_down_since
                 latency = message.append_latency
                 self.metrics.append_latency.add(latency.counts, latency.sum)
             case control.Committed():

@@ -5,13 +5,14 @@ is configured or learned from the server's first context-length error."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from supervisor.store import Store
-from tests.daemon import Daemon, daemons, events, turn_ended, wait_until
+from tests.daemon import Daemon, daemons, events, turn_ended, turnkeeper, wait_until
 from tests.model_server import ModelServer, require
 
 __all__ = ["daemons"]
@@ -66,3 +67,40 @@ def test_fifty_turns_on_a_1024_token_window_all_complete(
         assert shown["window"] == N_CTX and shown["compactions"] == len(compactions)
     if window == 0:  # learned from the server's error: the first compaction was forced
         assert f"did not fit the context window ({N_CTX})" in daemon.log()
+
+
+def test_a_model_server_stopped_for_a_minute_during_a_turn(
+    daemons: Daemons, server: ModelServer
+) -> None:
+    daemon = daemons(model=model_config(server, N_CTX)).start()
+    with daemon.client() as api, Store(daemon.url, migrate=False) as store:
+        session = api.post("/v1/sessions", json={"title": "outage"}).json()["id"]
+        seq = api.post(f"/v1/sessions/{session}/inject", json={"text": "hello"}).json()["seq"]
+        wait_until(lambda: turn_ended(store, session, seq), 60, "the first turn")
+        server.stop()
+        stopped = time.monotonic()
+        seq = api.post(f"/v1/sessions/{session}/inject", json={"text": "are you there?"}).json()[
+            "seq"
+        ]
+        notices = lambda: [  # noqa: E731
+            e for e in events(store, session) if e.seq > seq and e.type == "notice"
+        ]
+        wait_until(notices, 60, "the outage's notice")
+        assert notices()[0].payload["text"] == "the model is unavailable; retrying"
+        # The daemon is fine and says the model is not.
+        wait_until(lambda: daemon.status()["model"]["state"] == "unavailable", 30, "the state")
+        assert api.get("/readyz").status_code == 200
+        assert "turnkeeper_model_up 0.0" in api.get("/metrics").text
+        shown = turnkeeper(daemon, "status")
+        assert "model UNAVAILABLE since" in shown.stdout, shown.stdout + shown.stderr
+        time.sleep(max(0.0, 60 - (time.monotonic() - stopped)))  # down for a minute
+        assert turn_ended(store, session, seq) is None
+        server.start()
+        ended = wait_until(lambda: turn_ended(store, session, seq), 90, "the turn after it")
+        assert ended.payload["outcome"] == "completed"
+        after = [e for e in events(store, session) if e.seq > seq]
+        assert len(notices()) == 1
+        assert [e.type for e in after].count("turn_started") == 1
+        assert not [e for e in after if e.type == "continuation"]  # no attempt spent
+        wait_until(lambda: daemon.status()["model"]["state"] == "ok", 30, "the model ok again")
+        assert "turnkeeper_model_up 1.0" in api.get("/metrics").text
