@@ -296,6 +296,11 @@ def events(store: Store, session_id: str) -> list[EventRecord]:
     return found
 
 
+def outcome_of(payload: dict[str, Any]) -> dict[str, Any]:
+    """A `turn_ended` payload without what the turn spent (`tokens`), for comparisons."""
+    return {key: value for key, value in payload.items() if key != "tokens"}
+
+
 def turn_ended(store: Store, session_id: str, after: int = 0) -> EventRecord | None:
     """The first `turn_ended` after seq `after`."""
     return next(

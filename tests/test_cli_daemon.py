@@ -421,9 +421,12 @@ def test_status_labels_its_columns_and_shows_mcp_servers(daemons: Daemons) -> No
         "breaker",
         "slots",
         "worker_restarts",
+        "model",
         "sessions",
         "attach_streams",
     }
+    assert document["model"] == {"state": "ok", "since": None}
+    assert "model ok" in lines
     assert document["boot"] == api["boot"]
     assert [(s["worker"], s["pid"]) for s in document["slots"]] == [
         (s["worker"], s["pid"]) for s in api["slots"]

@@ -21,6 +21,7 @@ from supervisor.core.tail import Resume, TailClass
 from supervisor.core.vocabulary import Cause
 from supervisor.store import EventRecord, Store
 from tests.conftest import BACKENDS
+from tests.daemon import outcome_of
 from workers.agents.tool_loop import ToolLoopAgent
 from workers.models import Message, ModelError, ModelResponse, ToolSpec
 from workers.runner import SessionRunner
@@ -284,7 +285,7 @@ def test_a_passing_model_error_is_continued_on_the_schedule(store: Store) -> Non
     ]
     assert "may pass" in notes[0]["text"]
     ended = h.ended()
-    assert ended is not None and ended.payload == {"outcome": "completed"}
+    assert ended is not None and outcome_of(ended.payload) == {"outcome": "completed"}
     assert [e.payload["text"] for e in h.events("model_response")] == ["at last"]
     assert h.model.calls == 3
     assert store.sessions.get(h.sid).attempt_count == 0  # cleared by turn_ended
@@ -306,7 +307,7 @@ def test_a_model_that_keeps_failing_ends_the_turn_after_the_last_attempt(store: 
     assert [e.payload["attempt"] for e in h.events("continuation")] == [1, 2, 3]
     ended = h.ended()
     assert ended is not None
-    assert ended.payload == {
+    assert outcome_of(ended.payload) == {
         "outcome": "failed",
         "error": str(BUSY),
         "transient": True,
@@ -327,7 +328,11 @@ def test_an_error_that_will_not_pass_fails_the_turn_at_once(store: Store) -> Non
     asyncio.run(go())
     ended = h.ended()
     assert ended is not None
-    assert ended.payload == {"outcome": "failed", "error": str(refused), "transient": False}
+    assert outcome_of(ended.payload) == {
+        "outcome": "failed",
+        "error": str(refused),
+        "transient": False,
+    }
     assert h.events("continuation") == [] and h.model.calls == 1
 
 
@@ -353,7 +358,7 @@ def test_a_cut_answer_is_continued_and_the_turn_completes(store: Store) -> None:
         "turn_ended",
     ]
     ended = h.ended()
-    assert ended is not None and ended.payload == {"outcome": "completed"}
+    assert ended is not None and outcome_of(ended.payload) == {"outcome": "completed"}
 
 
 def test_a_message_sent_during_the_wait_ends_the_turn_and_drives_the_next(store: Store) -> None:
@@ -369,13 +374,15 @@ def test_a_message_sent_during_the_wait_ends_the_turn_and_drives_the_next(store:
 
     asyncio.run(go())
     first, second = h.events("turn_ended")
-    assert first.payload == {
+    assert outcome_of(first.payload) == {
         "outcome": "failed",
         "error": str(BUSY),
         "transient": True,
         "reason": "a newer user message drives the next turn",
     }
-    assert second.payload == {"outcome": "completed"} and second.turn_id != first.turn_id
+    assert (
+        outcome_of(second.payload) == {"outcome": "completed"} and second.turn_id != first.turn_id
+    )
     assert [e.payload["attempt"] for e in h.events("continuation")] == [1]
 
 

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from supervisor.store import EventRecord, Store
-from tests.daemon import Daemon, daemons, events, inject, turn_ended, wait_until
+from tests.daemon import Daemon, daemons, events, inject, outcome_of, turn_ended, wait_until
 
 __all__ = ["daemons"]  # the fixture
 
@@ -85,7 +85,14 @@ class FakeModel:
     def config(self) -> dict[str, Any]:
         """The daemon's `[model]` section for this server."""
         port = self.server.server_address[1]
-        return {"provider": "openai", "base_url": f"http://127.0.0.1:{port}/v1", "model": "fake"}
+        # With no outage budget a 429 or 503 is not waited out in the turn (workers.outage)
+        # but ends the run of it, to be continued on the attempt schedule: that is tested here.
+        return {
+            "provider": "openai",
+            "base_url": f"http://127.0.0.1:{port}/v1",
+            "model": "fake",
+            "outage_budget": 0,
+        }
 
     def close(self) -> None:
         self.server.shutdown()
@@ -165,7 +172,7 @@ def test_cut_answers_and_passing_model_errors_are_continued_within_the_attempts(
         # A cut answer is continued: the note says why and which attempt, the attempt
         # was charged in the row (1: the turn's own run, 2: the continuation, 0: ended).
         sid = sids["cut once"]
-        assert ended(store, sid).payload == {"outcome": "completed"}
+        assert outcome_of(ended(store, sid).payload) == {"outcome": "completed"}
         assert [(n["cause"], n["attempt"]) for n in notes(store, sid)] == [("max_tokens", 1)]
         assert [e.type for e in events(store, sid)] == [
             "user_message",
@@ -179,7 +186,7 @@ def test_cut_answers_and_passing_model_errors_are_continued_within_the_attempts(
 
         # A model that keeps cutting: three attempts, then the turn ends truncated.
         sid = sids["cut always"]
-        assert ended(store, sid).payload == {"outcome": "truncated", "attempts": MAX}
+        assert outcome_of(ended(store, sid).payload) == {"outcome": "truncated", "attempts": MAX}
         assert [(n["cause"], n["attempt"]) for n in notes(store, sid)] == [
             ("max_tokens", 1),
             ("max_tokens", 2),
@@ -190,7 +197,7 @@ def test_cut_answers_and_passing_model_errors_are_continued_within_the_attempts(
 
         # 429 and 503 may pass: continued on the schedule, and the turn completes.
         sid = sids["busy twice"]
-        assert ended(store, sid).payload == {"outcome": "completed"}
+        assert outcome_of(ended(store, sid).payload) == {"outcome": "completed"}
         busy = notes(store, sid)
         assert [(n["cause"], n["attempt"]) for n in busy] == [
             ("model_error", 1),
@@ -248,7 +255,7 @@ def test_a_worker_killed_while_it_waits_leaves_the_turn_the_attempts_that_are_le
             os.kill(pid, signal.SIGKILL)
 
         # The cut turn goes on with attempt 3 (recovery's), and then its attempts are spent.
-        assert ended(store, cut).payload == {"outcome": "truncated", "attempts": MAX}
+        assert outcome_of(ended(store, cut).payload) == {"outcome": "truncated", "attempts": MAX}
         assert [(n["cause"], n["attempt"]) for n in notes(store, cut)] == [
             ("max_tokens", 1),
             ("max_tokens", 3),  # attempt 2 was charged, and died in its wait
@@ -257,7 +264,7 @@ def test_a_worker_killed_while_it_waits_leaves_the_turn_the_attempts_that_are_le
 
         # The failed one: its last step was the note of attempt 1, yet it is continued (no
         # resend notice): attempt 2 was charged after that note, so the note did not die.
-        assert ended(store, busy).payload == {"outcome": "completed"}
+        assert outcome_of(ended(store, busy).payload) == {"outcome": "completed"}
         assert [(n["cause"], n["attempt"]) for n in notes(store, busy)] == [
             ("model_error", 1),
             ("worker_crash", 3),

@@ -214,8 +214,9 @@ def test_a_plain_message_commits_the_answer_then_ends_the_turn() -> None:
     assert response["text"] == "echo: hello"
     assert response["tool_calls"] == []
     assert response["finish_reason"] == "stop"
-    assert response["usage"] == {"prompt_tokens": 1, "completion_tokens": 2}
-    assert ended == {"outcome": "completed"}
+    # Echo's prompt: the message's word and the words of the tools offered, as a server's.
+    assert response["usage"]["prompt_tokens"] > 1 and response["usage"]["completion_tokens"] == 2
+    assert {k: v for k, v in ended.items() if k != "tokens"} == {"outcome": "completed"}
     assert {turn_id for _, _, turn_id in log.entries} == {"t1"}
 
 

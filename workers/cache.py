@@ -20,6 +20,7 @@ from collections.abc import Iterable, Sequence
 from supervisor.contract.sections import PoolConfig
 from supervisor.core.vocabulary import EventType
 from supervisor.store import EventRecord
+from workers.budget import session_spent
 from workers.context import Summary, ratio_of
 from workers.history import Calls, Conversation, MissingResult
 from workers.models import Message
@@ -28,6 +29,8 @@ from workers.models import Message
 # this much besides the text of its payload (tracemalloc, short events: ~960 bytes).
 EVENT_OVERHEAD = 1000
 _COMPACTION, _MODEL = EventType.COMPACTION, EventType.MODEL_RESPONSE
+_STARTED = EventType.TURN_STARTED
+_RUNNING_TOTALS = frozenset((EventType.TURN_ENDED, EventType.COMPACTION))
 DEFAULT_BUDGET = PoolConfig.model_fields["history_cache_mb"].default * 2**20  # bytes
 
 
@@ -61,6 +64,8 @@ class SessionLog(list[EventRecord]):
         self.size = 0  # estimated bytes
         self.summary: Summary | None = None
         self.ratio = 1.0
+        self.session_tokens = 0  # spent by the session's ended turns (`workers.budget`)
+        self.last_started: str | None = None  # the turn of the newest `turn_started`
         self._conversation = Conversation()
         self._calls = Calls()
         self._extend(list(events))
@@ -91,6 +96,11 @@ class SessionLog(list[EventRecord]):
                     summary = found
             elif event.type == _MODEL:
                 self.ratio = ratio_of(event.payload) or self.ratio
+            if event.type == _STARTED:
+                self.last_started = event.turn_id
+            if event.type in _RUNNING_TOTALS:
+                spent = session_spent(event.payload)
+                self.session_tokens = self.session_tokens if spent is None else spent
             if not self._conversation.follows(event):
                 self._conversation = Conversation()  # built again from the start, once
             self._calls.add(event)

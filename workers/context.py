@@ -158,6 +158,7 @@ class Compactor:
         commit: CommitKeyed,
         turn_id: str,
         ratio: float = 1.0,
+        session_tokens: int = 0,
     ) -> None:
         self._events = events
         self._offset = -base  # original message index -> index in the list, less this
@@ -168,6 +169,7 @@ class Compactor:
         self._commit = commit
         self._turn_id = turn_id
         self.ratio = ratio
+        self._session_tokens = session_tokens  # carried on, for `workers.budget`
 
     def limit(self) -> int | None:
         """The most tokens a prompt may have, if the window is known."""
@@ -228,6 +230,7 @@ class Compactor:
             "tokens_after": after,
             "tokens": head.tokens,
             "window": self.window.size,
+            "session_tokens": self._session_tokens,
         }
         await self._commit(EventType.COMPACTION, payload, self._turn_id, KEY.format(to_seq=seq))
         messages[:count] = [head]

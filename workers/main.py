@@ -240,6 +240,7 @@ class Worker:
                 window=self.window,
                 outage_budget=model.outage_budget,
                 health=self.health,
+                budgets=(self.config.budget.turn_tokens, self.config.budget.session_tokens),
                 compaction=Settings(
                     model.max_tokens, model.context_margin, model.compaction_prompt
                 ),
@@ -309,6 +310,7 @@ class Worker:
                 mcp={client.name: client.state.reported.value for client in clients},
                 append_latency=self.latency.take(),
                 model_down_since=self.health.down_since,
+                model_tokens=self.health.take(),
             )
             await asyncio.sleep(self.config.pool.heartbeat_interval)
 

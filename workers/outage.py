@@ -24,10 +24,21 @@ OUTAGE_KEY = "outage_since"  # in the notice's payload
 
 
 class Health:
-    """Whether the model answers, as this worker's turns found it."""
+    """Whether the model answers, as this worker's turns found it, and the tokens its
+    answers cost since the last heartbeat (`take`)."""
 
     def __init__(self) -> None:
         self.down_since: float | None = None
+        self.tokens = {"prompt": 0, "completion": 0}
+
+    def spent(self, prompt: int, completion: int) -> None:
+        self.tokens["prompt"] += prompt
+        self.tokens["completion"] += completion
+
+    def take(self) -> dict[str, int]:
+        """The tokens counted since the last take."""
+        taken, self.tokens = self.tokens, {"prompt": 0, "completion": 0}
+        return taken
 
     def down(self, since: float) -> None:
         self.down_since = since if self.down_since is None else min(self.down_since, since)

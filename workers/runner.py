@@ -36,6 +36,7 @@ from supervisor.core.vocabulary import AssignReason, EventType, SessionKind, Wri
 from supervisor.store import Lease, LeaseLost, StorageUnavailable, Store
 from workers import history, turns
 from workers.agent import Agent
+from workers.budget import Budget, spent_by
 from workers.cache import HistoryCache, SessionLog
 from workers.context import Compactor, Settings, Summary, Window
 from workers.continuation import Continuer
@@ -83,6 +84,7 @@ class SessionRunner:
         compaction: Settings | None = None,
         outage_budget: float = 0.0,
         health: Health | None = None,
+        budgets: tuple[int, int] = (0, 0),
         clock: Clock = SYSTEM,
     ) -> None:
         self.session_id = session_id
@@ -122,6 +124,7 @@ class SessionRunner:
         self._compaction = compaction or Settings(1024, 128, COMPACTION_PROMPT)
         self._log = SessionLog()  # the log as last read
         self._outage_budget = outage_budget
+        self._budgets = budgets  # budget.turn_tokens, budget.session_tokens
         self._health = health
         self._continuer = Continuer(
             session_id,
@@ -351,6 +354,14 @@ class SessionRunner:
         agent = self._load_agent()
         log = self._log  # what `messages` were built of
         events, base, ratio = list(log), int(log.summary is not None), log.ratio
+        # A continuation's earlier events (a new turn has none in the log as read).
+        this_turn = history.turn_events(log, turn_id) if log.last_started == turn_id else []
+        budget = Budget(
+            *self._budgets,
+            max_tokens=self._compaction.max_tokens,
+            earlier=spent_by(this_turn),
+            session=log.session_tokens,
+        )
 
         def compactor(turn: turns.TurnContext) -> Compactor:
             return Compactor(
@@ -362,6 +373,7 @@ class SessionRunner:
                 commit=self._commit_keyed,
                 turn_id=turn_id,
                 ratio=ratio,
+                session_tokens=log.session_tokens,
             )
 
         context = turns.TurnContext(
@@ -376,8 +388,9 @@ class SessionRunner:
             self._starter,
             self._requester,
             compactor,
-            Outage(self._outage_budget, outage_since(history.turn_events(log, turn_id))),
+            Outage(self._outage_budget, outage_since(this_turn)),
             self._health,
+            budget,
         )
         started = self._clock.time()
         ending = await turns.agent_ending(agent, context)

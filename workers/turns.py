@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import hashlib
 import json
+import math
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -26,6 +27,7 @@ from supervisor.core.vocabulary import Cause, EventType, TurnOutcome
 from supervisor.store import EventRecord, LeaseLost, StorageUnavailable
 from workers import context, history
 from workers.agent import OUTCOMES, Agent
+from workers.budget import Budget, BudgetExhausted
 from workers.cache import log_of
 from workers.history import Tail
 from workers.models import Message, Model, ModelError, ModelResponse, ToolCall, ToolSpec
@@ -68,6 +70,7 @@ class TurnContext:
         compactor: Callable[[TurnContext], context.Compactor] | None = None,
         outage: Outage | None = None,
         health: Health | None = None,
+        budget: Budget | None = None,
     ) -> None:
         self.session_id = session_id
         self.turn_id = turn_id
@@ -85,6 +88,7 @@ class TurnContext:
         self._compactor = None if compactor is None else compactor(self)
         self._outage = outage
         self._health = health
+        self.budget = budget
 
     @property
     def messages(self) -> list[Message]:
@@ -116,6 +120,14 @@ class TurnContext:
         if compactor is not None:
             await compactor.fit(self._messages, tools)
         estimated = context.prompt_estimate(self._messages, tools)
+        budget = self.budget
+        if budget is not None:
+            ratio = compactor.ratio if compactor is not None else 1.0
+            try:
+                budget.check(math.ceil(estimated * ratio) + budget.max_tokens)
+            except BudgetExhausted as exc:
+                await self.notice(f"turnkeeper: this turn ends: {exc}")
+                raise
         try:
             response = await self.ask(list(self._messages), tools)
         except ModelError as exc:
@@ -148,6 +160,11 @@ class TurnContext:
             },
             self.turn_id,
         )
+        prompt = response.usage.get("prompt_tokens") or estimated
+        if budget is not None:
+            budget.spent.add(prompt, tokens)
+        if self._health is not None:
+            self._health.spent(prompt, tokens)
         self._messages.append(
             Message("assistant", response.text, tool_calls=list(response.tool_calls), tokens=tokens)
         )
@@ -436,7 +453,9 @@ async def agent_ending(agent: Agent, context: TurnContext) -> Ending:
             raise ValueError(f"run_turn returned {outcome!r}, not one of {OUTCOMES}")
     except ModelError as exc:
         payload = {"outcome": TurnOutcome.FAILED, "error": str(exc), "transient": exc.transient}
-        return Ending(payload)
+        return _spent(Ending(payload), context)
+    except BudgetExhausted as exc:
+        return _spent(Ending({"outcome": TurnOutcome.BUDGET_EXHAUSTED, "error": str(exc)}), context)
     except (TurnReleased, asyncio.CancelledError, LeaseLost, StorageUnavailable):
         raise
     except BaseException as exc:
@@ -444,8 +463,15 @@ async def agent_ending(agent: Agent, context: TurnContext) -> Ending:
             "agent failed: {}", _describe(exc)
         )
         error = f"agent error: {_describe(exc)}"
-        return Ending({"outcome": TurnOutcome.FAILED, "error": error})
-    return Ending({"outcome": outcome})
+        return _spent(Ending({"outcome": TurnOutcome.FAILED, "error": error}), context)
+    return _spent(Ending({"outcome": outcome}), context)
+
+
+def _spent(ending: Ending, context: TurnContext) -> Ending:
+    """`ending` with what the turn spent on the model (`tokens`), when it counts."""
+    if context.budget is None:
+        return ending
+    return Ending({**ending.payload, "tokens": context.budget.payload()})
 
 
 async def end_turn(ending: Ending, turn_id: str, commit: Commit, **extra: Any) -> str:

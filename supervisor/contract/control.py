@@ -175,6 +175,8 @@ class Heartbeat(_FromWorker):
     append_latency: Latency
     # Since when the model has not answered this worker's turns (an outage), else None.
     model_down_since: Annotated[float | None, Field(ge=0.0, le=1e11, allow_inf_nan=False)] = None
+    # Tokens the model's answers cost since the last heartbeat, by kind (prompt, completion).
+    model_tokens: Annotated[dict[Literal["prompt", "completion"], Total], Field(max_length=2)] = {}
 
 
 class _AboutSession(_FromWorker):

@@ -11,7 +11,9 @@ from typing import Any
 
 MASK = "***"
 
-_NOT_SECRET = frozenset({"api_key_env", "tokens_file", "max_tokens"})
+_NOT_SECRET = frozenset(
+    {"api_key_env", "tokens_file", "max_tokens", "turn_tokens", "session_tokens"}  # counts
+)
 
 
 def is_secret(key: str) -> bool:

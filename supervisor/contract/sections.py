@@ -209,6 +209,14 @@ class McpConfig(_Section):
         return servers
 
 
+class BudgetConfig(_Section):
+    # Tokens (prompt and answer, as the server counts them) a turn, or a session over its
+    # whole life, may spend on the model; 0: no limit. A turn whose next call would pass
+    # one ends `budget_exhausted`, with a notice saying what was spent.
+    turn_tokens: Annotated[int, Field(ge=0)] = 0
+    session_tokens: Annotated[int, Field(ge=0)] = 0
+
+
 class ToolsConfig(_Section):
     # A tool's result past this many bytes of UTF-8 is cut, with a note, before the model
     # reads it and before it is stored.
@@ -297,6 +305,7 @@ class Config(_Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     mcp: McpConfig = Field(default_factory=McpConfig)
     tools: ToolsConfig = Field(default_factory=ToolsConfig)
+    budget: BudgetConfig = Field(default_factory=BudgetConfig)
     shutdown: ShutdownConfig = Field(default_factory=ShutdownConfig)
     attach: AttachConfig = Field(default_factory=AttachConfig)
     recovery: RecoveryConfig = Field(default_factory=RecoveryConfig)

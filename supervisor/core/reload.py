@@ -67,6 +67,7 @@ EFFECTS: dict[str, Effect] = {
     "model": "workers",
     "mcp": "workers",
     "tools": "workers",  # each worker cuts its tools' results
+    "budget": "workers",  # each worker's turns check their budgets
     # A worker's runners take their continuation schedule at its start (recovery judges by
     # it too).
     "recovery.auto_continue": "workers",

@@ -112,6 +112,7 @@ class TurnOutcome(StrEnum):
     FAILED = "failed"  # an error, or recovery gave up on it
     INTERRUPTED = "interrupted"  # its worker stopped it (release, lease lost)
     INTERRUPTED_BY_OPERATOR = "interrupted_by_operator"  # `POST /interrupt`; never continued
+    BUDGET_EXHAUSTED = "budget_exhausted"  # its next model call would pass a token budget
 
 
 class BootOutcome(StrEnum):

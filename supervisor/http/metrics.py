@@ -219,6 +219,13 @@ class Metrics:
         self.events_committed = Counter(
             "turnkeeper_events_committed", "Events committed, by type.", ["type"], registry=r
         )
+        self.model_tokens = Counter(
+            "turnkeeper_model_tokens",
+            "Tokens the model's answers cost (the server's counts, else estimates), by kind: "
+            "prompt or completion.",
+            ["kind"],
+            registry=r,
+        )
         self.compactions = Counter(
             "turnkeeper_compactions",
             "Compactions committed: a session's older turns replaced by a summary (or "

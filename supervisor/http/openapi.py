@@ -35,6 +35,7 @@ from supervisor.http.schemas import (
     Interrupted,
     Readiness,
     Released,
+    SessionDetail,
     SessionList,
     SessionOut,
     Status,
@@ -132,11 +133,11 @@ LAST_EVENT_ID = {
 Answer = tuple[type[BaseModel] | str, str]
 PATHS: list[tuple[str, str, str, str, list[Any], str | None, dict[int, Answer], str, Any]] = [
     ("post", "/v1/sessions", "createSession", "Create a session; the caller gets admin on it.",
-     [], "CreateSession", {201: (SessionOut, "Created.")}, "400 401 413 422 429 503", AUTH),
+     [], "CreateSession", {201: (SessionDetail, "Created.")}, "400 401 413 422 429 503", AUTH),
     ("get", "/v1/sessions", "listSessions", "Sessions the caller may read.",
      [LIMIT], None, {200: (SessionList, "Newest first.")}, "401 422", AUTH),
     ("get", "/v1/sessions/{id}", "getSession", "One session.",
-     [SESSION_ID], None, {200: (SessionOut, "The session.")}, "401 403 404", AUTH),
+     [SESSION_ID], None, {200: (SessionDetail, "The session.")}, "401 403 404", AUTH),
     ("put", "/v1/sessions/{id}", "updateSession",
      "Bind the session to a delivery target the operator configured, or unbind it (null); "
      "write access. Its events from the next commit on are delivered (or not).",

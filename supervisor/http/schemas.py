@@ -162,10 +162,12 @@ class SessionOut(BaseModel):
         "resend; cleared by the next message"
     )
     deliver_to: str | None = Field(description="the delivery target it is bound to, if any")
-    context: ContextUse | None = Field(
-        default=None,
-        description="its use of the model's context window (GET /v1/sessions/{id} only)",
-    )
+
+
+class SessionDetail(SessionOut):
+    """A session, with its use of the model's context window."""
+
+    context: ContextUse
 
 
 class SessionList(BaseModel):
@@ -390,6 +392,7 @@ class Readiness(BaseModel):
 REQUESTS: tuple[type[BaseModel], ...] = (CreateSession, SessionUpdate, Inject, AclChange)
 ANSWERS: tuple[type[BaseModel], ...] = (
     ErrorBody,
+    SessionDetail,
     SessionOut,
     SessionList,
     EventList,

@@ -27,7 +27,13 @@ from supervisor.core.vocabulary import EventType, Permission
 from supervisor.http.answers import ApiError, answer, read_body, whole
 from supervisor.http.auth import ADMIN
 from supervisor.http.lifecycle import Lookup
-from supervisor.http.schemas import CreateSession, SessionList, SessionOut, SessionUpdate
+from supervisor.http.schemas import (
+    CreateSession,
+    SessionDetail,
+    SessionList,
+    SessionOut,
+    SessionUpdate,
+)
 from supervisor.http.storage import StorageHealth
 from supervisor.store import SessionInfo, SessionNotFound, Store, TooManySessions
 
@@ -114,7 +120,8 @@ class SessionRoutes:
         self.storage.worked()
         if first and self.pool is not None:
             self.pool.wake(info.id)
-        return answer(session_out(info), 201, {"Location": f"/v1/sessions/{info.id}"})
+        detail = await self.detail(info)
+        return answer(detail, 201, {"Location": f"/v1/sessions/{info.id}"})
 
     async def list(self, request: web.Request) -> web.Response:
         limit = whole(request.query.get("limit"), "limit", LISTED, 1, MAX_LISTED)
@@ -125,10 +132,13 @@ class SessionRoutes:
         return answer(SessionList(sessions=[session_out(s) for s in sessions]))
 
     async def get(self, request: web.Request) -> web.Response:
-        info = await self.session(request, Permission.READ)
+        return answer(await self.detail(await self.session(request, Permission.READ)))
+
+    async def detail(self, info: SessionInfo) -> SessionDetail:
+        """The session with its use of the context window."""
         window = self.config.model.context_window
         use = await asyncio.to_thread(self.store.events.context_use, info.id, window)
-        return answer(SessionOut.model_validate({**info.to_dict(), "context": use}))
+        return SessionDetail.model_validate({**info.to_dict(), "context": use})
 
     async def update(self, request: web.Request) -> web.Response:
         self.refuse()

@@ -395,6 +395,8 @@ class Pool(Requests, Resizing):
                 worker.turns, worker.turns_served = message.turns, message.turns_served
                 worker.mcp = dict(message.mcp)
                 worker.model_down_since = message.model_down_since
+                for kind, count in message.model_tokens.items():
+                    self.metrics.model_tokens.labels(kind).inc(count)
                 latency = message.append_latency
                 self.metrics.append_latency.add(latency.counts, latency.sum)
             case control.Committed():

@@ -104,3 +104,24 @@ def test_a_model_server_stopped_for_a_minute_during_a_turn(
         assert not [e for e in after if e.type == "continuation"]  # no attempt spent
         wait_until(lambda: daemon.status()["model"]["state"] == "ok", 30, "the model ok again")
         assert "turnkeeper_model_up 1.0" in api.get("/metrics").text
+
+
+def test_a_turn_budget_cuts_a_turn_on_a_real_server(daemons: Daemons, server: ModelServer) -> None:
+    # 300 tokens a turn: the first prompts fit; the session's prompt grows past it.
+    daemon = daemons(model=model_config(server, N_CTX), budget={"turn_tokens": 300}).start()
+    with daemon.client() as api, Store(daemon.url, migrate=False) as store:
+        session = api.post("/v1/sessions", json={"title": "budget"}).json()["id"]
+        outcomes = []
+        for index in range(20):
+            text = f"message {index}: the weather, the news and a question about it"
+            seq = api.post(f"/v1/sessions/{session}/inject", json={"text": text}).json()["seq"]
+            ended = wait_until(lambda s=seq: turn_ended(store, session, s), 120, f"turn {index}")
+            outcomes.append(ended.payload["outcome"])
+            if ended.payload["outcome"] == "budget_exhausted":
+                break
+        assert outcomes[0] == "completed" and outcomes[-1] == "budget_exhausted", outcomes
+        assert "budget.turn_tokens (300)" in ended.payload["error"]
+        spent = [
+            e.payload["tokens"]["turn"] for e in events(store, session) if e.type == "turn_ended"
+        ]
+        assert all(0 < t <= 300 for t in spent[:-1])
