@@ -97,6 +97,7 @@ class ScaleDaemon:
         spare: int = SHIPPED_POOL.spare,
         agent: str = AgentConfig().class_,
         delay: float = 0.0,
+        model: dict[str, Any] | None = None,
     ) -> None:
         self.port = free_port()
         self.pool = shipped_pool(workers, spare)
@@ -105,7 +106,7 @@ class ScaleDaemon:
             http={"listen": f"127.0.0.1:{self.port}", "max_streams_per_principal": STREAMS},
             pool=self.pool,
             agent={"class": agent},
-            model={"provider": "echo", "delay": delay},
+            model={"provider": "echo", "delay": delay, **(model or {})},
             recovery={"attempt_delays": list(RecoveryConfig().attempt_delays)},
         )
         self.base = f"http://127.0.0.1:{self.port}"
