@@ -293,13 +293,13 @@ def status_lines(data: dict[str, Any]) -> list[str]:
         tripped = bool(breaker["tripped"])
         line = f"breaker {'TRIPPED' if tripped else 'clear'}: {breaker['reason']}"
         lines.append(colour(line, "red") if tripped else line)
+    lines += slot_table(data["slots"])
+    lines += mcp_table(data["slots"])
     model = data.get("model") or {"state": "ok"}
     if model["state"] == "ok":
         lines.append("model ok")
     else:
         lines.append(colour(f"model UNAVAILABLE since {when(model['since'])}: retrying", "red"))
-    lines += slot_table(data["slots"])
-    lines += mcp_table(data["slots"])
     config = data.get("config")
     if config:  # the one in force (`turnkeeper reload` replaces it); its file: --json
         lines.append(f"configuration {config['version']} loaded {when(config.get('loaded_at'))}")

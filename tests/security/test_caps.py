@@ -135,6 +135,13 @@ def test_tasks_past_the_daemons_and_a_principals_share_wait_in_order(
         waits = start(alice, store, mine, "a2")
         assert "queued" in waits and "tasks.max_running_per_principal" in waits, waits
         assert "queued" not in start(admin, store, theirs, "b1")
+
+        def running() -> int:
+            found = store.tasks.of_session(mine) + store.tasks.of_session(theirs)
+            return sum(t.status == "running" for t in found)
+
+        # The daemon's share counts the tasks running: a1 and b1 claimed, not just started.
+        wait_until(lambda: running() == 2, 30, "a1 and b1 to run")
         waits = start(admin, store, theirs, "b2")
         assert "queued" in waits and "tasks.max_running_total" in waits, waits
         ids = {t.id: t for t in store.tasks.of_session(mine) + store.tasks.of_session(theirs)}
