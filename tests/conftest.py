@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+import inspect
 import os
 import sys
 import tempfile
@@ -123,14 +124,99 @@ def cluster_turn() -> Iterator[None]:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
+# What code that starts processes (a daemon, the CLI, a model server, a worker, a
+# supervisord, a task runner) names: a test whose body, fixtures or test helpers (followed
+# through the names they use) name one gets the `daemon` mark, and `pytest -m "not daemon"`
+# runs the in-process rest, the fast tier.
+PROCESS_WORDS = (
+    "subprocess",
+    "Popen",
+    "sys.executable",
+    "PYTHON",
+    "Process(",
+    "os.fork",
+    "spawn_context",
+    "get_context(",
+    "multiprocess",
+    "supervisord",
+    "ModelServer",
+    "McpTools(",  # starts each MCP server it is given
+)
+_STARTS: dict[object, bool] = {}
+
+
+def _starts_processes(target: Any, seen: set[int] | None = None) -> bool:
+    """Whether `target` (a function or class of the tests), or a test helper it names,
+    names a way to start a process. Cached by object."""
+    if target in _STARTS:
+        return _STARTS[target]
+    seen = set() if seen is None else seen
+    if id(target) in seen:
+        return False
+    seen.add(id(target))
+    try:
+        source = inspect.getsource(target)
+    except (OSError, TypeError):
+        source = ""
+    found = any(word in source for word in PROCESS_WORDS)
+    if not found:
+        found = any(_starts_processes(helper, seen) for helper in _helpers(target))
+    _STARTS[target] = found
+    return found
+
+
+def _helpers(target: Any) -> list[Any]:
+    """The functions and classes of the tests that `target` names."""
+    if inspect.isclass(target):
+        functions = [v for v in vars(target).values() if inspect.isfunction(v)]
+    elif inspect.isfunction(target):
+        functions = [target]
+    else:
+        return []
+    found: list[Any] = []
+    for function in functions:
+        names: set[str] = set()
+        codes = [function.__code__]
+        while codes:
+            code = codes.pop()
+            names.update(code.co_names)
+            codes.extend(c for c in code.co_consts if inspect.iscode(c))
+        for name in names:
+            value = function.__globals__.get(name)
+            module = getattr(value, "__module__", "") or ""
+            if (inspect.isfunction(value) or inspect.isclass(value)) and module.startswith("tests"):
+                found.append(value)
+    return found
+
+
+def mark_daemon_tests(items: list[pytest.Item]) -> None:
+    """The `daemon` mark on every test whose body or fixtures start processes."""
+    for item in items:
+        if item.get_closest_marker("daemon") is not None:
+            continue
+        function = getattr(item, "function", None)
+        fixtures = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+        found = function is not None and _starts_processes(function)
+        found = found or any(
+            _starts_processes(definition.func)
+            for name, definitions in fixtures.items()
+            if name != "_in_process_only"  # the guard below names what it refuses
+            for definition in definitions
+        )
+        if found:
+            item.add_marker(pytest.mark.daemon)
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> Any:
-    """Make `--dist loadgroup` keep an `xdist_group` on one xdist worker again.
+    """Mark the tests that start processes (`daemon`), and make `--dist loadgroup` keep an
+    `xdist_group` on one xdist worker again.
 
     pytest-xdist names a test's group by appending `@group` to `item._nodeid`, which
     pytest 9.2 no longer reads (the node id comes from `item._id`); the scheduler then
     sees no groups. Set the id it reads, on the workers where xdist would have.
     """
+    mark_daemon_tests(items)
     result = yield
     if getattr(config.option, "loadgroup", False):
         try:
@@ -142,3 +228,26 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             if groups and "@" not in item.nodeid:
                 item._id = coerce_node_id(f"{item.nodeid}@{'_'.join(groups)}")
     return result
+
+
+@pytest.fixture(autouse=True)
+def _in_process_only(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A test without the `daemon` mark starts no process: the fast tier stays in process.
+    One that does fails here, naming what to do."""
+    if request.node.get_closest_marker("daemon") is not None:
+        yield
+        return
+    import subprocess
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError(
+            "a test without the `daemon` mark started a process: name what starts it in "
+            "tests/conftest.py's PROCESS_WORDS, or mark the test `pytest.mark.daemon`"
+        )
+
+    original = subprocess.Popen._execute_child  # type: ignore[attr-defined]
+    subprocess.Popen._execute_child = refuse  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        subprocess.Popen._execute_child = original  # type: ignore[attr-defined]
