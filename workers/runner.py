@@ -352,8 +352,10 @@ class SessionRunner:
     async def _run(self, turn_id: str, messages: list[Message]) -> str:
         """Run the agent on the turn; end the turn, or continue it (`workers.continuation`)."""
         agent = self._load_agent()
-        log = self._log  # what `messages` were built of
-        events, base, ratio = list(log), int(log.summary is not None), log.ratio
+        # What `messages` were built of. No copy: the log grows (or is rebased) only by
+        # `_read`, which no step of this run calls; the next run is handed the log anew.
+        log = self._log
+        base, ratio = int(log.summary is not None), log.ratio
         # A continuation's earlier events (a new turn has none in the log as read).
         this_turn = history.turn_events(log, turn_id) if log.last_started == turn_id else []
         budget = Budget(
@@ -365,7 +367,7 @@ class SessionRunner:
 
         def compactor(turn: turns.TurnContext) -> Compactor:
             return Compactor(
-                events=events,
+                events=log,
                 base=base,
                 window=self._window,
                 settings=self._compaction,

@@ -107,8 +107,8 @@ def progress(events: Sequence[RunEvent], now: float) -> dict[str, Any] | None:
     if found is None:
         return None
     run, since = found
-    counted = next(e.payload for e in events if e.seq == since)
-    after = events[next(i for i, e in enumerate(events) if e.seq == since) + 1 :]
+    at = next(i for i, e in enumerate(events) if e.seq == since)
+    counted, after = events[at].payload, events[at + 1 :]
     ended = [e for e in after if e.type == "turn_ended"]
     answers = [e for e in after if e.type == "model_response"]
     tokens = int(counted.get("tokens") or 0) + sum(_tokens(e.payload.get("usage")) for e in answers)
