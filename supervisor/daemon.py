@@ -20,7 +20,7 @@ from typing import Any
 
 from setproctitle import setproctitle
 
-from supervisor import __version__, restarting
+from supervisor import __version__
 from supervisor.contract.config import (
     Config,
     config_version,
@@ -45,6 +45,7 @@ from supervisor.pool.recoverer import Recoverer
 from supervisor.pool.signals import Signals
 from supervisor.preflight import PluginError, StartupError, check_plugins, take_files
 from supervisor.reloading import Reloader
+from supervisor.restarts import service as restarting
 from supervisor.stopping import READY_TIMEOUT, REAP_BOUND, STOP_REQUEST, StopSteps
 from supervisor.store import RestartInfo, Store
 

@@ -84,7 +84,7 @@ class Notifier:
 
     def environ(self) -> dict[str, str]:
         """The variables `from_environ` took, for a process that replaces this one in place
-        (the same pid: `supervisor.restarting.reexec`)."""
+        (the same pid: `supervisor.restarts.service.reexec`)."""
         found: dict[str, str] = {}
         if self.address:
             found["NOTIFY_SOCKET"] = self.address

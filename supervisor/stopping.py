@@ -19,7 +19,7 @@ from supervisor.pool.pool import Pool
 from supervisor.store import RestartInfo, Store
 
 if TYPE_CHECKING:
-    from supervisor.restarting import Restarter
+    from supervisor.restarts.service import Restarter
 
 STOP_REQUEST = "stop-request.json"  # written by `turnkeeper stop --drain`, read at SIGTERM
 REAP_BOUND = 1.5  # beyond kill_grace: SIGKILL and reaping

@@ -14,7 +14,7 @@ While stopped its port stays bound without listening (Linux refuses a connection
 socket), so nobody else takes it and a restart gets it back.
 
 Every request is recorded as a `Received`: the raw body, the headers, the parsed document
-and whether its signature verifies (`supervisor.core.deliveries.verify`). `first_seen()`
+and whether its signature verifies (`supervisor.deliveries.rules.verify`). `first_seen()`
 is the deduplicated view a real receiver keeps by `Idempotency-Key`, in first-receipt
 order; `duplicates` counts each key's repeats, `accepted` its 2xx answers. A request
 whose body ends before its Content-Length (its sender was killed mid-send) is dropped as
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from supervisor.core.deliveries import SIGNATURE_HEADER, TIMESTAMP_HEADER, verify
+from supervisor.deliveries.rules import SIGNATURE_HEADER, TIMESTAMP_HEADER, verify
 
 SKEW = 300.0  # seconds a signature's timestamp may be off this machine's clock
 HOLD_LIMIT = 120.0  # seconds a held request waits at most (a test that forgot to release)

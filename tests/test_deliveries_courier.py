@@ -19,10 +19,10 @@ import pytest
 
 from supervisor.contract.clock import SYSTEM, Clock, FakeClock
 from supervisor.contract.config import Config
-from supervisor.core.deliveries import SIGNATURE_HEADER, TIMESTAMP_HEADER, verify
 from supervisor.core.vocabulary import AttemptOutcome
+from supervisor.deliveries.rules import SIGNATURE_HEADER, TIMESTAMP_HEADER, verify
+from supervisor.deliveries.service import Courier
 from supervisor.http.metrics import Metrics
-from supervisor.pool.courier import Courier
 from supervisor.store import DeliveryInfo, Outgoing, Store
 from tests.conftest import BACKENDS
 

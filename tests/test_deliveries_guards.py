@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from supervisor.core.deliveries import kind_of, text_of
 from supervisor.core.vocabulary import AttemptOutcome, DeliveryStatus
+from supervisor.deliveries.rules import kind_of, text_of
 from supervisor.store import Store
 from tests.conftest import BACKENDS
 from tests.daemon import Daemon, daemons, wait_until

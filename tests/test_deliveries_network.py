@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from supervisor.contract.delivery_targets import DeliveryTarget
-from supervisor.pool import courier as courier_module
-from supervisor.pool.poster import LOOKUP_THREADS, Poster
+from supervisor.deliveries import service as courier_module
+from supervisor.deliveries.poster import LOOKUP_THREADS, Poster
 from supervisor.store import Store
 from tests.test_deliveries_poster import ENV, Server, config, courier, secret, serving
 

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from supervisor.core.deliveries import Policy, Verdict, signature, verdict, verify
+from supervisor.deliveries.rules import Policy, Verdict, signature, verdict, verify
 
 
 @pytest.mark.parametrize(

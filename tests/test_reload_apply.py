@@ -34,8 +34,8 @@ from supervisor.http.metrics import Metrics
 from supervisor.http.reload_route import STARTED
 from supervisor.pool.pool import Pool
 from supervisor.pool.recoverer import Recoverer
-from supervisor.pool.scheduler import Scheduler
 from supervisor.reloading import STOPPED, STOPPING, Reloader
+from supervisor.schedules.service import Scheduler
 from supervisor.store import Store
 
 BOOT = "b" * 32

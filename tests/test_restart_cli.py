@@ -29,7 +29,7 @@ from supervisor.http.app import Api
 from supervisor.http.attach import Hub
 from supervisor.http.auth import Tokens, digest
 from supervisor.http.metrics import Metrics
-from supervisor.http.restarts import RestartOut, RestartRefused
+from supervisor.restarts.routes import RestartOut, RestartRefused
 from supervisor.store import Me, Store
 from supervisor.store.models import RestartRequest
 from tests.conftest import PYTHON, REPO

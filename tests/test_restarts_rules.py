@@ -11,7 +11,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from supervisor.core.restarts import (
+from supervisor.core.vocabulary import RestartOutcome, RestartState
+from supervisor.restarts.rules import (
     BEFORE_BEGIN,
     REASON_MAX,
     Admission,
@@ -23,7 +24,6 @@ from supervisor.core.restarts import (
     settle,
     wait_left,
 )
-from supervisor.core.vocabulary import RestartOutcome, RestartState
 from supervisor.store import EventRecord
 from supervisor.store.events import SessionRow, advance, make_request
 from workers.history import message_of

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from supervisor.core import restarts as rules
 from supervisor.core.vocabulary import RestartState
+from supervisor.restarts import rules
 from supervisor.store import (
     Admitted,
     EventRecord,

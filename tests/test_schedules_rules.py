@@ -1,4 +1,4 @@
-"""The rules of firing (`supervisor.core.schedules`) over plain data and an injected clock,
+"""The rules of firing (`supervisor.schedules.rules`) over plain data and an injected clock,
 and cron's times (`supervisor.contract.cron`): what is due, on time or missed, what a
 misfire policy makes of the missed ones, and that no time is ever decided twice."""
 
@@ -14,11 +14,11 @@ from hypothesis import strategies as st
 
 from supervisor.contract.cron import Cron, CronError, check
 from supervisor.core import engine
-from supervisor.core import schedules as rules
 from supervisor.core.engine import Judge, Memory, SessionView, WorkerView
 from supervisor.core.recovery import Trigger
-from supervisor.core.schedules import LATE, Facts, Fire
 from supervisor.core.vocabulary import Cause, FireOutcome, Misfire
+from supervisor.schedules import rules
+from supervisor.schedules.rules import LATE, Facts, Fire
 
 FIRED, CAUGHT_UP, SKIPPED = FireOutcome.FIRED, FireOutcome.CAUGHT_UP, FireOutcome.SKIPPED
 T0 = 1_800_000_000.0  # a whole multiple of 2, 10 and 60

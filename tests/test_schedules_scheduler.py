@@ -15,9 +15,9 @@ import pytest
 
 from supervisor.contract.clock import FakeClock
 from supervisor.contract.config import Config
-from supervisor.core.schedules import NOT_CONTINUED, OWED_AGE, idempotency_key
 from supervisor.http.metrics import Metrics
-from supervisor.pool.scheduler import OWED_EVERY, Scheduler
+from supervisor.schedules.rules import NOT_CONTINUED, OWED_AGE, idempotency_key
+from supervisor.schedules.service import OWED_EVERY, Scheduler
 from supervisor.store import FireInfo, Me, Store
 from supervisor.store.models import Host, ScheduleFire
 from tests.conftest import BACKENDS

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from supervisor.core.schedules import idempotency_key
+from supervisor.schedules.rules import idempotency_key
 from supervisor.store import (
     EventRecord,
     ScheduleInfo,

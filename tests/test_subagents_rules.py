@@ -1,4 +1,4 @@
-"""The rules of a subagent's run (`supervisor.core.subagents`), without a database: the
+"""The rules of a subagent's run (`supervisor.subagents.rules`), without a database: the
 limits, the outcome a parent reads, the reconcile table, and recovery's settings."""
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from supervisor.core.subagents import (
+from supervisor.core.vocabulary import SubagentStatus
+from supervisor.subagents.rules import (
     RESULT_MAX,
     TASK_MAX,
     Child,
@@ -21,7 +22,6 @@ from supervisor.core.subagents import (
     refusal,
     result_text,
 )
-from supervisor.core.vocabulary import SubagentStatus
 
 
 @dataclass(frozen=True)
@@ -156,8 +156,8 @@ def test_with_auto_continue_off_a_child_recovery_would_continue_is_given_up_on()
     alone, the child ends (failed) and its parent is told; everything else is recovery's."""
     from supervisor.core.notices import subagent_notice
     from supervisor.core.recovery import Action, Interruption, Trigger
-    from supervisor.core.subagents import AUTO_CONTINUE_OFF, decide
     from supervisor.core.tail import TailClass
+    from supervisor.subagents.rules import AUTO_CONTINUE_OFF, decide
 
     now = 10_000.0
     fresh = Interruption("turn-1", TailClass.UNANSWERED_USER_MESSAGE, now - 5)
@@ -177,8 +177,8 @@ def test_with_auto_continue_off_a_child_recovery_would_continue_is_given_up_on()
 
 def test_a_child_that_died_again_right_after_its_note_is_continued_within_its_attempts() -> None:
     from supervisor.core.recovery import Action, Interruption, Trigger
-    from supervisor.core.subagents import decide
     from supervisor.core.tail import TailClass
+    from supervisor.subagents.rules import decide
 
     now = 10_000.0
     settings = Settings(True, (0.0, 0.0, 0.0), 7200.0, 3)
@@ -191,8 +191,8 @@ def test_a_child_that_died_again_right_after_its_note_is_continued_within_its_at
 
 def test_with_auto_continue_off_a_stale_child_is_still_finalized() -> None:
     from supervisor.core.recovery import Action, Interruption, Trigger
-    from supervisor.core.subagents import decide
     from supervisor.core.tail import TailClass
+    from supervisor.subagents.rules import decide
 
     now = 10_000.0
     stale = Interruption("turn-1", TailClass.UNANSWERED_USER_MESSAGE, now - 7201)

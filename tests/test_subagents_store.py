@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from supervisor.core.subagents import Refused
 from supervisor.core.vocabulary import SubagentStatus
 from supervisor.http.metrics import Metrics
 from supervisor.store import EventRecord, LeaseLost, Spawned, Store, TooManySessions
+from supervisor.subagents.rules import Refused
 from tests.conftest import BACKENDS
 
 pytestmark = pytest.mark.parametrize("db_url", BACKENDS, indirect=True)

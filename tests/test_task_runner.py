@@ -21,7 +21,7 @@ import pytest
 
 from supervisor.contract.mcp_env import INHERITED_ENV
 from supervisor.store import Store, TaskInfo
-from supervisor.task_runner import RunnerSpec, launch
+from supervisor.tasks.runner import RunnerSpec, launch
 from tests.conftest import BACKENDS
 from tests.daemon import wait_until
 
@@ -438,7 +438,7 @@ def test_a_spec_travels_whole_and_a_bad_one_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="timeout"):
         RunnerSpec.from_json(spec.to_json().replace('"timeout": 1', '"timeout": "soon"'))
     runner = subprocess.run(
-        [sys.executable, "-m", "supervisor.task_runner"],
+        [sys.executable, "-m", "supervisor.tasks.runner"],
         input=b"{not json",
         capture_output=True,
         timeout=60,

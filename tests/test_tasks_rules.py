@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from supervisor.core.tasks import (
+from supervisor.core.vocabulary import TaskAction, TaskStatus
+from supervisor.tasks.rules import (
     KindRules,
     TaskRefused,
     check_args,
@@ -18,7 +19,6 @@ from supervisor.core.tasks import (
     result_text,
     tail,
 )
-from supervisor.core.vocabulary import TaskAction, TaskStatus
 
 REPORT = KindRules(
     "report",

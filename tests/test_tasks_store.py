@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from supervisor.core.tasks import TaskRefused
 from supervisor.core.vocabulary import TaskStatus
 from supervisor.store import EventRecord, LeaseLost, Started, Store
+from supervisor.tasks.rules import TaskRefused
 from tests.conftest import BACKENDS
 
 pytestmark = pytest.mark.parametrize("db_url", BACKENDS, indirect=True)

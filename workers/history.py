@@ -16,12 +16,12 @@ from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any
 
-from supervisor.core import restarts
-from supervisor.core.subagents import result_text
 from supervisor.core.tail import Resume as Tail
 from supervisor.core.tail import resume_from
 from supervisor.core.vocabulary import INPUT_EVENTS, EventType
+from supervisor.restarts import rules as restarts
 from supervisor.store import EventRecord
+from supervisor.subagents.rules import result_text
 from workers import restarting, spawning, tasking
 from workers.models import Message, ToolCall
 

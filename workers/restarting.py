@@ -29,8 +29,8 @@ from typing import Any
 import supervisor
 from supervisor.contract.config import Config, config_version
 from supervisor.contract.spawn import WorkerSpec
-from supervisor.core.restarts import clean_reason
 from supervisor.core.vocabulary import EventType, RestartState
+from supervisor.restarts.rules import clean_reason
 from supervisor.store import Store
 from supervisor.store.restarts import Admitted, RateLimited, RestartInfo
 from workers.desk import Notify, SessionDesk

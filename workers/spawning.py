@@ -16,9 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from supervisor.core.subagents import Refused
 from supervisor.core.vocabulary import EventType
 from supervisor.store import Store
+from supervisor.subagents.rules import Refused
 from workers.desk import Notify, SessionDesk
 from workers.models import ToolSpec
 from workers.tools import ToolOutcome

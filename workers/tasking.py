@@ -2,7 +2,7 @@
 
 A task is a command of a kind the operator defined (`[[tasks.kinds]]`); the model (or the
 agent) only names the kind and gives its arguments, each checked whole against the kind's
-pattern for it (`supervisor.core.tasks.check_args`). A start is one transaction of the
+pattern for it (`supervisor.tasks.rules.check_args`). A start is one transaction of the
 store (`supervisor.store.tasks`): the session's `task_started` and the task's row, written
 with the turn's lease token, so a turn fenced out starts nothing. The supervisor runs the
 task apart from any worker and tells the session its outcome later (`task_result`, which
@@ -26,9 +26,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from supervisor.contract.task_kinds import TasksConfig
-from supervisor.core.tasks import KindRules, TaskRefused, check_args
 from supervisor.core.vocabulary import EventType
 from supervisor.store import Started, Store
+from supervisor.tasks.rules import KindRules, TaskRefused, check_args
 from workers.desk import Notify, SessionDesk
 from workers.models import ToolSpec
 from workers.tools import ToolOutcome

@@ -19,15 +19,10 @@ from supervisor import __version__
 from supervisor.cli import (
     config_commands,
     daemon_commands,
-    deliveries_command,
     doctor_command,
     hosts_command,
     reload_command,
-    restart_command,
-    schedules_command,
     store_commands,
-    subagents_command,
-    tasks_command,
 )
 from supervisor.cli.common import (
     CONFIG_HELP,
@@ -42,6 +37,11 @@ from supervisor.cli.common import (
     open_store,
 )
 from supervisor.contract.config import Config, resolve_paths
+from supervisor.deliveries import cli as deliveries_command
+from supervisor.restarts import cli as restart_command
+from supervisor.schedules import cli as schedules_command
+from supervisor.subagents import cli as subagents_command
+from supervisor.tasks import cli as tasks_command
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -84,7 +84,7 @@ def run(ctx: click.Context) -> None:
         log("daemon").error("cannot start: {}", exc)
         sys.exit(1)
     if code == 0 and daemon.comes_back():  # a requested restart, stopped cleanly: start again
-        from supervisor.restarting import reexec
+        from supervisor.restarts.service import reexec
 
         reexec(daemon.notifier)
         code = 1  # it did not happen: an ordinary exit, which the service manager restarts

@@ -4,7 +4,7 @@ cronsim parses and steps (a maintained library, not a parser of ours). An expres
 5 fields (minute hour day-of-month month day-of-week) or 6 with the seconds FIRST
 (`*/2 * * * * *`: every 2 seconds). Its times are wall-clock times of the schedule's time
 zone (an IANA name read by zoneinfo: `UTC`, `Europe/Paris`), handed in and out as epoch
-seconds. A `Cron` is what `supervisor.core.schedules` calls `Times`.
+seconds. A `Cron` is what `supervisor.schedules.rules` calls `Times`.
 
 A bad expression or an unknown time zone is a `CronError` naming the field (`cron`,
 `timezone`) and what is wrong with it, for the caller to read.

@@ -15,8 +15,8 @@ from pydantic import model_validator as _model_validator
 from pydantic_core import PydanticCustomError
 
 from supervisor.contract.named import unique_names
-from supervisor.core.deliveries import DEFAULT_KINDS
 from supervisor.core.vocabulary import DeliveryKind
+from supervisor.deliveries.rules import DEFAULT_KINDS
 
 TARGET_NAME = r"^[a-z0-9][a-z0-9_.-]{0,39}$"
 ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]{0,127}$"

@@ -16,7 +16,7 @@ from pydantic import model_validator as _model_validator
 from pydantic_core import PydanticCustomError
 
 from supervisor.contract.named import unique_names
-from supervisor.core.tasks import KindRules
+from supervisor.tasks.rules import KindRules
 
 KIND_NAME = r"^[a-z0-9][a-z0-9_.-]{0,63}$"
 ARG_NAME = re.compile(r"[a-z_][a-z0-9_]{0,63}")
@@ -75,7 +75,7 @@ class TaskKind(_Section):
         return self
 
     def rules(self) -> KindRules:
-        """What the pure rules (`supervisor.core.tasks`) need of this kind."""
+        """What the pure rules (`supervisor.tasks.rules`) need of this kind."""
         return KindRules(
             self.name,
             tuple(self.command),

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from supervisor.core.recovery import Action, Decision, Interruption
-from supervisor.core.subagents import AUTO_CONTINUE_OFF
 from supervisor.core.vocabulary import Cause
+from supervisor.subagents.rules import AUTO_CONTINUE_OFF
 
 RESEND = "Please send your message again."
 
@@ -55,7 +55,7 @@ def notice(decision: Decision, facts: Interruption, session_id: str) -> Notice:
 
 def subagent_notice(decision: Decision, facts: Interruption) -> Notice:
     """The notice that ends a subagent's turn instead of continuing it; its outcome is
-    the subagent's final status (`supervisor.core.subagents.final_status`)."""
+    the subagent's final status (`supervisor.subagents.rules.final_status`)."""
     cause = _cause_text(facts.cause)
     if decision.action is Action.FINALIZE_STALE:
         return Notice(

@@ -19,15 +19,13 @@ from aiohttp import web
 from supervisor.contract.config import Config
 from supervisor.contract.logs import log
 from supervisor.core.vocabulary import EventType, Permission, Rejection, SessionStatus, Writer
-from supervisor.http import answers, attach, auth, follow, hosts, openapi, pages, subagents, tasks
+from supervisor.deliveries.routes import DeliveryRoutes, Stirrer
+from supervisor.http import answers, attach, auth, follow, hosts, openapi, pages
 from supervisor.http.answers import MAX_SEQ, RETRY_AFTER, ApiError, answer, read_body, whole
 from supervisor.http.auth import ADMIN, Tokens
-from supervisor.http.deliveries import DeliveryRoutes, Stirrer
 from supervisor.http.lifecycle import Lifecycle, refuse_closed
 from supervisor.http.metrics import CONTENT_TYPE, Metrics
 from supervisor.http.reload_route import ReloaderView, ReloadRoutes, config_state
-from supervisor.http.restarts import RestartDesk, RestartRoutes
-from supervisor.http.schedules import ScheduleRoutes
 from supervisor.http.schemas import (
     AclChange,
     AclEntries,
@@ -41,6 +39,8 @@ from supervisor.http.schemas import (
 )
 from supervisor.http.session_routes import SessionRoutes
 from supervisor.http.storage import StorageHealth
+from supervisor.restarts.routes import RestartDesk, RestartRoutes
+from supervisor.schedules.routes import ScheduleRoutes
 from supervisor.store import (
     EVENT_TYPES,
     ReplayedSeq,
@@ -51,6 +51,8 @@ from supervisor.store import (
     scoped_key,
 )
 from supervisor.store.reading import EventRows
+from supervisor.subagents import routes as subagents
+from supervisor.tasks import routes as tasks
 
 SESSION_ID = re.compile(r"^[0-9a-f]{32}$")
 PUBLIC = frozenset({"/healthz", "/readyz", "/openapi.json"})

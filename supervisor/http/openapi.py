@@ -17,11 +17,10 @@ from pydantic.json_schema import models_json_schema
 
 from supervisor import __version__
 from supervisor.core.vocabulary import TaskStatus
-from supervisor.http import deliveries, reload_route, restarts, schedules
-from supervisor.http.deliveries import DeliveryList, DeliveryOut
+from supervisor.deliveries import routes as deliveries
+from supervisor.deliveries.routes import DeliveryList, DeliveryOut
+from supervisor.http import reload_route
 from supervisor.http.reload_route import ReloadOut, ReloadRefused
-from supervisor.http.restarts import RestartAnswer, RestartList, RestartOut
-from supervisor.http.schedules import ScheduleDeleted, ScheduleList, ScheduleOut
 from supervisor.http.schemas import (
     ANSWERS,
     REQUESTS,
@@ -44,6 +43,10 @@ from supervisor.http.schemas import (
     TaskOut,
     Woken,
 )
+from supervisor.restarts import routes as restarts
+from supervisor.restarts.routes import RestartAnswer, RestartList, RestartOut
+from supervisor.schedules import routes as schedules
+from supervisor.schedules.routes import ScheduleDeleted, ScheduleList, ScheduleOut
 
 ERRORS = {
     400: "Malformed JSON.",

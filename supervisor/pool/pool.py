@@ -37,8 +37,8 @@ from supervisor.contract.spawn import WorkerSpec
 from supervisor.core.engine import HEARTBEATS_MISSED
 from supervisor.core.slots import Slot, SlotState, all_fatal
 from supervisor.core.vocabulary import AssignReason
+from supervisor.deliveries.service import Courier
 from supervisor.http.metrics import Metrics
-from supervisor.pool.courier import Courier
 from supervisor.pool.handle import WorkerHandle
 from supervisor.pool.housekeeping import Housekeeper
 from supervisor.pool.ownership import Ownership
@@ -55,10 +55,10 @@ from supervisor.pool.processes import (
 from supervisor.pool.recoverer import Recoverer
 from supervisor.pool.requests import Requests
 from supervisor.pool.resizing import Resizing
-from supervisor.pool.scheduler import Scheduler
-from supervisor.pool.subagents import Reconciler
-from supervisor.pool.tasks import TaskKeeper
+from supervisor.schedules.service import Scheduler
 from supervisor.store import Store
+from supervisor.subagents.service import Reconciler
+from supervisor.tasks.service import TaskKeeper
 from workers.entry import run_worker
 
 

@@ -28,7 +28,7 @@ from typing import Any
 from supervisor.contract.clock import SYSTEM, Clock
 from supervisor.contract.config import Config
 from supervisor.contract.logs import log
-from supervisor.core import breaker, engine, recovery, subagents
+from supervisor.core import breaker, engine, recovery
 from supervisor.core.engine import Memory, SessionView
 from supervisor.core.notices import notice
 from supervisor.core.recovery import Action, Decision, Interruption, Trigger
@@ -37,6 +37,7 @@ from supervisor.http.metrics import Metrics
 from supervisor.pool.breaker_keeping import NOT_EVALUATED, BreakerKeeping
 from supervisor.pool.runs import Resumer
 from supervisor.store import EventRecord, SessionInfo, Store
+from supervisor.subagents import rules as subagents
 
 BREAKER_CHECK = 2.0  # seconds between readings of the boot log
 TAIL_EVENTS = 200  # events read to classify a turn's tail
@@ -65,7 +66,7 @@ class Recoverer(BreakerKeeping):
         clock: Clock = SYSTEM,
     ) -> None:
         self.configure(config)
-        # Set by the pool: gives up on a child's turn (`supervisor.pool.subagents`).
+        # Set by the pool: gives up on a child's turn (`supervisor.subagents.service`).
         self.give_up: Callable[[SessionInfo, Judged], Awaitable[None]] | None = None
         self.store = store
         self.boot_id = boot_id

@@ -8,7 +8,7 @@ from typing import Any
 
 from supervisor.core.vocabulary import INPUT_EVENTS
 from supervisor.pool.ownership import Ownership
-from supervisor.pool.tasks import TaskKeeper
+from supervisor.tasks.service import TaskKeeper
 
 
 class Requests:

@@ -12,8 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from supervisor.core.deliveries import kind_of
 from supervisor.core.vocabulary import INPUT_EVENTS, TURN_EVENTS, EventType, SessionStatus, Writer
+from supervisor.deliveries.rules import kind_of
 
 EVENT_TYPES = frozenset(EventType)
 WRITERS = frozenset(Writer)

@@ -1,6 +1,6 @@
 """The restart requests: admit one before anything stops, begin it, settle it once after.
 
-The rules are `supervisor.core.restarts`'s. Every write is one transaction:
+The rules are `supervisor.restarts.rules`'s. Every write is one transaction:
 - `request` writes the row, `pending`, and for an agent's request its session's
   `restart_requested` (with the turn's lease token: a turn fenced out asks for nothing);
   a live request of the host, or one made under restart.min_interval ago (database clock),
@@ -21,8 +21,8 @@ import uuid
 
 import peewee
 
-from supervisor.core import restarts as rules
 from supervisor.core.vocabulary import EventType, RestartState, SessionStatus, Writer
+from supervisor.restarts import rules
 from supervisor.store import lifecycle
 from supervisor.store.db import db_now, run_write
 from supervisor.store.errors import LeaseLost

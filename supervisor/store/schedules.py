@@ -1,6 +1,6 @@
 """Schedules and their fires: one row per schedule, one row per scheduled time decided.
 
-The rules are `supervisor.core.schedules`'s. A fire row is keyed by (schedule,
+The rules are `supervisor.schedules.rules`'s. A fire row is keyed by (schedule,
 scheduled_for) and written only for a time after the schedule's newest one, under the
 schedule row's lock, before its message is injected: a time that another daemon (or an
 earlier boot) decided is never decided again. A fire with neither `seq` (its message is in

@@ -15,7 +15,6 @@ from typing import Any
 
 import peewee
 
-from supervisor.core import subagents as rules
 from supervisor.core.vocabulary import (
     EventType,
     SessionStatus,
@@ -25,6 +24,7 @@ from supervisor.core.vocabulary import (
 from supervisor.store import lifecycle
 from supervisor.store.eventlog import EventRecord, make_request
 from supervisor.store.models import Event, Session, Subagent
+from supervisor.subagents import rules
 
 OUTCOME_EVENTS = 50  # a child's latest events read for its outcome: its last turn's end
 

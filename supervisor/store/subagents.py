@@ -1,7 +1,7 @@
 """The subagent registry: spawn a child session, report its outcome to its parent once,
 cancel a parent's children, and the claims of the daemons that reconcile them.
 
-The rules are `supervisor.core.subagents`'s. Every write here is one transaction: a
+The rules are `supervisor.subagents.rules`'s. Every write here is one transaction: a
 spawn writes the parent's `subagent_spawned`, the child session (its ACL copied from the
 parent's, its task as its first user message) and the registry row together; a report
 writes the row's final state and the parent's `subagent_result` together, and only while
@@ -18,7 +18,6 @@ import uuid
 
 import peewee
 
-from supervisor.core import subagents as rules
 from supervisor.core.vocabulary import (
     EventType,
     SessionKind,
@@ -45,6 +44,7 @@ from supervisor.store.subagent_rows import (
     locked,
     running_children,
 )
+from supervisor.subagents import rules
 
 __all__ = ["Reported", "Spawned", "SubagentInfo", "Subagents", "cancel_within", "descendants"]
 

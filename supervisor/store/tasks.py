@@ -1,7 +1,7 @@
 """The task registry: admit a background task with its `task_started`, start it once,
 record its outcome, report it to its session once, and move on a task whose runner went.
 
-The rules are `supervisor.core.tasks`'s. Every write is one transaction:
+The rules are `supervisor.tasks.rules`'s. Every write is one transaction:
 - `start` writes the session's `task_started` (with the turn's lease token: a turn fenced
   out starts nothing) and the row, `pending`;
 - `claim` takes a pending row for one daemon (`pending` -> `running`, compare and set);
@@ -24,7 +24,6 @@ from typing import Any
 
 import peewee
 
-from supervisor.core import tasks as rules
 from supervisor.core.vocabulary import EventType, SessionStatus, TaskStatus, Writer
 from supervisor.store import lifecycle
 from supervisor.store.db import db_now, run_write
@@ -41,6 +40,7 @@ from supervisor.store.task_rows import (
     info_of,
     locked,
 )
+from supervisor.tasks import rules
 
 __all__ = ["Started", "TaskInfo", "TaskReported", "Tasks"]
 

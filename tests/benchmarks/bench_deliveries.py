@@ -32,7 +32,7 @@ from typing import Any
 
 import httpx
 
-from supervisor.core import deliveries as rules
+from supervisor.deliveries import rules
 from supervisor.store import Store
 from tests.benchmarks.figures import percentile
 from tests.daemon import Daemon, wait_until

@@ -15,8 +15,8 @@ import httpx
 import pytest
 import tomli_w
 
-from supervisor.core.tasks import KindRules, TaskRefused, check_args, render
 from supervisor.store import EventRecord, Store
+from supervisor.tasks.rules import KindRules, TaskRefused, check_args, render
 from tests.daemon import Daemon, daemons, events, tokens_file, turn_ended, wait_until
 
 __all__ = ["daemons"]  # the fixture

@@ -1,12 +1,12 @@
 """The task keeper: starts admitted background tasks, reports their outcomes once, and
 moves on a task whose runner went away.
 
-The rules are `supervisor.core.tasks`'s. A pass runs at boot, when a turn admitted a task
+The rules are `supervisor.tasks.rules`'s. A pass runs at boot, when a turn admitted a task
 (`task_started`), when a runner of ours exits, when a cancel is asked, and every
 `tasks.reconcile_interval`; each row gets `core.tasks.decide`'s action:
 
 - START: claim the pending row (compare and set: one daemon wins) and start its runner
-  (`supervisor.task_runner`), a child of this process in a session of its own, recorded in
+  (`supervisor.tasks.runner`), a child of this process in a session of its own, recorded in
   the child registry so that a later boot's sweep kills it if this daemon dies first;
 - REPORT: the outcome a runner recorded goes to the session as `task_result`, once,
   which wakes it;
@@ -40,12 +40,12 @@ from supervisor.contract.logs import log
 from supervisor.contract.mcp_env import child_environment
 from supervisor.contract.paths import inside, task_work_dir
 from supervisor.contract.task_kinds import TaskKind
-from supervisor.contract.task_spec import output_path
-from supervisor.core import tasks as rules
 from supervisor.core.vocabulary import EventType, TaskAction, TaskStatus
 from supervisor.http.metrics import Metrics
 from supervisor.store import Store, TaskInfo, TaskReported
-from supervisor.task_runner import RunnerSpec, heartbeat_of, launch
+from supervisor.tasks import rules
+from supervisor.tasks.runner import RunnerSpec, heartbeat_of, launch
+from supervisor.tasks.spec import output_path
 
 BATCH = 500  # rows of each kind looked at in one pass; the next pass takes the rest
 SETTLE = 5.0  # seconds a stop waits at most for starts in flight

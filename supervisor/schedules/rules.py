@@ -1,6 +1,6 @@
 """When a schedule fires, decided over plain data: its times, the newest one decided, now.
 
-Pure code: the scheduler (`supervisor.pool.scheduler`) reads a schedule's due times
+Pure code: the scheduler (`supervisor.schedules.service`) reads a schedule's due times
 (`Times`, which `supervisor.contract.cron.Cron` is) and its newest fire row, hands them to
 `decide` with the time, and carries out the fires it gets back: each committed as a row
 keyed by (schedule, scheduled time) before its message is injected, so a time fires once

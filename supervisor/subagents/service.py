@@ -1,6 +1,6 @@
 """The subagents' reconciler: every running child this daemon claims moves on by a rule.
 
-The rules are `supervisor.core.subagents`'s. A pass runs at boot, after a worker died
+The rules are `supervisor.subagents.rules`'s. A pass runs at boot, after a worker died
 (a child it ran may have ended without reporting), and every `subagents.reconcile_interval`:
 
 1. claim the running registry rows no live daemon holds (`FOR UPDATE SKIP LOCKED` on the
@@ -25,13 +25,13 @@ from collections.abc import Callable
 from supervisor.contract.clock import SYSTEM, Clock, sleep_unless
 from supervisor.contract.config import Config
 from supervisor.contract.logs import log
-from supervisor.core import subagents as rules
 from supervisor.core.notices import subagent_notice
 from supervisor.core.recovery import Action, Trigger
 from supervisor.core.vocabulary import EventType, SubagentStatus
 from supervisor.http.metrics import Metrics
 from supervisor.pool.recoverer import Judged, Recoverer
 from supervisor.store import Reported, SessionInfo, Store
+from supervisor.subagents import rules
 
 CLAIM_BATCH = 500  # rows claimed in one pass; the next pass takes the rest
 

@@ -1,7 +1,7 @@
 """A task's run as both sides see it: the spec the supervisor hands a task's runner, how
 it starts one (`launch`), and what the output file holds (`Output`).
 
-The runner (`python -m supervisor.task_runner`) runs one background task's command and
+The runner (`python -m supervisor.tasks.runner`) runs one background task's command and
 commits its outcome itself, so it lives in a session of its own and does not die with the
 daemon: a task that ends while no daemon runs still has its outcome recorded. The next
 boot's sweep kills a runner an earlier boot left (the supervisor records it in the child
@@ -32,9 +32,9 @@ from typing import Any
 
 from supervisor.contract.mcp_env import child_environment
 from supervisor.contract.paths import make_private_dir
-from supervisor.core import tasks as rules
+from supervisor.tasks import rules
 
-RUNNER_MODULE = "supervisor.task_runner"
+RUNNER_MODULE = "supervisor.tasks.runner"
 RUNNER_LOG_SUFFIX = ".runner"  # the runner's stderr: `<output>.runner`
 RUNNER_ENV = ("PYTHONPATH",)  # what the runner needs beyond child_environment, to import us
 HELD_BYTES = 64 * 1024  # at most, of the output's end held in memory past max_output

@@ -1,6 +1,6 @@
 """The scheduler: every schedule fires on time, once, whatever restarts or other daemons do.
 
-The rules are `supervisor.core.schedules`'s; this module reads the facts, asks them, and
+The rules are `supervisor.schedules.rules`'s; this module reads the facts, asks them, and
 carries the fires out. One pass:
 
 1. finish the fires committed but not injected (a crash between the two): at boot (and
@@ -34,7 +34,6 @@ from supervisor.contract.clock import SYSTEM, Clock, sleep_unless
 from supervisor.contract.config import Config
 from supervisor.contract.cron import Cron, CronError
 from supervisor.contract.logs import log
-from supervisor.core import schedules as rules
 from supervisor.core.vocabulary import (
     EventType,
     FireOutcome,
@@ -45,6 +44,7 @@ from supervisor.core.vocabulary import (
 )
 from supervisor.http.auth import ADMIN
 from supervisor.http.metrics import Metrics
+from supervisor.schedules import rules
 from supervisor.store import FireInfo, ScheduleInfo, SessionClosed, SessionNotFound, Store
 
 SLACK = 0.01  # seconds the loop wakes past a time: never early, so never a spin

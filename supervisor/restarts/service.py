@@ -30,11 +30,11 @@ from typing import Any
 from supervisor import __version__
 from supervisor.contract.config import Config, ConfigError, resolve_paths, resolved_host_id
 from supervisor.contract.logs import log
-from supervisor.core.restarts import clean_reason, wait_left
 from supervisor.core.vocabulary import EventType, RestartState
-from supervisor.http.restarts import RestartRefused
 from supervisor.notify import Notifier
 from supervisor.preflight import PluginError
+from supervisor.restarts.routes import RestartRefused
+from supervisor.restarts.rules import clean_reason, wait_left
 from supervisor.store import Admitted, RestartInfo, SessionNotFound, Settled, Store
 
 POLL = 5.0  # a request a worker committed but could not announce is found this soon

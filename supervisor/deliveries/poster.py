@@ -32,7 +32,7 @@ from collections.abc import Callable, Collection
 import httpx
 
 from supervisor.contract.delivery_targets import DeliveryTarget
-from supervisor.core import deliveries as rules
+from supervisor.deliveries import rules
 
 USER_AGENT = "turnkeeper-delivery"
 ERROR_CHARS = 200

@@ -1,7 +1,7 @@
 """The task runner: one run of a background task's command, watched to its end, its
 outcome committed to the database by the runner itself.
 
-Started by `launch` (`supervisor.contract.task_spec` says how and why), the spec on stdin:
+Started by `launch` (`supervisor.tasks.spec` says how and why), the spec on stdin:
 - it checks its row (a heartbeat): not this attempt's run any more -> exits; a cancel
   asked -> `cancelled`, nothing started;
 - it starts the command (no shell) in a process group of its own, stdin /dev/null, its
@@ -46,11 +46,10 @@ import psutil
 from supervisor.contract import reaper
 from supervisor.contract.mcp_env import child_environment
 from supervisor.contract.paths import make_private_dir
-from supervisor.contract.task_spec import Output, RunnerSpec, fence_of, heartbeat_of, launch
-from supervisor.core import tasks as rules
 from supervisor.core.vocabulary import TaskStatus
 from supervisor.store import Store
-from supervisor.task_pulse import (
+from supervisor.tasks import rules
+from supervisor.tasks.pulse import (
     STOPPING,
     Clock,
     Pulse,
@@ -59,6 +58,7 @@ from supervisor.task_pulse import (
     retrying,
     take_signals,
 )
+from supervisor.tasks.spec import Output, RunnerSpec, fence_of, heartbeat_of, launch
 
 __all__ = ["Runner", "RunnerSpec", "heartbeat_of", "launch", "main"]
 

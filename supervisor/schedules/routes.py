@@ -13,7 +13,7 @@
   its own).
 
 Schedules follow their session's ACL: one the caller may not read is a 404, as if it did
-not exist. The rules of firing are `supervisor.core.schedules`'s; the bodies are here with
+not exist. The rules of firing are `supervisor.schedules.rules`'s; the bodies are here with
 the routes (the OpenAPI document takes them from `REQUESTS` and `ANSWERS`).
 """
 
@@ -31,11 +31,11 @@ from pydantic_core import PydanticCustomError
 
 from supervisor.contract.config import Config
 from supervisor.contract.cron import MAX_CRON, MAX_TIMEZONE, Cron, CronError, zone
-from supervisor.core.schedules import GAP_SAMPLE, next_due, shortest_gap
 from supervisor.core.vocabulary import FireOutcome, Misfire, Permission, ScheduleStatus
 from supervisor.http.answers import ApiError, answer, read_body, whole
 from supervisor.http.auth import ADMIN
 from supervisor.http.schemas import MAX_TEXT, SESSION_ID_PATTERN
+from supervisor.schedules.rules import GAP_SAMPLE, next_due, shortest_gap
 from supervisor.store import FireInfo, ScheduleInfo, ScheduleRefused, SessionNotFound, Store
 
 SCHEDULE_ID_PATTERN = r"^s[0-9a-f]{32}$"
@@ -217,7 +217,7 @@ class ScheduleRoutes:
 
     def _often_enough(self, body: CreateSchedule) -> None:
         """A 422 for an expression whose times come closer than schedules.min_interval
-        (see `supervisor.core.schedules`: over its next GAP_SAMPLE times)."""
+        (see `supervisor.schedules.rules`: over its next GAP_SAMPLE times)."""
         least = self.config.schedules.min_interval
         if least <= 0:
             return

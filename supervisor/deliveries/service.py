@@ -1,7 +1,7 @@
 """The courier: sends the outbox's deliveries to their targets, once each, in seq order per
 session, whatever restarts, down targets or other daemons do.
 
-The rules are `supervisor.core.deliveries`'s; this module claims rows, POSTs them and
+The rules are `supervisor.deliveries.rules`'s; this module claims rows, POSTs them and
 writes down what their targets answered. One pass, for each configured target with room
 (`delivery.concurrency` attempts in flight):
 
@@ -37,10 +37,10 @@ from supervisor.contract.clock import SYSTEM, Clock, sleep_unless
 from supervisor.contract.config import Config
 from supervisor.contract.delivery_targets import DeliveryTarget
 from supervisor.contract.logs import log
-from supervisor.core import deliveries as rules
 from supervisor.core.vocabulary import AttemptOutcome, DeliveryKind, DeliveryStatus
+from supervisor.deliveries import rules
+from supervisor.deliveries.poster import Poster
 from supervisor.http.metrics import Metrics
-from supervisor.pool.poster import Poster
 from supervisor.store import Outgoing, Store
 
 CLAIM_MARGIN = 15.0  # seconds a claim outlives its target's timeout (recording the verdict)

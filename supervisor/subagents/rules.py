@@ -2,7 +2,7 @@
 
 Pure code: no database, no clock, no logging. The store (`supervisor.store.subagents`)
 reads the facts and writes what these functions decide; the pool's reconciler
-(`supervisor.pool.subagents`) and recovery carry the decisions out.
+(`supervisor.subagents.service`) and recovery carry the decisions out.
 
 Rules
 -----

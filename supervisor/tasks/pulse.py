@@ -1,6 +1,6 @@
 """What a task runner does besides watching its command: the row's heartbeat on a thread
 of its own (`Pulse`), retries of database work, its log lines, and signal handlers that
-only enqueue (Python's wakeup fd), so that the runner's loop (`supervisor.task_runner`)
+only enqueue (Python's wakeup fd), so that the runner's loop (`supervisor.tasks.runner`)
 reads signals, heartbeat verdicts and output from one selector.
 """
 
@@ -16,8 +16,8 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from supervisor.contract import reaper
-from supervisor.contract.task_spec import RunnerSpec
 from supervisor.store import Store
+from supervisor.tasks.spec import RunnerSpec
 
 STOPPING = (signal.SIGTERM, signal.SIGINT)
 CAUGHT = (*STOPPING, signal.SIGUSR1, signal.SIGCHLD)

@@ -26,11 +26,11 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
 from supervisor.contract.config import Config
-from supervisor.core.restarts import REASON_MAX
 from supervisor.core.vocabulary import RestartOutcome, RestartState
 from supervisor.http.answers import RETRY_AFTER, ApiError, answer, read_body, whole
 from supervisor.http.auth import ADMIN
 from supervisor.http.schemas import SESSION_ID_PATTERN
+from supervisor.restarts.rules import REASON_MAX
 from supervisor.store import Store
 from supervisor.store.restarts import Admitted, RateLimited, RestartInfo
 
@@ -47,7 +47,7 @@ class RestartRefused(Exception):
 
 
 class RestartDesk(Protocol):
-    """What the route needs of the daemon (`supervisor.restarting`'s desk is one)."""
+    """What the route needs of the daemon (`supervisor.restarts.service`'s desk is one)."""
 
     async def request(self, *, by: str, reason: str, drain: float | None) -> Admitted:
         """Admit a restart asked by principal `by`; the one in progress if there is one.

@@ -25,13 +25,13 @@ from typing import Protocol
 from aiohttp import web
 
 from supervisor.contract.config import Config, resolve_paths
-from supervisor.contract.task_spec import output_path
 from supervisor.core.vocabulary import Permission, TaskStatus
 from supervisor.http.answers import ApiError, answer, whole
 from supervisor.http.auth import ADMIN
 from supervisor.http.lifecycle import Lookup
 from supervisor.http.schemas import TASK_ID_PATTERN, TaskList, TaskOut
 from supervisor.store import Store, TaskInfo
+from supervisor.tasks.spec import output_path
 
 TASK_ID = re.compile(TASK_ID_PATTERN)
 MAX_LISTED = 1000  # tasks one answer lists (`limit`)
