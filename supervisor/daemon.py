@@ -8,11 +8,10 @@ end the boot row. Signal handlers only enqueue; all work happens in the loop.
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import json
 import os
 import signal
 import socket
-import time
 import uuid
 from collections.abc import Awaitable
 from concurrent.futures import ThreadPoolExecutor
@@ -21,12 +20,13 @@ from typing import Any
 from setproctitle import setproctitle
 
 from supervisor import __version__
+from supervisor.composition import Hooks, Tree, build
+from supervisor.contract.background import first_of, spawn
+from supervisor.contract.clock import SYSTEM
 from supervisor.contract.config import (
     Config,
-    config_version,
     ignored_variables,
     mask_url,
-    parse_listen,
     resolve_paths,
     resolved_host_id,
 )
@@ -34,28 +34,24 @@ from supervisor.contract.logs import log
 from supervisor.contract.origins import source_name
 from supervisor.contract.reaper import become_subreaper
 from supervisor.http.app import Api
-from supervisor.http.attach import Hub
-from supervisor.http.auth import Tokens
-from supervisor.http.listener import Listener
-from supervisor.http.metrics import Metrics
 from supervisor.notify import Notifier
 from supervisor.pool.membership import Membership
 from supervisor.pool.pool import Pool
-from supervisor.pool.recoverer import Recoverer
-from supervisor.pool.signals import Signals
+from supervisor.pool.processes import REAP_BOUND
 from supervisor.preflight import PluginError, StartupError, check_plugins, take_files
 from supervisor.reloading import Reloader
-from supervisor.restarts import service as restarting
-from supervisor.stopping import READY_TIMEOUT, REAP_BOUND, STOP_REQUEST, StopSteps
+from supervisor.restarts.service import Restarter
+from supervisor.runtime.bus import Bus, ConfigChanged, Stopping
+from supervisor.runtime.root import Drains
+from supervisor.stopping import READY_TIMEOUT, STOP_REQUEST, StepLog
 from supervisor.store import RestartInfo, Store
 
-CONTROL_SOCKET = "control.sock"
 DB_THREADS = 8  # the supervisor's threads for blocking work, each with a connection
 
 __all__ = ["Daemon", "PluginError", "StartupError"]
 
 
-class Daemon(StopSteps):
+class Daemon:
     """One boot of the supervisor."""
 
     def __init__(self, config: Config, config_path: str | None = None) -> None:
@@ -67,12 +63,17 @@ class Daemon(StopSteps):
         self.api: Api | None = None
         self.membership: Membership | None = None
         self.notifier = Notifier.from_environ()  # before any child is started
-        self.stop_started = time.monotonic()
+        self.stop_started = SYSTEM.monotonic()
         self.drain_budget = config.shutdown.drain_budget
         self.drain_cut_at: float | None = None
         self.drain_scope: asyncio.Timeout | None = None
         self.step_seconds: dict[str, float] = {}
         self.step_failed: set[str] = set()  # steps of the stop that failed or ran out
+        self.steps = StepLog(self.step_seconds, self.step_failed)
+        self.tree: Tree | None = None  # the boot's services (`supervisor.composition`)
+        self.bus: Bus | None = None
+        self.boot_id = ""
+        self.watchdog: asyncio.Task[None] | None = None
         self._stop = asyncio.Event()
         self._reloads: asyncio.Queue[None] = asyncio.Queue()
         self.failure: str | None = None  # a task of the supervisor that died, and why
@@ -82,15 +83,16 @@ class Daemon(StopSteps):
         self.restart: RestartInfo | None = None  # the request this boot stops for
         self.reexec = False  # `run` replaces the process with a new start once this returns
         self.cancelled: str | None = None  # why the restart of `restart` did not happen
-        self.restarter: restarting.Restarter | None = None
+        self.restarter: Restarter | None = None
 
     async def run(self) -> int:
         """Start, serve until SIGTERM or SIGINT, stop; returns the exit code.
 
-        Start and stop are one `AsyncExitStack`: each step that starts something pushes
-        what undoes it, so a start that fails half-way (a port in use, say) undoes exactly
-        what it did, in reverse, and the boot row says `startup_failed`; a stop unwinds
-        the same stack, each step capped and timed (DESIGN.md section 7).
+        The services are built by the composition root (`supervisor.composition`) and
+        started in dependency order by its `Root`: a start that fails half-way (a port in
+        use, say) stops exactly what started, in reverse, and the boot row says
+        `startup_failed`; a stop stops them all in reverse, each step capped and timed
+        (DESIGN.md section 7), with the drain before the first service that serves it.
         """
         setproctitle("turnkeeper: supervisor")
         loop = asyncio.get_running_loop()
@@ -105,38 +107,51 @@ class Daemon(StopSteps):
         tokens = take_files(self.config, self.paths)
         (self.paths.runtime_dir / STOP_REQUEST).unlink(missing_ok=True)  # an earlier boot's
         self._announce()
-        async with contextlib.AsyncExitStack() as stack:
-            store = await asyncio.to_thread(
-                Store,
-                self.paths.db_url,
-                self.config.store.synchronous,
-                max_event_bytes=self.config.store.max_event_bytes,
-            )
-            stack.push_async_callback(self._close_store, store)
-            boot_id = uuid.uuid4().hex
-            # The host id first: a daemon that may not run writes no boot row of that host.
-            self.membership = membership = Membership(self.config, store, boot_id, self.host)
-            await asyncio.to_thread(membership.join)  # HostTaken, SingleHost: exit 78
-            await asyncio.to_thread(store.boots.begin, self.host, os.getpid(), __version__, boot_id)
-            stack.push_async_callback(self._end_boot, store, boot_id)
-            # Unwound after the descendants stop: then the others adopt its sessions at once.
-            stack.push_async_callback(
-                self._step, "peer deregistration", 2.0, lambda: asyncio.to_thread(membership.leave)
-            )
-            pool = await self._start(stack, store, membership, tokens)
+        store = await asyncio.to_thread(
+            Store,
+            self.paths.db_url,
+            self.config.store.synchronous,
+            max_event_bytes=self.config.store.max_event_bytes,
+        )
+        self.boot_id = boot_id = uuid.uuid4().hex
+        hooks = Hooks(self._end_boot_row, self._restart, self._stop.is_set, self._configured)
+        self.tree = tree = build(
+            self.config,
+            self.config_path,
+            store,
+            tokens,
+            hooks,
+            boot_id=boot_id,
+            host=self.host,
+            runtime_dir=self.paths.runtime_dir,
+            state_dir=self.paths.state_dir,
+        )
+        self.api, self.membership, self.restarter = tree.api, tree.membership, tree.restarter
+        self.reloader = tree.reloader
+        self.bus = tree.bus
+        tree.bus.subscribe(ConfigChanged, lambda e: self._configured(e.config))
+        try:
+            await tree.root.start(self.steps)  # HostTaken, SingleHost, a port in use: raised
+            tree.root.run(self._service_ended)
+            pool = tree.pool
             ready = await self._until_stop(pool.wait_ready(READY_TIMEOUT))
             if pool.fatal.is_set():
                 raise StartupError("no worker could start: every slot is fatal (see above)")
             # From here on a stop is a stop, not a failed start.
             self.outcome = "unclean" if self.failure is not None else "clean"
             if ready:
-                await self._serve_ready(stack, pool, store.backend, boot_id)
+                await self._serve_ready(pool, store.backend, boot_id)
             elif self.failure is None:
                 log("daemon").warning("stopped during start-up")
             if pool.fatal.is_set() or self.failure is not None:
                 self.outcome = "unclean"
-            assert self.api is not None
             self.api.stopping = True  # already set by the signal; also for a fatal pool
+        finally:
+            if self.watchdog is not None:
+                self.watchdog.cancel()
+                await asyncio.gather(self.watchdog, return_exceptions=True)
+            serving = self.outcome != "startup_failed"
+            await tree.root.stop(self.steps, self._drain_step if serving else None)
         failed = self.outcome != "clean"
         log("shutdown").info(
             "stopped {} in {:.2f} s",
@@ -145,7 +160,7 @@ class Daemon(StopSteps):
             else "with every slot fatal"
             if self.failure is None
             else "after a task died",
-            time.monotonic() - self.stop_started,
+            SYSTEM.monotonic() - self.stop_started,
         )
         return 1 if failed else 0
 
@@ -164,97 +179,12 @@ class Daemon(StopSteps):
         for warning in ignored_variables():
             say.warning("{}", warning)
 
-    async def _start(
-        self, stack: contextlib.AsyncExitStack, store: Store, membership: Membership, tokens: Tokens
-    ) -> Pool:
-        """Everything between the boot row and readiness; each step pushes its undoing."""
-        metrics, boot_id = Metrics(), membership.boot_id
-        recovery = Recoverer(self.config, store, boot_id, self.host, metrics)
-        await asyncio.to_thread(self._previous_stop, store, boot_id, metrics)
-        await asyncio.to_thread(recovery.evaluate_breaker)
-        version = config_version(self.config)
-        await asyncio.to_thread(restarting.settle_earlier, store, self.host, boot_id, version)
-        await asyncio.to_thread(recovery.prune)
-        await asyncio.to_thread(membership.sweep)
-        socket_path = self.paths.runtime_dir / CONTROL_SOCKET
-        socket_path.unlink(missing_ok=True)  # stale; we hold its lock
-        address, state = f"ipc://{socket_path}", self.paths.state_dir
-        pool = Pool(self.config, store, boot_id, address, recovery, metrics, state_dir=state)
-        metrics.state.pool = pool.status
-        metrics.state.mcp = pool.mcp_states
-        metrics.state.sessions = store.sessions.counts
-        metrics.state.subagents = store.subagents.counts
-        metrics.state.tasks = store.tasks.counts
-        metrics.state.restarts = store.restarts.counts
-        self.api = Api(
-            self.config,
-            store,
-            Hub(),
-            tokens,
-            metrics,
-            boot_id=boot_id,
-            pool=pool,
-            host_id=self.host,
-        )
-        pool.on_event.append(self.api.publish)
-        self.reloader = reloader = Reloader(
-            self.config, self.config_path, pool=pool, api=self.api, on_config=self._configured
-        )
-        self.restarter = restarter = restarting.Restarter(
-            store,
-            host=self.host,
-            boot_id=boot_id,
-            config=lambda: self.config,
-            load=reloader.load,
-            version=lambda: reloader.version,
-            begin=self._restart,
-            committed=pool.committed,
-            stopping=lambda: self._stop.is_set(),
-            hold=pool.orphans_held,
-        )
-        self.api.restarts = restarter
-        pool.on_event.append(restarter.heard)
-        # Workers start first, so that the stop, in reverse, closes the listener first.
-        await pool.start()
-        grace = self.config.shutdown.kill_grace
-        stack.push_async_callback(
-            self._step, "descendants", grace + REAP_BOUND, lambda: pool.stop(grace)
-        )
-        for task in pool.tasks:
-            self._watch(task)
-        waiting = asyncio.create_task(restarter.run(), name="restarts")
-        self._watch(waiting)
-        stack.push_async_callback(_cancel_and_wait, waiting)
-        # The host row kept, the other daemons' wakes heard.
-        signals = Signals(store, pool.ownership.woken_elsewhere)
-        hosts = membership.serve(pool.ownership, signals)
-        self._watch(hosts)
-        stack.push_async_callback(_cancel_and_wait, hosts)
-        stack.push_async_callback(asyncio.to_thread, signals.stop)
-        stack.push_async_callback(self._subagent_drain_step, pool)  # after the listener's
-        http = await self._listen(self.api)
-        stack.push_async_callback(
-            self._step, "http listener", self.config.attach.shutdown_timeout + 1.0, http.cleanup
-        )
-        stack.push_async_callback(self._drain_step, pool)
-        # The boot scan runs now that the listener is up: an interrupted turn goes on as soon
-        # as one worker is ready (the pool assigns only to ready ones), not once all are.
-        for task in pool.recovery.start():  # its breaker loop and retry timer
-            self._watch(task)
-        stack.push_async_callback(pool.recovery.stop)
-        return pool
-
-    async def _serve_ready(
-        self, stack: contextlib.AsyncExitStack, pool: Pool, backend: str, boot_id: str
-    ) -> None:
-        """Ready: say so, start recovery's passes and the watchdog, serve until a stop."""
+    async def _serve_ready(self, pool: Pool, backend: str, boot_id: str) -> None:
+        """Ready: say so, start the watchdog, serve until a stop."""
         assert self.api is not None
-        self.api.ready = True
-        self.api.reloader = self.reloader  # from now on: a reload while it starts is a 503
+        self.api.ready = True  # from now on a reload is taken (a 503 while it starts)
         self.notifier.ready(self._summary(pool))
-        watchdog = asyncio.create_task(self._watchdog(pool), name="watchdog")
-        self._watch(watchdog)
-        stack.push_async_callback(_cancel_and_wait, watchdog)
+        self.watchdog = spawn(self._watchdog(pool), name="watchdog", ended=self._task_ended)
         log("daemon").info(
             "ready: boot {} pid {}, {} workers + {} spare, database {}, listening on {}",
             boot_id,
@@ -266,35 +196,16 @@ class Daemon(StopSteps):
         )
         await self._serve(pool)
 
-    async def _listen(self, api: Api) -> Listener:
-        listener = Listener(
-            api.app(),
-            self.config.http,
-            self.config.attach.shutdown_timeout,
-            api.metrics.connections_evicted.inc,
-        )
-        try:
-            await listener.start(parse_listen(self.config.http.listen))
-        except OSError as exc:
-            reason = exc.strerror or str(exc)
-            raise StartupError(f"http.listen {self.config.http.listen}: {reason}") from exc
-        return listener
-
     async def _serve(self, pool: Pool) -> None:
         """Serve until a stop, a fatal pool or a task's death. A SIGHUP's reload runs in the
         background (it never ends this loop); whatever ends it ends the reload too."""
         assert self.reloader is not None
         try:
             while not self._stop.is_set() and not self._failed.is_set():
-                reload = asyncio.ensure_future(self._reloads.get())
-                stop = asyncio.ensure_future(self._stop.wait())
-                fatal = asyncio.ensure_future(pool.fatal.wait())
-                failed = asyncio.ensure_future(self._failed.wait())
-                done, pending = await asyncio.wait(
-                    {reload, stop, fatal, failed}, return_when=asyncio.FIRST_COMPLETED
-                )
-                for task in pending:
-                    task.cancel()
+                reload = spawn(self._reloads.get())
+                stop, fatal = spawn(self._stop.wait()), spawn(pool.fatal.wait())
+                failed = spawn(self._failed.wait())
+                done = await first_of(reload, stop, fatal, failed)
                 if fatal in done:
                     log("pool").critical("every worker slot is fatal: stopping")
                     return
@@ -308,19 +219,12 @@ class Daemon(StopSteps):
     async def _until_stop(self, work: Awaitable[object]) -> bool:
         """Run `work` unless a stop signal or a task's death comes first; True if it finished."""
         task = asyncio.ensure_future(work)
-        stop = asyncio.ensure_future(self._stop.wait())
-        failed = asyncio.ensure_future(self._failed.wait())
-        done, _ = await asyncio.wait({task, stop, failed}, return_when=asyncio.FIRST_COMPLETED)
-        stop.cancel()
-        failed.cancel()
-        if task in done:
-            return bool(task.result() is not False)
-        task.cancel()
-        return False
+        done = await first_of(task, spawn(self._stop.wait()), spawn(self._failed.wait()))
+        return task in done and bool(task.result() is not False)
 
-    def _watch(self, task: asyncio.Task[Any]) -> None:
-        """If `task` ever ends by itself, stop, and exit non-zero to be restarted."""
-        task.add_done_callback(self._task_ended)
+    def _service_ended(self, name: str, task: asyncio.Task[None]) -> None:
+        """A service's loops ended by themselves: stop, exit non-zero, be restarted."""
+        self._task_ended(task)
 
     def _task_ended(self, task: asyncio.Task[Any]) -> None:
         # Cancelled means stopped on purpose. Anything else leaves a daemon that looks
@@ -362,23 +266,135 @@ class Daemon(StopSteps):
             log("shutdown").info("received {} again; already stopping", signal.Signals(signum).name)
             self._requested_drain()  # a second `stop --drain`'s file is not left for later
             return
-        self.stop_started = time.monotonic()
+        self.stop_started = SYSTEM.monotonic()
         log("shutdown").info("received {}", signal.Signals(signum).name)
         self.notifier.stopping(f"stopping on {signal.Signals(signum).name}")
         self.drain_budget = self._requested_drain()
         self._stopping_now()
 
     def _stopping_now(self) -> None:
-        if self.api is not None:
-            self.api.stopping = True  # intake refuses from this moment
-        if self.reloader is not None:
-            self.reloader.cancel()  # a reload under way changes the pool no further
-        if self.membership is not None:
-            self.membership.adopting = False  # another host's sessions are for the others
+        # Intake refuses from this moment, a reload under way changes the pool no further,
+        # another host's sessions are for the others: each service hears it on the bus.
+        if self.bus is not None:
+            self.bus.publish(Stopping("stop requested"))
         self._stop.set()
 
+    # --- the stop -------------------------------------------------------------------
 
-async def _cancel_and_wait(task: asyncio.Task[Any]) -> None:
-    """Cancel a task this daemon owns and wait until it has ended."""
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
+    async def _drain_step(self, drains: Drains) -> None:
+        """The optional drain, before the first service that stays up through it stops:
+        turns in flight may finish (capped, and cut short at once by `_cut_drain`)."""
+        loop = asyncio.get_running_loop()
+        budget = self.drain_budget
+        if self.drain_cut_at is not None:  # a SIGTERM came before the drain began
+            budget = min(budget, self.drain_cut_at - loop.time())
+        if budget > 0 and self.outcome != "startup_failed":
+            self.notifier.extend_timeout(budget + 30)
+
+            async def drained() -> None:
+                async with asyncio.timeout(budget) as scope:
+                    self.drain_scope = scope
+                    try:
+                        await drains(loop.time() + budget)
+                    finally:
+                        self.drain_scope = None
+
+            await self.steps.run("drain", budget, drained)
+
+    def _cut_drain(self, budget: float) -> None:
+        """The stop's own drain `budget`, counted from now, for a drain begun or still to
+        begin, if it ends sooner: a SIGTERM during a restart's drain stops on its terms. A
+        drain under way is woken at once, even in a sleep or a database read."""
+        loop = asyncio.get_running_loop()
+        cut_at = loop.time() + budget
+        self.drain_cut_at = min(cut_at, self.drain_cut_at or cut_at)
+        scope = self.drain_scope
+        if scope is not None and (when := scope.when()) is not None and cut_at < when:
+            scope.reschedule(cut_at)
+
+    def _end_boot_row(self) -> None:
+        """End the boot row with its outcome, and the stop's step durations for the next
+        boot's metrics (blocking: the host service's last step)."""
+        assert self.tree is not None
+        store, boot_id = self.tree.pool.store, self.boot_id
+        if self.outcome != "startup_failed":
+            stopped: dict[str, object] = {"shutdown_steps": self.step_seconds}
+            if self.restart is not None and self.cancelled is None:
+                stopped["restart"] = self.restart.id  # this boot's stop was a restart's
+            store.boots.set_breaker(boot_id, stopped)
+        if self.cancelled is not None and self.restarter is not None:
+            self.restarter.cancelled(boot_id, self.cancelled)
+        store.boots.end(boot_id, self.outcome)
+
+    async def _watchdog(self, pool: Pool) -> None:
+        """WATCHDOG=1 from the event loop itself (a hung loop stops pinging) and STATUS=."""
+        interval = self.notifier.watchdog_interval or 10.0
+        while True:
+            self.notifier.send(WATCHDOG=1, STATUS=self._summary(pool))
+            await SYSTEM.sleep(interval)
+
+    @staticmethod
+    def _summary(pool: Pool) -> str:
+        status = pool.status()
+        ready = sum(1 for s in status["slots"] if s["ready"])
+        turns = sum(s["turns"] for s in status["slots"])
+        return (
+            f"{ready}/{len(status['slots'])} workers ready, {len(pool.assigned)} sessions, "
+            f"{turns} turns running, {status['restarts']} restarts"
+        )
+
+    def _requested_drain(self) -> float:
+        """The drain budget: `turnkeeper stop --drain` leaves one in the runtime dir."""
+        request = self.paths.runtime_dir / STOP_REQUEST
+        try:
+            budget = float(json.loads(request.read_text())["drain"])
+            request.unlink()
+        except FileNotFoundError:
+            return self.config.shutdown.drain_budget
+        except (ValueError, KeyError, TypeError, OSError) as exc:
+            log("shutdown").warning("ignoring {}: {}", request, exc)
+            return self.config.shutdown.drain_budget
+        return max(0.0, budget)
+
+    def _restart(self, info: RestartInfo) -> None:
+        """Stop for the restart request `info` (begun in the database), then re-execute."""
+        self.restart = info
+        if self._stop.is_set():  # a SIGTERM came while it was being begun
+            self.cancelled = "the daemon was already stopping when it was to begin"
+            return
+        self.reexec = True
+        self.stop_started = SYSTEM.monotonic()
+        budget = info.drain if info.drain is not None else self.config.shutdown.drain_budget
+        self.drain_budget = budget
+        why = info.reason or "no reason given"
+        log("shutdown").info(
+            "restarting in place for {} ({}), asked by {}: {}",
+            info.id,
+            f"drain up to {budget:g} s" if budget > 0 else "no drain",
+            info.requested_by,
+            why,
+        )
+        self.notifier.reloading(f"restarting: {why}", budget + self._stop_bound() + READY_TIMEOUT)
+        self._stopping_now()
+
+    def comes_back(self) -> bool:
+        """Whether `run` re-executes now: a restart whose stop left the hosts' table and
+        ended its boot row. Else the new start, with the same pid, would take its own host
+        row for a live daemon's (and exit 78), or the breaker would count it: exit 1, and
+        the service manager starts a new process, which takes both over."""
+        failed = sorted(self.step_failed & {"peer deregistration", "boot row"})
+        if self.reexec and failed:
+            log("restart").error(
+                "not re-executing: {} failed; exiting 1 for the service manager to start "
+                "the daemon again",
+                " and ".join(failed),
+            )
+        return self.reexec and not failed
+
+    def _stop_bound(self) -> float:
+        """The longest the stop's steps after the drain may take, each at its cap, and the
+        next start's own steps before it waits for its workers."""
+        c = self.config
+        listener = c.attach.shutdown_timeout + 1.0
+        subagents = c.shutdown.subagent_drain + 1.0
+        return listener + subagents + c.shutdown.kill_grace + REAP_BOUND + 2.0 + 5.0 + 30.0

@@ -33,13 +33,14 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import ValidationError
 
+from supervisor.contract.background import spawn
+from supervisor.contract.clock import SYSTEM
 from supervisor.contract.config import (
     Config,
     ConfigError,
@@ -51,11 +52,15 @@ from supervisor.contract.config import (
 from supervisor.contract.logs import log, setup_logging
 from supervisor.core import reload as rules
 from supervisor.core.reload import Change
-from supervisor.http.app import Api
+from supervisor.http.attach import Hub
 from supervisor.http.auth import Tokens
 from supervisor.http.reload_route import STARTED
 from supervisor.pool.pool import Pool
 from supervisor.preflight import PluginError, check_plugins, read_tokens
+from supervisor.runtime.bus import Bus, Stopping
+from supervisor.runtime.service import Service, Steps
+from supervisor.store import Store
+from supervisor.tasks.service import TaskKeeper
 
 # Seconds a new worker has to be ready, and a worker being replaced or retired to hand its
 # sessions over (then `shutdown.kill_grace` to exit).
@@ -101,23 +106,35 @@ class ReloadResult:
         }
 
 
-class Reloader:
+class Reloader(Service):
     """Reloads the daemon's configuration (see the module's docstring)."""
+
+    name = "reloader"
+    needs = ("store", "pool", "tasks")
 
     def __init__(
         self,
         config: Config,
         config_path: str | None,
         *,
+        store: Store,
         pool: Pool,
-        api: Api,
+        keeper: TaskKeeper,
+        tokens: Tokens,
+        hub: Hub,
+        reconfigure: Callable[[Config], None],
         on_config: Callable[[Config], None],
+        bus: Bus | None = None,
         loaded_at: float = STARTED,  # `run` loads the configuration as the process starts
     ) -> None:
         self.config = config  # in force
         self.config_path = config_path  # `run --config`; None: as `load_config` finds it
+        self.store = store
         self.pool = pool
-        self.api = api
+        self.keeper = keeper  # a revoked principal's running tasks are signalled
+        self.tokens = tokens  # the live tokens, which the API checks
+        self.hub = hub  # the attach streams, hung up when their token is revoked
+        self.reconfigure_all = reconfigure  # every service takes a configuration
         self.on_config = on_config
         self.paths = resolve_paths(config)  # the admin token's: daemon.state_dir is fixed
         self.version = config_version(config)
@@ -126,6 +143,8 @@ class Reloader:
         self._lock = asyncio.Lock()
         self._running: set[asyncio.Task[ReloadResult]] = set()
         self.log = log("reload")
+        if bus is not None:
+            bus.subscribe(Stopping, self._stopping)
 
     def load(self) -> Config:
         """The configuration on disk and in the environment, if a start would take it
@@ -172,12 +191,21 @@ class Reloader:
             task.cancel()
         return asyncio.gather(*running, return_exceptions=True)
 
+    def _stopping(self, _: Stopping) -> None:
+        self.cancel()  # a reload under way changes the pool no further
+
+    async def stop(self, steps: Steps) -> None:
+        await self.cancel()  # no slot retired or worker replaced during the stop
+
     def _begin(
         self, applied: asyncio.Future[ReloadResult] | None, workers: bool
     ) -> asyncio.Task[ReloadResult]:
-        task = asyncio.create_task(self._reload(applied, workers), name="reload")
+        task = spawn(
+            self._reload(applied, workers),
+            name="reload",
+            ended=functools.partial(self._ended, applied),
+        )
         self._running.add(task)
-        task.add_done_callback(functools.partial(self._ended, applied))
         return task
 
     def _ended(
@@ -225,7 +253,7 @@ class Reloader:
     async def _take(self, workers: bool) -> tuple[ReloadResult, list[int]]:
         """Steps 1 to 3, and the slots to add started; the result and the slots added."""
         before, version_before = self.config, self.version
-        read_at = time.time()
+        read_at = SYSTEM.time()
         try:
             with self.pool.orphans_held():  # the agent check's child is its own to reap
                 new, tokens = await asyncio.to_thread(self._read)
@@ -237,7 +265,7 @@ class Reloader:
             self.log.opt(exception=exc).error("the configuration could not be read: {!r}", exc)
             return self._refused(f"the configuration could not be read: {exc!r}", FAILED), []
         version = config_version(in_force)
-        known = self.api.tokens.principals().keys()
+        known = self.tokens.principals().keys()
         try:
             self._apply(before, in_force, version, read_at, tokens)
         except Exception as exc:
@@ -276,7 +304,7 @@ class Reloader:
     ) -> None:
         """Step 3, whole or not at all (nothing here awaits): what fails is put back as it
         was, and raised."""
-        kept = self.config, self.version, self.loaded_at, self.api.tokens.principals()
+        kept = self.config, self.version, self.loaded_at, self.tokens.principals()
         try:
             if version != self.version:
                 self._swap(config)
@@ -287,7 +315,7 @@ class Reloader:
             self._take_tokens(tokens)  # also when no key changed: the file's lines may have
         except Exception:
             self.config, self.version, self.loaded_at, principals = kept
-            self.api.tokens.take(Tokens(principals))
+            self.tokens.take(Tokens(principals))
             self._swap(before)  # each part takes it back as at a reload
             self.on_config(before)
             if before.log != config.log:
@@ -295,19 +323,12 @@ class Reloader:
             raise
 
     def _swap(self, config: Config) -> None:
-        """Every part of the supervisor that reads the configuration reads `config` now."""
-        pool = self.pool
-        pool.reconfigure(config)
-        pool.ownership.config = config
-        pool.recovery.configure(config)
-        pool.subagents.config = config
-        pool.task_keeper.config = config
-        pool.scheduler.config = config
-        pool.courier.reconfigure(config)
-        self.api.reconfigure(config)
+        """Every part of the supervisor that reads the configuration reads `config` now:
+        each service takes it (`supervisor.runtime.root.Root.reconfigure`)."""
+        self.reconfigure_all(config)
 
     def _take_tokens(self, tokens: Tokens) -> None:
-        live = self.api.tokens
+        live = self.tokens
         old, new = live.principals(), tokens.principals()
         live.take(tokens)
         if old == new:
@@ -320,7 +341,7 @@ class Reloader:
             ", ".join(sorted(old.keys() - new.keys())) or "none",
             ", ".join(p for p in lost if p in new) or "none",
         )
-        ended = self.api.hub.hang_up(lost)
+        ended = self.hub.hang_up(lost)
         if ended:
             self.log.info("hung up {} attach streams opened with a token no longer valid", ended)
 
@@ -330,7 +351,7 @@ class Reloader:
         flight are refused by the API, which checks the token again before it writes).
         The schedules of principals listed again are resumed. A failure here is logged:
         the tokens are in force already."""
-        store = self.pool.store
+        store = self.store
         try:
             if restored:
                 resumed = await asyncio.to_thread(store.schedules.resume_owned_by, restored)
@@ -342,7 +363,7 @@ class Reloader:
             tasks = await asyncio.to_thread(store.tasks.live_of_principals, revoked)
             for task_id in tasks:
                 if await asyncio.to_thread(store.tasks.cancel, task_id) is not None:
-                    self.pool.cancel_task(task_id)
+                    self.keeper.cancel(task_id)
             self.log.warning(
                 "revoked {}: {} schedules paused, {} tasks cancelled",
                 ", ".join(revoked),

@@ -239,7 +239,7 @@ def test_the_daemon_fails_open_when_the_boot_log_cannot_be_read() -> None:
     from types import SimpleNamespace
 
     from supervisor.contract.config import Config
-    from supervisor.http.metrics import Metrics
+    from supervisor.metrics import Metrics
     from supervisor.pool.recoverer import Recoverer
 
     def unreadable(host: str, since: float) -> list[object]:

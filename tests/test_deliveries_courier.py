@@ -22,7 +22,7 @@ from supervisor.contract.config import Config
 from supervisor.core.vocabulary import AttemptOutcome
 from supervisor.deliveries.rules import SIGNATURE_HEADER, TIMESTAMP_HEADER, verify
 from supervisor.deliveries.service import Courier
-from supervisor.http.metrics import Metrics
+from supervisor.metrics import Metrics
 from supervisor.store import DeliveryInfo, Outgoing, Store
 from tests.conftest import BACKENDS
 

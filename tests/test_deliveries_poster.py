@@ -20,7 +20,7 @@ from supervisor.contract.config import Config, ConfigError, load_config
 from supervisor.contract.delivery_targets import DeliveryTarget
 from supervisor.core.vocabulary import AttemptOutcome
 from supervisor.deliveries.service import Courier
-from supervisor.http.metrics import Metrics
+from supervisor.metrics import Metrics
 from supervisor.store import DeliveryInfo, Store
 from tests.test_deliveries_courier import OWNER, Watch, answer, bound, rows, running
 

@@ -22,7 +22,7 @@ from supervisor.contract.config import Config
 from supervisor.http.app import Api
 from supervisor.http.attach import Hub
 from supervisor.http.auth import Tokens, digest
-from supervisor.http.metrics import Metrics
+from supervisor.metrics import Metrics
 from supervisor.store import Grant, Me, Store
 from supervisor.store.models import Host as HostRow
 from tests.conftest import PYTHON, REPO, python_env

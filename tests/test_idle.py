@@ -31,7 +31,7 @@ from supervisor.contract.clock import FakeClock
 from supervisor.contract.config import Config
 from supervisor.contract.reaper import own_children, reap_orphans
 from supervisor.core.slots import SlotState
-from supervisor.http.metrics import Metrics
+from supervisor.metrics import Metrics
 from supervisor.pool.ownership import FULL_PASS
 from supervisor.pool.pool import Pool
 from supervisor.pool.recoverer import Recoverer

@@ -18,7 +18,7 @@ import pytest
 from supervisor.contract.config import Config
 from supervisor.core.engine import Budget
 from supervisor.core.slots import Slot
-from supervisor.http.metrics import Metrics
+from supervisor.metrics import Metrics
 from supervisor.pool.handle import WorkerHandle
 from supervisor.pool.ownership import Ownership
 from supervisor.pool.recoverer import Recoverer

@@ -19,9 +19,9 @@ from supervisor.core.reload import Change
 from supervisor.http.app import Api
 from supervisor.http.attach import Hub
 from supervisor.http.auth import Tokens, digest
-from supervisor.http.metrics import Metrics
 from supervisor.http.reload_route import ReloadOut, ReloadRefused
 from supervisor.http.schemas import ErrorBody, Status
+from supervisor.metrics import Metrics
 from supervisor.reloading import ReloadResult
 from supervisor.store import Store
 
@@ -62,6 +62,7 @@ def serve(tmp_path: Path, check: Check, reloader: Recorder | None) -> None:
             tokens = Tokens({"admin": digest("admin-token"), "alice": digest("alice-token")})
             api = Api(Config(), store, Hub(), tokens, Metrics(), boot_id="b" * 32)
             api.reloader = reloader
+            api.ready = True  # serving: a reload is taken (503 "starting" without a reloader)
             async with TestClient(TestServer(api.app())) as client:
                 await check(api, client)
 

@@ -25,17 +25,12 @@ import psutil
 from aiohttp.test_utils import TestClient, TestServer
 from pydantic import BaseModel
 
+from supervisor.composition import Hooks, build
 from supervisor.contract.config import Config
 from supervisor.daemon import Daemon
-from supervisor.http.app import Api
-from supervisor.http.attach import Hub
 from supervisor.http.auth import Tokens, digest
-from supervisor.http.metrics import Metrics
 from supervisor.http.reload_route import STARTED
-from supervisor.pool.pool import Pool
-from supervisor.pool.recoverer import Recoverer
 from supervisor.reloading import STOPPED, STOPPING, Reloader
-from supervisor.schedules.service import Scheduler
 from supervisor.store import Store
 
 BOOT = "b" * 32
@@ -62,16 +57,22 @@ def serve(tmp_path: Path, scenario: Scenario) -> None:
         config = configured(tmp_path)
         with Store(f"sqlite:///{tmp_path / 'turnkeeper.db'}") as store:
             daemon = Daemon(config)
-            metrics = Metrics()
-            recovery = Recoverer(config, store, BOOT, "host", metrics)
-            pool = Pool(config, store, BOOT, f"ipc://{tmp_path}/c.sock", recovery, metrics)
-            pool.scheduler = Scheduler(
-                config, store, pool.owner_prefix, pool.committed, pool.interrupt, metrics
-            )
-            api = Api(config, store, Hub(), Tokens(TOKENS), metrics, boot_id=BOOT, pool=pool)
-            reloader = Reloader(config, None, pool=pool, api=api, on_config=daemon._configured)
-            daemon.api, daemon.reloader, api.reloader = api, reloader, reloader
-            async with TestClient(TestServer(api.app())) as client:
+            hooks = Hooks(lambda: None, lambda _: None, lambda: False, daemon._configured)
+            tree = build(
+                config,
+                None,
+                store,
+                Tokens(TOKENS),
+                hooks,
+                boot_id=BOOT,
+                host="host",
+                runtime_dir=tmp_path / "run",
+                state_dir=tmp_path / "state",
+            )  # the composition root's tree, not started: no worker, no listener
+            daemon.tree, daemon.bus, daemon.api = tree, tree.bus, tree.api
+            reloader = daemon.reloader = tree.reloader
+            tree.api.ready = True
+            async with TestClient(TestServer(tree.api.app())) as client:
                 await scenario(daemon, reloader, client)
 
     asyncio.run(run())
@@ -132,9 +133,10 @@ def test_every_part_that_holds_a_configuration_holds_the_new_one(tmp_path: Path)
         holders = [obj for obj in reachable(daemon) if isinstance(obj, Config)]
         assert holders and all(obj is config for obj in holders)
         assert not [obj for obj in reachable(daemon) if id(obj) in stale]
-        pool = reloader.pool
+        pool, root = reloader.pool, daemon.tree.root  # type: ignore[union-attr]
         assert pool.config is pool.ownership.config is pool.recovery.config is config
-        assert pool.scheduler.config is pool.courier.config is daemon.config is config
+        assert all(getattr(s, "config", config) is config for s in root.services)
+        assert root["schedules"].config is root["courier"].config is daemon.config is config  # type: ignore[attr-defined]
         assert all(routes.config is config for routes in daemon.api.configured)  # type: ignore[union-attr]
         unchanged = await reloader.reload()
         assert unchanged.ok and unchanged.loaded_at == result.loaded_at
@@ -165,7 +167,8 @@ def test_a_failure_anywhere_is_a_refused_reload_that_changes_nothing(tmp_path: P
         assert answer.status == 500, await answer.text()  # the daemon's error, not the file's
         assert "ValueError" in (await answer.json())["error"]["message"]
         assert reloader.version == version and reloader.config is old and daemon.config is old
-        assert reloader.pool.config is old and reloader.pool.scheduler.config is old
+        schedules = daemon.tree.root["schedules"]  # type: ignore[union-attr]
+        assert reloader.pool.config is old and schedules.config is old  # type: ignore[attr-defined]
         assert api.tokens.principals() == TOKENS  # the tokens with the rest: not taken
         del api.reconfigure  # the class's again
         reads(reloader, configured(tmp_path, schedules={"min_interval": 5.0}), {})

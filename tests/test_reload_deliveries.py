@@ -14,7 +14,7 @@ from supervisor.contract.config import Config
 from supervisor.contract.delivery_targets import DeliveryTarget
 from supervisor.deliveries.poster import Poster
 from supervisor.deliveries.service import Courier
-from supervisor.http.metrics import Metrics
+from supervisor.metrics import Metrics
 from supervisor.store import Store
 
 HOOK = {"name": "hook", "url": "http://hook.test/in", "secret_env": "TK_TEST_RELOAD_SECRET"}

@@ -27,8 +27,8 @@ from supervisor.http import attach
 from supervisor.http.app import Api
 from supervisor.http.attach import Hub
 from supervisor.http.auth import Tokens, digest
-from supervisor.http.metrics import Metrics
 from supervisor.http.pages import READERS, Pages
+from supervisor.metrics import Metrics
 from supervisor.store import Store
 from supervisor.store.reading import EventRow, EventRows
 from tests.test_replay import fill

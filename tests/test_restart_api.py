@@ -19,7 +19,7 @@ from supervisor.http import openapi
 from supervisor.http.app import Api
 from supervisor.http.attach import Hub
 from supervisor.http.auth import Tokens, digest
-from supervisor.http.metrics import Metrics
+from supervisor.metrics import Metrics
 from supervisor.restarts.routes import RestartOut, RestartRefused
 from supervisor.store import Store
 from supervisor.store.models import RestartRequest

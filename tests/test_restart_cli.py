@@ -28,7 +28,7 @@ from supervisor.contract.config import Config
 from supervisor.http.app import Api
 from supervisor.http.attach import Hub
 from supervisor.http.auth import Tokens, digest
-from supervisor.http.metrics import Metrics
+from supervisor.metrics import Metrics
 from supervisor.restarts.routes import RestartOut, RestartRefused
 from supervisor.store import Me, Store
 from supervisor.store.models import RestartRequest

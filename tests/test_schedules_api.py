@@ -21,7 +21,7 @@ from supervisor.http import openapi
 from supervisor.http.app import Api
 from supervisor.http.attach import Hub
 from supervisor.http.auth import Tokens, digest
-from supervisor.http.metrics import Metrics
+from supervisor.metrics import Metrics
 from supervisor.store import Store
 
 PRINCIPALS = ("admin", "alice", "bob")

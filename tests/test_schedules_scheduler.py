@@ -15,7 +15,7 @@ import pytest
 
 from supervisor.contract.clock import FakeClock
 from supervisor.contract.config import Config
-from supervisor.http.metrics import Metrics
+from supervisor.metrics import Metrics
 from supervisor.schedules.rules import NOT_CONTINUED, OWED_AGE, idempotency_key
 from supervisor.schedules.service import OWED_EVERY, Scheduler
 from supervisor.store import FireInfo, Me, Store

@@ -26,7 +26,7 @@ def test_an_announced_session_wakes_the_listener_of_the_same_database(db_url: st
             listener = Signals(listening, on_wake)
             sender = Signals(sending, lambda s: None)
             assert listener.enabled and listener.channel != CHANNEL  # the schema's own
-            listener.start()
+            await listener.start()
             try:
                 # LISTEN is issued in the listener's thread: announce until it hears.
                 for _ in range(100):

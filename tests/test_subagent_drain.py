@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 from loguru import logger
 
-from supervisor import drain
 from supervisor.contract.config import Config
 from supervisor.daemon import Daemon as Supervisor
+from supervisor.pool import drain
 from supervisor.store import Store
 from tests.daemon import Daemon, daemons, inject, turn_ended, wait_until
 
@@ -40,6 +40,9 @@ class FakePool:
         self.store = SimpleNamespace(sessions=SimpleNamespace(with_work=self._read))
         self.ownership = SimpleNamespace(stopping=False)
         self.count = 0
+
+    def hold_assignments(self) -> None:
+        self.ownership.stopping = True
 
     def _read(self) -> list[SimpleNamespace]:
         self.count += 1
@@ -118,12 +121,22 @@ def stopping_daemon(budget: float) -> Supervisor:
     return daemon
 
 
+def drains(pool: FakePool) -> Callable[[float], Any]:
+    """What the root hands the daemon's drain step: the pool drained until a deadline."""
+
+    async def until(deadline: float) -> None:
+        left = deadline - asyncio.get_running_loop().time()
+        await drain.drain(pool, left)  # type: ignore[arg-type]
+
+    return until
+
+
 def test_a_cut_ends_a_drain_under_way_at_once_even_in_a_long_pause() -> None:
     async def scenario() -> None:
         daemon = stopping_daemon(600.0)  # a restart's drain
         pool = FakePool([[session("top", kind="attached")]], assigned={"top"})
         pool.config.pool.heartbeat_interval = 300.0  # a pause the cut must not wait out
-        stop = asyncio.ensure_future(daemon._drain_step(pool))  # type: ignore[arg-type]
+        stop = asyncio.ensure_future(daemon._drain_step(drains(pool)))
         while daemon.drain_scope is None or not pool.count:
             await asyncio.sleep(0.01)
         daemon._cut_drain(0.0)  # a SIGTERM, with shutdown.drain_budget = 0
@@ -138,13 +151,13 @@ def test_a_cut_before_the_drain_begins_counts_from_the_signal() -> None:
         daemon = stopping_daemon(600.0)
         pool = FakePool([[session("top", kind="attached")]], assigned={"top"})
         daemon._cut_drain(0.0)
-        await asyncio.wait_for(daemon._drain_step(pool), 10)  # type: ignore[arg-type]
+        await asyncio.wait_for(daemon._drain_step(drains(pool)), 10)
         assert pool.count == 0 and "drain" not in daemon.step_seconds  # no drain at all
 
         later = stopping_daemon(600.0)
         later._cut_drain(0.05)
         await asyncio.sleep(0.1)  # the stop's other steps took longer than that
-        await asyncio.wait_for(later._drain_step(pool), 10)  # type: ignore[arg-type]
+        await asyncio.wait_for(later._drain_step(drains(pool)), 10)
         assert pool.count == 0 and "drain" not in later.step_seconds
 
     asyncio.run(scenario())

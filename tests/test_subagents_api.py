@@ -26,7 +26,7 @@ from supervisor.http import openapi
 from supervisor.http.app import Api as App
 from supervisor.http.attach import Hub
 from supervisor.http.auth import Tokens, digest
-from supervisor.http.metrics import Metrics
+from supervisor.metrics import Metrics
 from supervisor.store import LeaseLost, Store, SubagentInfo
 from tests.daemon import Daemon, daemons, events, turnkeeper, wait_until
 from tests.test_api import Api, assert_error, create_session, start

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from supervisor.core.vocabulary import SubagentStatus
-from supervisor.http.metrics import Metrics
+from supervisor.metrics import Metrics
 from supervisor.store import EventRecord, LeaseLost, Spawned, Store, TooManySessions
 from supervisor.subagents.rules import Refused
 from tests.conftest import BACKENDS

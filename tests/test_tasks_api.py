@@ -26,7 +26,7 @@ from supervisor.core.vocabulary import TaskStatus
 from supervisor.http.app import Api as App
 from supervisor.http.attach import Hub
 from supervisor.http.auth import Tokens, digest
-from supervisor.http.metrics import Metrics
+from supervisor.metrics import Metrics
 from supervisor.store import LeaseLost, Store, TaskInfo
 from tests.conftest import this_host_id
 from tests.daemon import Daemon, daemons, events, turnkeeper, wait_until
@@ -337,7 +337,7 @@ class Pool:
 
     def interrupt(self, session_id: str) -> None: ...
 
-    def cancel_task(self, task_id: str) -> None:
+    def cancel(self, task_id: str) -> None:
         self.cancelled.append(task_id)
 
     def status(self) -> dict[str, Any]:
@@ -359,7 +359,17 @@ def test_a_cancel_tells_the_pool_of_a_live_task_only(tmp_path: Path) -> None:
         pool = Pool()
         config = Config.model_validate({"daemon": {"state_dir": str(tmp_path / "state")}})
         tokens = Tokens({"admin": digest(TOKEN)})
-        app = App(config, store, Hub(), tokens, Metrics(), boot_id="b" * 32, pool=pool, host_id="h")
+        app = App(
+            config,
+            store,
+            Hub(),
+            tokens,
+            Metrics(),
+            boot_id="b" * 32,
+            pool=pool,
+            keeper=pool,
+            host_id="h",
+        )
 
         async def scenario() -> None:
             auth = {"Authorization": f"Bearer {TOKEN}"}

@@ -31,6 +31,7 @@ from collections.abc import Callable, Collection
 
 import httpx
 
+from supervisor.contract.background import spawn
 from supervisor.contract.delivery_targets import DeliveryTarget
 from supervisor.deliveries import rules
 
@@ -175,7 +176,7 @@ class Poster:
             if self._using.get(client):
                 self._retired.add(client)
             else:
-                closing = asyncio.ensure_future(_close(client))
+                closing = spawn(_close(client))
                 self._closing.add(closing)
                 closing.add_done_callback(self._closing.discard)
 

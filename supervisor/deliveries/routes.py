@@ -9,7 +9,8 @@
 
 A delivery is seen through its session's ACL: one of a session the caller may not read is
 a 404, as if it did not exist. Which sessions are delivered where is bound by
-`PUT /v1/sessions/{id}` (`session_routes.py`); the sending is the pool's courier.
+`PUT /v1/sessions/{id}` (`session_routes.py`); the sending is the courier's
+(`supervisor.deliveries.service`).
 """
 
 from __future__ import annotations
@@ -79,24 +80,16 @@ class Stirrer(Protocol):
         """Look at the outbox again now."""
 
 
-class Sender(Protocol):
-    """What the retry needs of the pool (`supervisor.http.app.PoolView` is one)."""
-
-    @property
-    def courier(self) -> Stirrer:
-        """The sender of deliveries."""
-
-
 class DeliveryRoutes:
     """The handlers of the three routes (the module docstring)."""
 
     def __init__(
-        self, config: Config, store: Store, refuse: Callable[[], None], pool: Sender | None
+        self, config: Config, store: Store, refuse: Callable[[], None], courier: Stirrer | None
     ) -> None:
         self.config = config
         self.store = store
         self.refuse = refuse  # the API's: 503 once the daemon is stopping
-        self.pool = pool
+        self.courier = courier  # the deliveries service: a retry is sent at once
 
     def add(self, router: web.UrlDispatcher) -> None:
         router.add_get("/v1/deliveries", self.list)
@@ -159,8 +152,8 @@ class DeliveryRoutes:
                 "delivered",
                 f"delivery {retried.id} was already delivered; it is not sent twice",
             )
-        if self.pool is not None:
-            self.pool.courier.stir()
+        if self.courier is not None:
+            self.courier.stir()
         return answer(delivery_out(retried))
 
     # --- who may ----------------------------------------------------------------------

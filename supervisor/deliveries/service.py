@@ -27,20 +27,23 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import httpx
 
-from supervisor.contract.clock import SYSTEM, Clock, sleep_unless
+from supervisor.contract.background import spawn
+from supervisor.contract.clock import SYSTEM, Clock
 from supervisor.contract.config import Config
 from supervisor.contract.delivery_targets import DeliveryTarget
 from supervisor.contract.logs import log
 from supervisor.core.vocabulary import AttemptOutcome, DeliveryKind, DeliveryStatus
 from supervisor.deliveries import rules
 from supervisor.deliveries.poster import Poster
-from supervisor.http.metrics import Metrics
+from supervisor.metrics import Metrics
+from supervisor.runtime.bus import Bus, Published
+from supervisor.runtime.loops import Wake, reconcile
+from supervisor.runtime.service import Service
 from supervisor.store import Outgoing, Store
 
 CLAIM_MARGIN = 15.0  # seconds a claim outlives its target's timeout (recording the verdict)
@@ -53,8 +56,13 @@ CARRIERS = frozenset({"model_response", *DeliveryKind})
 Finished = Callable[[str, AttemptOutcome], None]
 
 
-class Courier:
+class Courier(Service):
     """Sends this database's deliveries (see the module's docstring)."""
+
+    name = "courier"
+    needs = ("store",)
+    after = ("pool",)
+    takes = ("delivery",)
 
     def __init__(
         self,
@@ -66,6 +74,7 @@ class Courier:
         clock: Clock = SYSTEM,
         jitter: Callable[[], float] = random.random,
         transport: httpx.AsyncBaseTransport | None = None,
+        bus: Bus | None = None,
     ) -> None:
         self.config = config  # read on every pass: a reload may replace it
         self.store = store
@@ -80,22 +89,24 @@ class Courier:
         self.poster = Poster(transport)
         self._claiming: asyncio.Future[list[Outgoing]] | None = None  # a claim's transaction
         self.on_finished: list[Finished] = []  # tests and benchmarks watch attempts
-        self._wake = asyncio.Event()
+        self._wake = Wake()
         self._targets_seen = 0  # counts the reloads that changed the targets' events
         self._synced = -1  # ... as of the last sync of the bound sessions' kinds
         self._pruned_at = -PRUNE_EVERY
         self.log = log("deliveries")
+        if bus is not None:
+            bus.subscribe(Published, lambda e: self.nudge(e.session, e.event))
 
     # --- signals --------------------------------------------------------------------
 
     def nudge(self, session_id: str, event: dict[str, Any]) -> None:
         """The pool's event signal: an event that may carry a delivery was committed."""
         if event.get("type") in CARRIERS:
-            self._wake.set()
+            self._wake.wake()
 
     def stir(self) -> None:
         """Look again now (an operator retried a delivery)."""
-        self._wake.set()
+        self._wake.wake()
 
     def reconfigure(self, config: Config) -> None:
         """A reload: passes read `config` from now on. If the targets' events changed, the
@@ -108,23 +119,27 @@ class Courier:
             self._targets_seen += 1
         same = old.concurrency == new.concurrency
         self.poster.retire([n for n, t in before.items() if not same or after.get(n) != t])
-        self._wake.set()
+        self._wake.wake()
 
     # --- the loop -------------------------------------------------------------------
 
-    async def run(self) -> None:
-        """Pass after pass until cancelled (the pool's stop); then give the claims back."""
+    def loops(self) -> dict[str, Coroutine[Any, Any, None]]:
+        return {"courier": self._loop()}
+
+    async def _loop(self) -> None:
+        """Pass after pass until cancelled (its stop); then give the claims back. A pass
+        that fails (a busy database) is tried again after RETRY."""
         self.metrics.state.deliveries = self.store.deliveries.counts
         try:
-            while True:
-                self._wake.clear()
-                try:
-                    await self._pass()
-                    wait = self.config.delivery.poll_interval
-                except Exception as exc:  # a busy database: the next pass tries again
-                    self.log.warning("a pass failed, trying again in {} s: {}", RETRY, exc)
-                    wait = RETRY
-                await sleep_unless(self.clock, wait, self._wake)
+            await reconcile(
+                "courier",
+                self._pass,
+                interval=lambda: self.config.delivery.poll_interval,
+                wake=self._wake,
+                clock=self.clock,
+                retry=RETRY,
+                observer=self.metrics,
+            )
         finally:
             await self._settle()
 
@@ -165,14 +180,14 @@ class Courier:
                 continue
             lease = {name: target.timeout + CLAIM_MARGIN}
             # Shielded: a stop cannot end the claim's thread, so `_settle` waits for it.
-            self._claiming = asyncio.ensure_future(
+            self._claiming = spawn(
                 asyncio.to_thread(self.store.deliveries.claim, self.owner, lease, room, self.mine)
             )
             claimed = await asyncio.shield(self._claiming)
             for outgoing in claimed:
                 if outgoing.delivery.id in self.sending:
                     continue  # its attempt is still running (it ends within the claim)
-                task = asyncio.create_task(
+                task = spawn(
                     self._attempt(target, outgoing), name=f"delivery {outgoing.delivery.id}"
                 )
                 running.add(task)
@@ -239,7 +254,7 @@ class Courier:
         if next_in is None:
             next_in = policy.delay(attempts, min(1.0, max(0.0, self.jitter())))
         finish = self.store.deliveries.finish
-        writing = asyncio.ensure_future(
+        writing = spawn(
             asyncio.to_thread(
                 finish, delivery.id, self.owner, status, next_in=next_in, code=code, error=error
             )
@@ -254,11 +269,11 @@ class Courier:
         if kept:
             self.metrics.delivery_attempts.labels(outcome).inc()
         if kept and status is DeliveryStatus.DELIVERED:
-            self.metrics.delivery_lag.observe(max(0.0, time.time() - delivery.created_at))
+            self.metrics.delivery_lag.observe(max(0.0, self.clock.time() - delivery.created_at))
         self._say(delivery.id, target.name, attempts, status, next_in, error, kept)
         for watcher in self.on_finished:
             watcher(delivery.id, outcome)
-        self._wake.set()  # the session's next delivery may go now
+        self._wake.wake()  # the session's next delivery may go now
 
     def _say(
         self,

@@ -18,9 +18,9 @@ from pydantic import BaseModel, ValidationError
 
 from supervisor.contract.logs import log
 from supervisor.core.vocabulary import Rejection
-from supervisor.http.metrics import Metrics
 from supervisor.http.schemas import ErrorBody, ErrorDetail
 from supervisor.http.storage import StorageHealth
+from supervisor.metrics import Metrics
 from supervisor.store import IdempotencyConflict, SessionClosed, StorageUnavailable
 
 M = TypeVar("M", bound=BaseModel)

@@ -24,7 +24,6 @@ from supervisor.http import answers, attach, auth, follow, hosts, openapi, pages
 from supervisor.http.answers import MAX_SEQ, RETRY_AFTER, ApiError, answer, read_body, whole
 from supervisor.http.auth import ADMIN, Tokens
 from supervisor.http.lifecycle import Lifecycle, refuse_closed
-from supervisor.http.metrics import CONTENT_TYPE, Metrics
 from supervisor.http.reload_route import ReloaderView, ReloadRoutes, config_state
 from supervisor.http.schemas import (
     AclChange,
@@ -39,7 +38,9 @@ from supervisor.http.schemas import (
 )
 from supervisor.http.session_routes import SessionRoutes
 from supervisor.http.storage import StorageHealth
+from supervisor.metrics import CONTENT_TYPE, Metrics
 from supervisor.restarts.routes import RestartDesk, RestartRoutes
+from supervisor.runtime.bus import Bus, Published, Stopping
 from supervisor.schedules.routes import ScheduleRoutes
 from supervisor.store import (
     EVENT_TYPES,
@@ -71,15 +72,8 @@ class PoolView(Protocol):
     def interrupt(self, session_id: str) -> None:
         """The session's turn was ended in the database (interrupt, close): stop it now."""
 
-    def cancel_task(self, task_id: str) -> None:
-        """A cancel of the task was committed: signal its runner now."""
-
     def status(self) -> dict[str, Any]:
         """The slots and workers, for /v1/status."""
-
-    @property
-    def courier(self) -> Stirrer:
-        """The sender of deliveries: `stir()` after a retry."""
 
     def breaker(self) -> dict[str, Any]:
         """The breaker, for /v1/status."""
@@ -98,6 +92,11 @@ class Api:
         *,
         boot_id: str,
         pool: PoolView | None = None,
+        keeper: tasks.Canceller | None = None,
+        courier: Stirrer | None = None,
+        reloader: ReloaderView | None = None,
+        restarts: RestartDesk | None = None,
+        bus: Bus | None = None,
         host_id: str = "",
     ) -> None:
         self.config = config
@@ -109,15 +108,20 @@ class Api:
         self.host_id = host_id  # daemon.host_id as resolved: this daemon on the database
         metrics.state.host_id, metrics.state.hosts = host_id, lambda: hosts.read(store)
         self.pool = pool
-        self.reloader: ReloaderView | None = None  # the daemon's, once it takes reloads
+        self.keeper = keeper  # the task keeper: a cancel signals the runner at once
+        self.courier = courier  # the deliveries' sender: a retry goes at once
+        self.reloader = reloader  # taken once the daemon is ready (a 503 before)
         self.configured: list[Any] = []  # the route objects that read the configuration
-        self.restarts: RestartDesk | None = None  # the daemon's, once it takes requests
+        self.restarts = restarts
         self.ready = False
         self.stopping = False
         self.storage = StorageHealth(store.probe_write, metrics)
         self.lifecycle = Lifecycle(store, self._session, self.publish, pool)
         self.pages = pages.Pages(EventRows(store.db).batches)  # replays, /events: off the loop
         self.log = log("intake")
+        if bus is not None:
+            bus.subscribe(Published, lambda e: self.publish(e.session, e.event))
+            bus.subscribe(Stopping, self._stopping)
 
     def app(self) -> web.Application:
         app = web.Application(
@@ -149,15 +153,15 @@ class Api:
         r.add_put("/v1/sessions/{id}/acl", self.acl)
         r.add_get("/v1/sessions/{id}/subagents", subagents.route(self.store, self._session))
         # /v1/sessions/{id}/tasks, /v1/tasks/{id} (GET, DELETE) and /v1/tasks/{id}/output
-        routes = tasks.Routes(self.store, self._session, self.pool, self.config, self.host_id)
+        routes = tasks.Routes(self.store, self._session, self.keeper, self.config, self.host_id)
         self._reads_config(routes).add(r)
         schedules = ScheduleRoutes(self.config, self.store, self._refuse_while_stopping)
         self._reads_config(schedules).add(r)
-        sent = DeliveryRoutes(self.config, self.store, self._refuse_while_stopping, self.pool)
+        sent = DeliveryRoutes(self.config, self.store, self._refuse_while_stopping, self.courier)
         self._reads_config(sent).add(r)
         restarts = RestartRoutes(self.config, self.store, self.host_id, lambda: self.restarts)
         self._reads_config(restarts).add(r)
-        reloads = ReloadRoutes(self.config, lambda: self.reloader, lambda: self.stopping)
+        reloads = ReloadRoutes(self.config, self._reloader, lambda: self.stopping)
         self._reads_config(reloads).add(r)
         r.add_get("/v1/status", self.status)
         r.add_get("/healthz", self.healthz)
@@ -171,6 +175,12 @@ class Api:
     def _reads_config(self, routes: Any) -> Any:
         self.configured.append(routes)
         return routes
+
+    def _reloader(self) -> ReloaderView | None:
+        return self.reloader if self.ready else None  # a reload while it starts is a 503
+
+    def _stopping(self, _: Stopping) -> None:
+        self.stopping = True  # intake refuses from this moment
 
     def reconfigure(self, config: Config) -> None:
         """A reload: the handlers read `config` from now on (`http.*` needs a restart)."""

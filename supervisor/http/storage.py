@@ -14,7 +14,7 @@ import peewee
 
 from supervisor.contract.logs import log
 from supervisor.core.vocabulary import Rejection
-from supervisor.http.metrics import Metrics
+from supervisor.metrics import Metrics
 from supervisor.store import StorageUnavailable
 
 STORAGE_PROBE = 5.0  # seconds between write probes while the store takes no writes

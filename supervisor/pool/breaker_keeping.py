@@ -10,7 +10,7 @@ from typing import Any
 from supervisor.contract.config import RecoveryConfig
 from supervisor.core import breaker as breakers
 from supervisor.core.engine import Memory
-from supervisor.http.metrics import Metrics
+from supervisor.metrics import Metrics
 from supervisor.store import Store
 
 NOT_EVALUATED = "not evaluated yet"

@@ -17,8 +17,9 @@ import asyncio
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import psutil
 
@@ -27,8 +28,9 @@ from supervisor.contract import reaper
 from supervisor.contract.config import Config
 from supervisor.contract.logs import log
 from supervisor.contract.paths import machine_id
-from supervisor.pool.ownership import Ownership
-from supervisor.pool.signals import Signals
+from supervisor.metrics import Metrics
+from supervisor.runtime.bus import Bus, HostsLost, Stopping
+from supervisor.runtime.service import Service, Steps
 from supervisor.store import Host, HostTaken, Me, SingleHost, Store
 
 RENEW = 1.0  # seconds between renewals of the host row (its time to live: lease.stale_after)
@@ -39,11 +41,29 @@ class Fenced(Exception):
     """Another boot holds this daemon's host id now: this one must stop."""
 
 
-class Membership:
-    """This daemon's host row and its view of the others."""
+class Membership(Service):
+    """This daemon's host row and its view of the others; as a service, also its boot row:
+    both taken first at the start (the host id before the boot row: a daemon that may not
+    run writes no boot row of that host) and given back last at the stop."""
 
-    def __init__(self, config: Config, store: Store, boot_id: str, host_id: str) -> None:
+    name = "host"
+    needs = ("store",)
+
+    def __init__(
+        self,
+        config: Config,
+        store: Store,
+        boot_id: str,
+        host_id: str,
+        *,
+        bus: Bus | None = None,
+        metrics: Metrics | None = None,
+        ending: Callable[[], None] | None = None,
+    ) -> None:
         self.store = store
+        self.bus = bus if bus is not None else Bus()
+        self.metrics = metrics
+        self.ending = ending  # blocking: ends the boot row with the stop's outcome
         self.ttl = config.lease.stale_after
         self.host_id = host_id
         self.boot_id = boot_id
@@ -58,27 +78,39 @@ class Membership:
             version=__version__,
         )
         self.live: tuple[str, ...] = (host_id,)  # the live hosts' ids, this one included
-        self.on_lost: list[Callable[[list[str]], None]] = []  # hosts that stopped renewing
         self.adopting = True  # False once this daemon stops: it takes no other host's session
+        self.bus.subscribe(Stopping, self._stopping)
         # A thread of its own: the renewal never waits behind the pool's database work.
         self._renewer = ThreadPoolExecutor(1, "turnkeeper-hosts")
         self.log = log("hosts")
 
-    def serve(self, ownership: Ownership, signals: Signals) -> asyncio.Task[None]:
-        """Start keeping the row (the task returned) and hand the pool the live hosts and
-        the wakes of the other daemons (`signals`, started here where it works)."""
-        ownership.live_hosts = lambda: self.live
-        ownership.adopting = lambda: self.adopting
+    # --- the service ----------------------------------------------------------------
 
-        def lost(_: list[str]) -> None:
-            ownership.full_due = 0.0  # a full pass now: their expired leases are adoptable
-            ownership.wanted.set()
+    async def start(self) -> None:
+        """The host id (HostTaken, SingleHost: exit 78), the boot row, the previous stop's
+        step durations as gauges, and the processes earlier boots left running swept."""
+        await asyncio.to_thread(self.join)
+        await asyncio.to_thread(
+            self.store.boots.begin, self.host_id, os.getpid(), __version__, self.boot_id
+        )
+        if self.metrics is not None:
+            await asyncio.to_thread(previous_stop, self.store, self.boot_id, self.metrics)
+        await asyncio.to_thread(self.sweep)
 
-        self.on_lost.append(lost)
-        if signals.enabled:
-            signals.start()
-            ownership.announce = signals.announce
-        return asyncio.create_task(self.run(), name="hosts")
+    def loops(self) -> dict[str, Coroutine[Any, Any, None]]:
+        return {"hosts": self.run()}
+
+    def _stopping(self, _: Stopping) -> None:
+        self.adopting = False  # another host's sessions are for the others
+
+    async def stop(self, steps: Steps) -> None:
+        """After the descendants stop: the hosts' table left (the others adopt this boot's
+        sessions at once), then the boot row ended."""
+        await steps.run("peer deregistration", 2.0, lambda: asyncio.to_thread(self.leave))
+        if self.ending is not None:
+            await steps.run("boot row", 5.0, lambda: asyncio.to_thread(self.ending))  # type: ignore[arg-type]
+
+    # --- the host row ------------------------------------------------------------------
 
     def join(self) -> None:
         """Take the host id (blocking: run in a thread). HostTaken if a live daemon has it.
@@ -164,8 +196,7 @@ class Membership:
                         "left" if row.state == "left" else "stopped renewing",
                         row.now - row.last_seen,
                     )
-                for callback in self.on_lost:
-                    callback(sorted(lost - lost_before))
+                self.bus.publish(HostsLost(tuple(sorted(lost - lost_before))))
             lost_before = lost
             await asyncio.sleep(RENEW)
 
@@ -194,3 +225,12 @@ class Membership:
         self._renewer.shutdown(wait=False)
         expired = self.store.hosts.leave(self.host_id, self.boot_id, prefix)
         self.log.info("left the database's hosts; {} leases handed back", expired)
+
+
+def previous_stop(store: Store, boot_id: str, metrics: Metrics) -> None:
+    """The previous boot's stop step durations, as gauges."""
+    for boot in store.boots.recent(2):
+        if boot.boot_id != boot_id and boot.breaker:
+            for step, seconds in (boot.breaker.get("shutdown_steps") or {}).items():
+                metrics.shutdown_steps.labels(step).set(float(seconds))
+            return

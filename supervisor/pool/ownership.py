@@ -15,8 +15,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
+from supervisor.contract.background import spawn
 from supervisor.contract.config import Config
 from supervisor.contract.logs import log
 from supervisor.core import adoption, engine
@@ -45,6 +46,18 @@ class Pick:
     judged: Judged | None = None
 
 
+class HostView(Protocol):
+    """The daemons on the database as this one sees them (`Membership` is one)."""
+
+    live: tuple[str, ...]  # the live hosts' ids, this one included
+    adopting: bool  # False once this daemon stops: it takes no other host's session
+
+
+class _Alone:
+    live: tuple[str, ...] = ()
+    adopting = True
+
+
 class Ownership:
     """Carries out the engine's plans for the workers it is handed."""
 
@@ -57,6 +70,9 @@ class Ownership:
         send: Send,
         clock: Callable[[], float],
         budget: Budget | None = None,
+        *,
+        hosts: HostView | None = None,
+        announce: Callable[[str], None] | None = None,
     ) -> None:
         self.config = config
         self.store = store
@@ -69,10 +85,9 @@ class Ownership:
         self.assigned: dict[str, WorkerHandle] = {}
         self.tokens: dict[str, int] = {}  # the lease token granted with each assignment
         # The daemons on the database that are alive (`Membership` keeps it), and how to
-        # wake a session's owner on another of them (`Signals`); set by the daemon.
-        self.live_hosts: Callable[[], tuple[str, ...]] = lambda: ()
-        self.adopting: Callable[[], bool] = lambda: True  # False: stopping, adopts nothing
-        self.announce: Callable[[str], None] | None = None
+        # wake a session's owner on another of them (`Signals`).
+        self.hosts: HostView = hosts if hosts is not None else _Alone()
+        self.announce = announce
         self.woken: dict[str, int] = {}
         self.busy: set[str] = set()  # sessions being assigned right now
         self.stopping = False
@@ -86,10 +101,15 @@ class Ownership:
             return
         self.wanted.set()
         # Its owner may be another daemon's worker (none to tell while this one is alone).
-        if self.announce is not None and len(self.live_hosts()) > 1:
+        if self.announce is not None and len(self.hosts.live) > 1:
             announce = self.announce
-            task = asyncio.ensure_future(asyncio.to_thread(announce, session_id))
+            task = spawn(asyncio.to_thread(announce, session_id), name="announce")
             task.add_done_callback(_announced)
+
+    def hosts_lost(self) -> None:
+        """Daemons stopped renewing: a full pass now, their expired leases are adoptable."""
+        self.full_due = 0.0
+        self.wanted.set()
 
     def woken_elsewhere(self, session_id: str) -> bool:
         """Input was committed for the session (by another daemon, or this one): wake its
@@ -156,8 +176,8 @@ class Ownership:
             budget=self.budget,
             breaker_tripped=self.recovery.breaker.tripped,
             stopping=self.stopping,
-            live_hosts=self.live_hosts(),
-            adopting=self.adopting(),
+            live_hosts=self.hosts.live,
+            adopting=self.hosts.adopting,
         )
         commands = engine.plan(
             [engine.SessionView.of(info) for info in sessions],

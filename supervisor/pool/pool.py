@@ -2,7 +2,9 @@
 
 Who owns which session is `Ownership`'s (ownership.py), which carries out the plans of
 `supervisor.core.engine`; the socket the workers talk to is the `ControlPlane`'s
-(plane.py); running subagents are the `Reconciler`'s (subagents.py). The pool holds them.
+(plane.py). The pool is one service among its peers (docs/architecture.md): what it
+hears from the workers it publishes on the bus (`Committed`, `WorkerExited`), and it
+wakes a session's owner when any service commits input.
 
 When a worker dies (its process sentinel fires at once, even for SIGKILL or an OOM kill)
 its sessions go to the hot spare first, and a replacement is started in the dead worker's
@@ -22,13 +24,13 @@ import secrets
 import signal
 from collections import Counter
 from collections.abc import Callable, Coroutine, Iterator
-from pathlib import Path
 from typing import Any
 
 import multiprocess
 import psutil
 
 from supervisor.contract import control
+from supervisor.contract.background import Background
 from supervisor.contract.clock import SYSTEM, Clock
 from supervisor.contract.config import Config
 from supervisor.contract.logs import log
@@ -37,13 +39,14 @@ from supervisor.contract.spawn import WorkerSpec
 from supervisor.core.engine import HEARTBEATS_MISSED
 from supervisor.core.slots import Slot, SlotState, all_fatal
 from supervisor.core.vocabulary import AssignReason
-from supervisor.deliveries.service import Courier
-from supervisor.http.metrics import Metrics
+from supervisor.metrics import Metrics
+from supervisor.pool import drain
 from supervisor.pool.handle import WorkerHandle
 from supervisor.pool.housekeeping import Housekeeper
-from supervisor.pool.ownership import Ownership
+from supervisor.pool.ownership import HostView, Ownership
 from supervisor.pool.plane import ControlPlane
 from supervisor.pool.processes import (
+    REAP_BOUND,
     check_hangs,
     describe_exit,
     resource_tracker,
@@ -55,15 +58,19 @@ from supervisor.pool.processes import (
 from supervisor.pool.recoverer import Recoverer
 from supervisor.pool.requests import Requests
 from supervisor.pool.resizing import Resizing
-from supervisor.schedules.service import Scheduler
+from supervisor.runtime.bus import Bus, Committed, HostsLost, TurnEnded, Woken, WorkerExited
+from supervisor.runtime.service import Service, Steps
 from supervisor.store import Store
-from supervisor.subagents.service import Reconciler
-from supervisor.tasks.service import TaskKeeper
 from workers.entry import run_worker
 
 
-class Pool(Requests, Resizing):
+class Pool(Requests, Resizing, Service):
     """The worker processes; who owns what (`ownership`) and how they talk (`plane`)."""
+
+    name = "pool"
+    needs = ("store", "recovery")
+    takes = ("pool", "lease", "agent", "model", "mcp", "tools", "budget")
+    drains = True
 
     def __init__(
         self,
@@ -74,10 +81,16 @@ class Pool(Requests, Resizing):
         recovery: Recoverer,
         metrics: Metrics,
         *,
-        state_dir: Path | None = None,
+        bus: Bus | None = None,
+        hosts: HostView | None = None,
+        announce: Callable[[str], None] | None = None,
+        reaped_elsewhere: dict[str, int] | None = None,
         clock: Clock = SYSTEM,
     ) -> None:
         self.config = config
+        self.bus = bus if bus is not None else Bus()
+        # Children whose exit status another service reads (the task keeper's runners).
+        self.reaped_elsewhere = reaped_elsewhere if reaped_elsewhere is not None else {}
         self.store = store
         self.boot_id = boot_id
         self.address = address
@@ -95,34 +108,26 @@ class Pool(Requests, Resizing):
         self.holding = 0  # `orphans_held` calls under way: SIGCHLD reaps no orphan
         self.plane = ControlPlane(address, self.workers, self._handle, self._replace, self.clock)
         self.ownership = Ownership(
-            config, store, recovery, self.workers, self.plane.send, self.clock
+            config,
+            store,
+            recovery,
+            self.workers,
+            self.plane.send,
+            self.clock,
+            hosts=hosts,
+            announce=announce,
         )
         self.stopping = False
         self.fatal = asyncio.Event()
         self.restarts = 0
-        self.on_event: list[Callable[[str, dict[str, Any]], None]] = []
         self.log = log("pool")
         self._spawn_context = multiprocess.get_context("spawn")
-        self.tasks: list[asyncio.Task[None]] = []  # run until stop; the daemon watches them
-        self._pending: set[asyncio.Task[Any]] = set()  # background work; awaited by stop
+        self.background = Background("pool")  # handoffs, exit statuses; awaited by stop
         self._wanted = self.ownership.wanted
-        self.subagents = Reconciler(
-            config, store, recovery, self.committed, self.interrupt, metrics, clock=clock
-        )
-        self.task_keeper = TaskKeeper(
-            config,
-            store,
-            self.committed,
-            metrics,
-            host=recovery.host,
-            boot_id=boot_id,
-            owner=recovery.owner_prefix,
-            state_dir=state_dir,
-            clock=clock,
-        )
-        self.on_event.append(self.task_keeper.admitted)
-        self.courier = Courier(config, store, recovery.owner_prefix, metrics, clock=clock)
-        self.on_event.append(self.courier.nudge)
+        self.bus.subscribe(Committed, self._committed)
+        self.bus.subscribe(TurnEnded, lambda e: self.interrupt(e.session))
+        self.bus.subscribe(Woken, self._woken)
+        self.bus.subscribe(HostsLost, lambda _: self.ownership.hosts_lost())
         self.housekeeper = Housekeeper(
             self._tend, self.ownership.dispatch, self.ownership.next_pass_in, self._wanted, clock
         )
@@ -139,20 +144,30 @@ class Pool(Requests, Resizing):
         first, *self.held = self.slots
         start_resource_tracker()  # before the first spawn would start it with our secrets
         self._spawn(first, spare=not self.held)
-        self.scheduler = Scheduler(
-            self.config, self.store, self.owner_prefix, self.committed, self.interrupt,
-            self.metrics, clock=self.timer,
-        )  # fmt: skip
-        self.tasks = [
-            asyncio.create_task(self.plane.receive(), name="pool-receive"),
-            asyncio.create_task(self.housekeeper.run(), name="pool-housekeeping"),
-            asyncio.create_task(self.subagents.run(), name="pool-subagents"),
-            asyncio.create_task(self.scheduler.run(), name="pool-schedules"),
-            asyncio.create_task(self.task_keeper.run(), name="pool-tasks"),
-            asyncio.create_task(self.courier.run(), name="pool-deliveries"),
-        ]
 
-    async def stop(self, grace: float) -> None:
+    def loops(self) -> dict[str, Coroutine[Any, Any, None]]:
+        return {"pool-receive": self.plane.receive(), "pool-housekeeping": self.housekeeper.run()}
+
+    async def drain(self, deadline: float) -> None:
+        """Let the turns in flight on this daemon's workers finish (the root caps it)."""
+        await drain.drain(self, deadline - asyncio.get_running_loop().time())
+
+    def reconfigure(self, config: Config) -> None:
+        super().reconfigure(config)  # the slots' (Resizing)
+        self.ownership.config = config
+
+    def _woken(self, event: Woken) -> None:
+        self.ownership.woken_elsewhere(event.session)  # another daemon's: ours if we own it
+
+    def hold_assignments(self) -> None:
+        """No session is assigned from now on: only the turns in flight may end."""
+        self.ownership.stopping = True
+
+    async def stop(self, steps: Steps) -> None:
+        grace = self.config.shutdown.kill_grace
+        await steps.run("descendants", grace + REAP_BOUND, lambda: self.stop_descendants(grace))
+
+    async def stop_descendants(self, grace: float) -> None:
         """Stop every descendant: SIGTERM to all at once, SIGKILL whoever is left after `grace`.
 
         Every descendant means the workers, their MCP servers and whatever those started,
@@ -162,11 +177,6 @@ class Pool(Requests, Resizing):
         self.stopping = self.ownership.stopping = True
         for slot in self.slots:
             slot.stop_requested()
-        for task in self.tasks:
-            task.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
-        await self.subagents.release()
-        await self.task_keeper.settle()  # a runner being started is ended with the others
         # From here on `terminate` reaps every child itself.
         asyncio.get_running_loop().remove_signal_handler(signal.SIGCHLD)
         for worker in self.workers.values():
@@ -178,7 +188,7 @@ class Pool(Requests, Resizing):
         await asyncio.to_thread(stop_resource_tracker)
         for worker in list(self.workers.values()):
             worker.process.join(timeout=0)
-        await asyncio.gather(*self._pending, return_exceptions=True)
+        await self.background.settle()
         self.log.info(
             "{} processes stopped in {:.2f} s: {} exited on SIGTERM, {} needed SIGKILL{}",
             len(procs),
@@ -264,7 +274,7 @@ class Pool(Requests, Resizing):
             worker.pid,
             ", spare" if worker.spare else "",
         )
-        self._background(self._record_child(worker))
+        self.background.start(self._record_child(worker))
 
     async def _record_child(self, worker: WorkerHandle) -> None:
         try:
@@ -291,10 +301,10 @@ class Pool(Requests, Resizing):
         self.burying.add(worker.pid)
         self.plane.bury(worker)
         self.ownership.orphaned(worker)
-        self.subagents.stir()  # a child it ran may have ended without reporting
+        self.bus.publish(WorkerExited(worker.identity))  # a child it ran may be over
         if worker.child_row is not None:
-            self._background(asyncio.to_thread(self.store.children.forget, [worker.child_row]))
-        self._background(self._bury(worker))
+            self.background.start(asyncio.to_thread(self.store.children.forget, [worker.child_row]))
+        self.background.start(self._bury(worker))
 
     async def _bury(self, worker: WorkerHandle) -> None:
         await asyncio.to_thread(worker.process.join, 1.0)
@@ -338,7 +348,7 @@ class Pool(Requests, Resizing):
         # SIGCHLD. The workers' exit statuses are `_bury`'s to read: they are kept.
         if self.holding:
             return  # `orphans_held` reaps them once it ends
-        runners = self.task_keeper.runners.values()  # reaped by the task keeper
+        runners = self.reaped_elsewhere.values()  # the task keeper's runners: its own to reap
         reaped = reap_orphans([*(w.pid for w in self.workers.values()), *self.burying, *runners])
         if reaped:
             self.log.info("reaped exited orphans: pid {}", ", ".join(map(str, reaped)))
@@ -354,16 +364,6 @@ class Pool(Requests, Resizing):
                 elif slot.restart_at is not None:
                     deadline = min(deadline, slot.restart_at)
         return min(deadline, check_hangs(self.workers.values(), now))
-
-    def _background(self, work: Coroutine[Any, Any, Any]) -> None:
-        task = asyncio.create_task(work)
-        self._pending.add(task)
-        task.add_done_callback(self._finished)
-
-    def _finished(self, task: asyncio.Task[Any]) -> None:
-        self._pending.discard(task)
-        if not task.cancelled() and (exc := task.exception()) is not None:
-            self.log.warning("background work failed: {!r}", exc)
 
     # --- what workers say -----------------------------------------------------------
 
@@ -400,11 +400,11 @@ class Pool(Requests, Resizing):
                 latency = message.append_latency
                 self.metrics.append_latency.add(latency.counts, latency.sum)
             case control.Committed():
-                self.committed(message.session, message.seq, message.event_type)
+                self.bus.publish(Committed(message.session, message.seq, message.event_type))
             case control.Released() | control.LeaseLost():
                 owned = self.ownership.let_go(worker, message.session)
                 if owned and message.type == "released" and not self.stopping:
                     handoff = self.ownership.adopt([message.session], AssignReason.HANDOFF)
-                    self._background(handoff)
+                    self.background.start(handoff)
                 elif owned:
                     self._wanted.set()  # fenced out: the session may need another owner

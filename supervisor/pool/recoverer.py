@@ -21,7 +21,7 @@ Who triggers what:
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Awaitable, Callable, Collection, Coroutine
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -33,9 +33,10 @@ from supervisor.core.engine import Memory, SessionView
 from supervisor.core.notices import notice
 from supervisor.core.recovery import Action, Decision, Interruption, Trigger
 from supervisor.core.vocabulary import SessionKind
-from supervisor.http.metrics import Metrics
+from supervisor.metrics import Metrics
 from supervisor.pool.breaker_keeping import NOT_EVALUATED, BreakerKeeping
 from supervisor.pool.runs import Resumer
+from supervisor.runtime.service import Service
 from supervisor.store import EventRecord, SessionInfo, Store
 from supervisor.subagents import rules as subagents
 
@@ -52,8 +53,17 @@ class Judged:
     trigger: Trigger
 
 
-class Recoverer(BreakerKeeping):
-    """Carries out recovery decisions for one boot of the daemon."""
+GiveUp = Callable[[SessionInfo, Judged], Awaitable[None]]
+
+
+class Recoverer(BreakerKeeping, Service):
+    """Carries out recovery decisions for one boot of the daemon. As a service it starts
+    before the pool (the breaker read, the boot log pruned); its passes are
+    `RecoveryPasses`', which start once the HTTP listener is up."""
+
+    name = "recovery"
+    needs = ("store", "host")
+    takes = ("recovery", "subagents")
 
     def __init__(
         self,
@@ -63,11 +73,12 @@ class Recoverer(BreakerKeeping):
         host: str,
         metrics: Metrics,
         *,
+        give_up: GiveUp | None = None,
         clock: Clock = SYSTEM,
     ) -> None:
         self.configure(config)
-        # Set by the pool: gives up on a child's turn (`supervisor.subagents.service`).
-        self.give_up: Callable[[SessionInfo, Judged], Awaitable[None]] | None = None
+        # Gives up on a child's turn (`supervisor.subagents.service.ChildEnding`).
+        self.give_up = give_up
         self.store = store
         self.boot_id = boot_id
         self.host = host
@@ -88,7 +99,6 @@ class Recoverer(BreakerKeeping):
         # picked it): the pool's passes read them by id, not by scanning every session.
         self.attention: set[str] = set()
         self.runs = Resumer(store, metrics, self.clock, self._memory, self.wanted)
-        self._tasks: list[asyncio.Task[None]] = []
         self.log = log("recovery")
 
     def configure(self, config: Config) -> None:
@@ -105,18 +115,17 @@ class Recoverer(BreakerKeeping):
 
     # --- background work ------------------------------------------------------------
 
-    def start(self) -> list[asyncio.Task[None]]:
-        """Start the boot scan (now), the breaker loop and the retry timer; their tasks."""
-        self._tasks = [
-            asyncio.create_task(self._breaker_loop(), name="recovery-breaker"),
-            asyncio.create_task(self._retry_loop(), name="recovery-retry"),
-        ]
-        return list(self._tasks)
+    async def start(self) -> None:
+        """Before the pool: the breaker as the boot log says, the boot log pruned."""
+        await asyncio.to_thread(self.evaluate_breaker)
+        await asyncio.to_thread(self.prune)
 
-    async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+    def reconfigure(self, config: Config) -> None:
+        self.configure(config)
+
+    def passes(self) -> dict[str, Coroutine[Any, Any, None]]:
+        """The boot scan (at once), the breaker loop and the retry timer."""
+        return {"recovery-breaker": self._breaker_loop(), "recovery-retry": self._retry_loop()}
 
     async def _breaker_loop(self) -> None:
         await self.scan(Trigger.BOOT_SCAN)
@@ -365,3 +374,19 @@ class Recoverer(BreakerKeeping):
             action=j.decision.action.value,
             trigger=j.trigger.value,
         )
+
+
+class RecoveryPasses(Service):
+    """Recovery's passes: the boot scan, the breaker loop and the retry timer. Started
+    after the HTTP listener (an interrupted turn goes on as soon as one worker is ready),
+    stopped first."""
+
+    name = "recovery-passes"
+    needs = ("recovery",)
+    after = ("http",)
+
+    def __init__(self, recovery: Recoverer) -> None:
+        self.recovery = recovery
+
+    def loops(self) -> dict[str, Coroutine[Any, Any, None]]:
+        return self.recovery.passes()

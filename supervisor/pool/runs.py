@@ -15,7 +15,7 @@ from supervisor.contract.logs import log
 from supervisor.core import autonomy
 from supervisor.core.engine import Memory
 from supervisor.core.recovery import Trigger
-from supervisor.http.metrics import Metrics
+from supervisor.metrics import Metrics
 from supervisor.store import ReplayedSeq, Store
 
 RUN_TAIL = 20  # events read to find an autonomous run's newest checkpoint

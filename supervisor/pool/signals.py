@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from supervisor.contract.logs import log
+from supervisor.runtime.service import Service, Steps
 from supervisor.store import Store
 
 CHANNEL = "turnkeeper_wake"
@@ -36,8 +37,11 @@ def channel_of(params: dict[str, Any]) -> str:
     return f"{CHANNEL}_{hashlib.blake2b(options.encode(), digest_size=6).hexdigest()}"
 
 
-class Signals:
+class Signals(Service):
     """The wake channel of one daemon: `announce` sends, a thread listens."""
+
+    name = "signals"
+    needs = ("store",)
 
     def __init__(self, store: Store, on_wake: Callable[[str], object]) -> None:
         self.store = store
@@ -49,7 +53,7 @@ class Signals:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.log = log("pool")
 
-    def start(self) -> None:
+    async def start(self) -> None:
         """Listen (PostgreSQL only) from now on; wakes are handed to the running loop."""
         if not self.enabled:
             return
@@ -57,7 +61,10 @@ class Signals:
         self._thread = threading.Thread(target=self._listen, name="wake-listener", daemon=True)
         self._thread.start()
 
-    def stop(self) -> None:
+    async def stop(self, steps: Steps | None = None) -> None:
+        await asyncio.to_thread(self.close)
+
+    def close(self) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=2.0)

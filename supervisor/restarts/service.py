@@ -22,12 +22,12 @@ import asyncio
 import contextlib
 import os
 import sys
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from contextlib import AbstractContextManager
 from typing import Any
 
 from supervisor import __version__
+from supervisor.contract.clock import SYSTEM, Clock
 from supervisor.contract.config import Config, ConfigError, resolve_paths, resolved_host_id
 from supervisor.contract.logs import log
 from supervisor.core.vocabulary import EventType, RestartState
@@ -35,6 +35,9 @@ from supervisor.notify import Notifier
 from supervisor.preflight import PluginError
 from supervisor.restarts.routes import RestartRefused
 from supervisor.restarts.rules import clean_reason, wait_left
+from supervisor.runtime.bus import Bus, Published
+from supervisor.runtime.loops import MAX_REST, Wake, reconcile
+from supervisor.runtime.service import Service
 from supervisor.store import Admitted, RestartInfo, SessionNotFound, Settled, Store
 
 POLL = 5.0  # a request a worker committed but could not announce is found this soon
@@ -45,8 +48,12 @@ FRESH_CHECK = 2.0  # seconds a check made at admission stands for the restart's 
 Load = Callable[[], Config]
 
 
-class Restarter:
+class Restarter(Service):
     """This daemon's restart requests: the API's desk, and the loop that begins them."""
+
+    name = "restarter"
+    needs = ("store", "pool", "reloader")
+    takes = ("restart",)
 
     def __init__(
         self,
@@ -61,6 +68,8 @@ class Restarter:
         committed: Callable[[str, int, str], None],
         stopping: Callable[[], bool],
         hold: Callable[[], AbstractContextManager[None]] = contextlib.nullcontext,
+        bus: Bus | None = None,
+        clock: Clock = SYSTEM,
     ) -> None:
         self.store = store
         self.host = host
@@ -76,8 +85,11 @@ class Restarter:
         self._waiting: str | None = None  # the session whose turn the pending request waits on
         self._waiting_for: str | None = None  # the request that said so in the log
         self._checked: tuple[str, float] = ("", 0.0)  # the request checked at admission
-        self._due = asyncio.Event()
+        self._due = Wake()
+        self.clock = clock
         self.log = log("restart")
+        if bus is not None:
+            bus.subscribe(Published, lambda e: self.heard(e.session, e.event))
 
     # --- the API's desk -------------------------------------------------------------
 
@@ -102,14 +114,14 @@ class Restarter:
             min_interval=self._config().restart.min_interval,
         )
         if admitted.new:
-            self._checked = (admitted.info.id, time.monotonic())
+            self._checked = (admitted.info.id, self.clock.monotonic())
             self.log.info(
                 "restart {} requested by {}: {}",
                 admitted.info.id,
                 by,
                 admitted.info.reason or "no reason given",
             )
-            self._due.set()
+            self._due.wake()
         return admitted
 
     async def _loadable(self) -> Config:
@@ -137,24 +149,30 @@ class Restarter:
         (no other turn's end costs a look)."""
         kind = event.get("type")
         if kind == _REQUESTED or (kind == _ENDED and session_id == self._waiting):
-            self._due.set()
+            self._due.wake()
 
     # --- the loop -------------------------------------------------------------------
 
-    async def run(self) -> None:
-        """Begin this host's pending request when it is due; ends once one has begun."""
-        while self.begun is None:
-            try:
-                wait = await self._look()
-            except Exception as exc:  # a database gone for a while: look again later
-                self.log.warning("looking for restart requests failed: {!r}", exc)
-                wait = POLL
-            if self.begun is not None:
-                break
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._due.wait(), wait)
-            self._due.clear()
-        await asyncio.Event().wait()  # begun: the stop cancels this task
+    async def start(self) -> None:
+        """The requests an earlier boot of this host left: settled."""
+        await asyncio.to_thread(
+            settle_earlier, self.store, self.host, self.boot_id, self._version()
+        )
+
+    def loops(self) -> dict[str, Coroutine[Any, Any, None]]:
+        """Begin this host's pending request when it is due; then only wait for the stop.
+        A look that fails (a database gone for a while) is tried again after POLL."""
+        return {
+            "restarts": reconcile(
+                "restarts", self._pass, interval=lambda: POLL, wake=self._due, clock=self.clock,
+                retry=POLL,
+            )
+        }  # fmt: skip
+
+    async def _pass(self) -> float:
+        if self.begun is not None:
+            return MAX_REST  # begun: the stop cancels the loop
+        return await self._look()
 
     async def _look(self) -> float:
         """Begin the live request if it is due; the seconds until the next look."""
@@ -192,7 +210,7 @@ class Restarter:
     async def _start(self, info: RestartInfo) -> None:
         checked_id, checked_at = self._checked
         try:
-            if checked_id != info.id or time.monotonic() - checked_at > FRESH_CHECK:
+            if checked_id != info.id or self.clock.monotonic() - checked_at > FRESH_CHECK:
                 await self._loadable()  # an agent's request, or one that waited
         except RestartRefused as exc:
             self.log.error("restart {} refused: {}", info.id, exc)

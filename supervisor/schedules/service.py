@@ -27,10 +27,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
+from typing import Any
 
-from supervisor.contract.clock import SYSTEM, Clock, sleep_unless
+from supervisor.contract.clock import SYSTEM, Clock
 from supervisor.contract.config import Config
 from supervisor.contract.cron import Cron, CronError
 from supervisor.contract.logs import log
@@ -43,11 +44,12 @@ from supervisor.core.vocabulary import (
     Writer,
 )
 from supervisor.http.auth import ADMIN
-from supervisor.http.metrics import Metrics
+from supervisor.metrics import Metrics
+from supervisor.runtime.loops import Wake, reconcile
+from supervisor.runtime.service import Service
 from supervisor.schedules import rules
 from supervisor.store import FireInfo, ScheduleInfo, SessionClosed, SessionNotFound, Store
 
-SLACK = 0.01  # seconds the loop wakes past a time: never early, so never a spin
 MAX_REST = 60.0  # seconds it sleeps at most (schedules another daemon made, clock jumps)
 RETRY = 1.0  # seconds before a failed pass is tried again
 RECHECK = 15.0  # seconds between looks for interrupted scheduled turns, while any run
@@ -65,8 +67,12 @@ class Plan:
     next_at: float | None  # its next time after now
 
 
-class Scheduler:
+class Scheduler(Service):
     """Fires this database's schedules (see the module's docstring)."""
+
+    name = "schedules"
+    needs = ("store", "pool")
+    takes = ("schedules",)
 
     def __init__(
         self,
@@ -83,11 +89,11 @@ class Scheduler:
         self.store = store
         self.owner = owner  # "<host>/<boot8>": what fire rows say fired them
         self.host_prefix = owner.split("/", 1)[0] + "/"
-        self.committed = committed  # the pool's: signals an event and wakes its session
-        self.stop = stop  # the pool's: a session's turn was ended in the database
+        self.committed = committed  # the bus's: signals an event and wakes its session
+        self.end_turn = stop  # the pool's: a session's turn was ended in the database
         self.metrics = metrics
         self.clock = clock
-        self.stirred = asyncio.Event()
+        self.wake = Wake()
         self.started = clock.time()  # set again when `run` starts
         self.passes = 0  # passes done (tests wait on it)
         self.owed = True  # fires committed and not injected may wait: at boot, after a failure
@@ -98,34 +104,40 @@ class Scheduler:
 
     def stir(self) -> None:
         """Look again now: a schedule was created or deleted."""
-        self.stirred.set()
+        self.wake.wake()
 
-    async def run(self) -> None:
-        """Pass at once, then at every schedule's time and on every stir, until cancelled."""
-        loop = asyncio.get_running_loop()
+    def reconfigure(self, config: Config) -> None:
+        self.config = config
 
-        def changed() -> None:  # in the thread that wrote the schedule
-            loop.call_soon_threadsafe(self.stirred.set)
+    def loops(self) -> dict[str, Coroutine[Any, Any, None]]:
+        """A pass at once, then at every schedule's time and on every stir."""
+        return {"schedules": self._loop()}
 
-        self.store.schedules.on_change.append(changed)
+    async def _loop(self) -> None:
+        self.wake.bind()
+        self.store.schedules.on_change.append(self.wake.wake_threadsafe)  # a writer's thread
         self.started = self.clock.time()
-        failing = False
         try:
-            while True:
-                self.stirred.clear()
-                try:
-                    rest = await self.step()
-                    if failing:
-                        self.log.info("passes work again")
-                    failing = False
-                except Exception:
-                    if not failing:  # once a streak: a database gone fails every pass
-                        self.log.exception("a pass failed; trying again every {:g} s", RETRY)
-                    self.owed, rest, failing = True, RETRY, True
-                self.passes += 1
-                await sleep_unless(self.clock, min(MAX_REST, max(0.0, rest)) + SLACK, self.stirred)
+            await reconcile(
+                "schedules",
+                self._pass,
+                interval=lambda: MAX_REST,
+                wake=self.wake,
+                clock=self.clock,
+                retry=RETRY,
+                observer=self.metrics,
+            )
         finally:
-            self.store.schedules.on_change.remove(changed)
+            self.store.schedules.on_change.remove(self.wake.wake_threadsafe)
+
+    async def _pass(self) -> float:
+        try:
+            return min(MAX_REST, await self.step())
+        except Exception:
+            self.owed = True  # fires committed and not injected may wait
+            raise
+        finally:
+            self.passes += 1
 
     async def step(self) -> float:
         """One pass (see the module's docstring); seconds until the next one is due."""
@@ -339,7 +351,7 @@ class Scheduler:
                 token=info.lease_token,
             )
             if done:
-                self.stop(info.id)  # a signal: its lease was revoked with the notice
+                self.end_turn(info.id)  # a signal: its lease was revoked with the notice
                 self.log.bind(session=info.id).warning(
                     "scheduled turn {} interrupted ({}): ended with a notice, not continued",
                     info.active_turn_id,

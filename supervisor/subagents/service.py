@@ -20,47 +20,113 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
+from collections.abc import Coroutine
+from typing import Any
 
-from supervisor.contract.clock import SYSTEM, Clock, sleep_unless
+from supervisor.contract.clock import SYSTEM, Clock
 from supervisor.contract.config import Config
 from supervisor.contract.logs import log
 from supervisor.core.notices import subagent_notice
 from supervisor.core.recovery import Action, Trigger
 from supervisor.core.vocabulary import EventType, SubagentStatus
-from supervisor.http.metrics import Metrics
+from supervisor.metrics import Metrics
+from supervisor.pool import drain
+from supervisor.pool.pool import Pool
 from supervisor.pool.recoverer import Judged, Recoverer
+from supervisor.runtime.bus import Bus, TurnEnded, WorkerExited
+from supervisor.runtime.loops import Wake, reconcile
+from supervisor.runtime.service import Service, Steps
 from supervisor.store import Reported, SessionInfo, Store
 from supervisor.subagents import rules
 
 CLAIM_BATCH = 500  # rows claimed in one pass; the next pass takes the rest
 
 
-class Reconciler:
+class ChildEnding:
+    """Ends a child's run that recovery will not continue, and tells its parent: given to
+    recovery (`Recoverer(give_up=...)`) and used by the reconciler's reports."""
+
+    def __init__(self, store: Store, bus: Bus, metrics: Metrics) -> None:
+        self.store = store
+        self.bus = bus
+        self.metrics = metrics
+        self.log = log("subagents")
+
+    async def give_up(self, info: SessionInfo, j: Judged) -> None:
+        """Recovery will not continue this child's turn: end it and tell the parent."""
+        d, f = j.decision, j.facts
+        told = subagent_notice(d, f)
+        status = rules.final_status(d.quarantine, d.action is Action.FINALIZE_STALE)
+        assert info.active_turn_id is not None
+        reported = await asyncio.to_thread(
+            self.store.subagents.finalize,
+            info.id,
+            info.active_turn_id,
+            status,
+            told.reason,
+            told.text,
+            token=info.lease_token,
+        )
+        if reported is None:
+            self.log.bind(session=info.id).info("{} (turn moved on)", d.reason)
+            return
+        why = {
+            "stale": "interrupted longer ago than subagents.freshness",
+            "wedged": f"each of its {f.attempts} continuation attempts failed",
+            "auto_continue_off": "recovery.auto_continue is off",
+        }.get(told.reason, "not safe to continue by itself")
+        self.told(reported, told.outcome, why)
+
+    def told(self, reported: Reported, action: str, why: str) -> None:
+        """A child's result was committed to its parent: wake the parent, log, count."""
+        # A result wakes the parent; a cancellation is only told to its readers.
+        self.bus.committed(reported.parent, reported.seq, EventType.SUBAGENT_RESULT, reported.woke)
+        for session_id in (reported.child, *reported.cancelled):
+            self.bus.publish(TurnEnded(session_id))  # their leases were revoked with the result
+        self.metrics.subagent_recovery.labels(action).inc()
+        level = "INFO" if reported.status == SubagentStatus.COMPLETED else "WARNING"
+        self.log.bind(session=reported.child).log(
+            level,
+            "subagent {} {} ({}): reported to {}",
+            reported.child,
+            reported.status.value,
+            why,
+            reported.parent,
+        )
+
+
+class Reconciler(Service):
     """Claims, reports and resumes this daemon's share of the running subagents."""
+
+    name = "subagents"
+    needs = ("store", "recovery", "pool")
+    takes = ("subagents", "lease")
+    drains = True  # its passes go on through the drain: a child's result reaches its parent
 
     def __init__(
         self,
         config: Config,
         store: Store,
         recovery: Recoverer,
-        committed: Callable[[str, int, str, bool], None],
-        stop: Callable[[str], None],
+        pool: Pool,
+        ending: ChildEnding,
         metrics: Metrics,
         *,
+        bus: Bus | None = None,
         clock: Clock = SYSTEM,
     ) -> None:
         self.config = config
         self.store = store
         self.recovery = recovery
-        self.committed = committed  # the pool's: signals an event (and wakes for input)
-        self.stop = stop  # the pool's: a session's turn was ended in the database
+        self.pool = pool  # holds its assignments and says what runs, for the subagent drain
+        self.ending = ending
         self.metrics = metrics
         self.clock = clock
         self.owner = recovery.owner_prefix  # "<host>/<boot8>"
-        self.stirred = asyncio.Event()
+        self.wake = Wake()
         self.log = log("subagents")
-        recovery.give_up = self.give_up
+        if bus is not None:
+            bus.subscribe(WorkerExited, self.wake.wake)  # a child it ran may be over
 
     @property
     def ttl(self) -> float:
@@ -69,18 +135,40 @@ class Reconciler:
 
     def stir(self) -> None:
         """Look again soon: a worker died, a child it ran may be over."""
-        self.stirred.set()
+        self.wake.wake()
 
-    async def run(self) -> None:
-        """Pass at once, then on every stir and every `reconcile_interval`."""
-        while True:
-            self.stirred.clear()
-            try:
-                await self.reconcile()
-            except Exception:
-                self.log.exception("the subagent pass failed; the next one tries again")
-            interval = self.config.subagents.reconcile_interval
-            await sleep_unless(self.clock, interval, self.stirred)
+    def reconfigure(self, config: Config) -> None:
+        self.config = config
+
+    def loops(self) -> dict[str, Coroutine[Any, Any, None]]:
+        """A pass at once, then on every stir and every `reconcile_interval`."""
+        return {
+            "subagents": reconcile(
+                "subagents",
+                self._pass,
+                interval=lambda: self.config.subagents.reconcile_interval,
+                wake=self.wake,
+                clock=self.clock,
+                observer=self.metrics,
+            )
+        }
+
+    async def _pass(self) -> None:
+        await self.reconcile()
+
+    async def stop(self, steps: Steps) -> None:
+        """The subagent drain (after the HTTP listener closed: a subagent's turn in flight
+        may end, capped), then the claims given up."""
+        cap = self.config.shutdown.subagent_drain
+        if cap > 0:
+            running = await drain.subagents_in_flight(self.pool)
+            if running:
+                await steps.run(
+                    "subagent drain",
+                    cap + 1.0,
+                    lambda: drain.subagent_drain(self.pool, running, cap),
+                )
+        await self.release()
 
     async def release(self) -> None:
         """A clean stop: give the claims up, so another daemon reconciles them at once."""
@@ -114,44 +202,5 @@ class Reconciler:
         if interrupted:
             await self.recovery.scan(Trigger.SUBAGENT_RESUME, interrupted)
 
-    async def give_up(self, info: SessionInfo, j: Judged) -> None:
-        """Recovery will not continue this child's turn: end it and tell the parent."""
-        d, f = j.decision, j.facts
-        told = subagent_notice(d, f)
-        status = rules.final_status(d.quarantine, d.action is Action.FINALIZE_STALE)
-        assert info.active_turn_id is not None
-        reported = await asyncio.to_thread(
-            self.store.subagents.finalize,
-            info.id,
-            info.active_turn_id,
-            status,
-            told.reason,
-            told.text,
-            token=info.lease_token,
-        )
-        if reported is None:
-            self.log.bind(session=info.id).info("{} (turn moved on)", d.reason)
-            return
-        why = {
-            "stale": "interrupted longer ago than subagents.freshness",
-            "wedged": f"each of its {f.attempts} continuation attempts failed",
-            "auto_continue_off": "recovery.auto_continue is off",
-        }.get(told.reason, "not safe to continue by itself")
-        self._told(reported, told.outcome, why)
-
     def _told(self, reported: Reported, action: str, why: str) -> None:
-        """A child's result was committed to its parent: wake the parent, log, count."""
-        # A result wakes the parent; a cancellation is only told to its readers.
-        self.committed(reported.parent, reported.seq, EventType.SUBAGENT_RESULT, reported.woke)
-        for session_id in (reported.child, *reported.cancelled):
-            self.stop(session_id)  # a signal: their leases were revoked with the result
-        self.metrics.subagent_recovery.labels(action).inc()
-        level = "INFO" if reported.status == SubagentStatus.COMPLETED else "WARNING"
-        self.log.bind(session=reported.child).log(
-            level,
-            "subagent {} {} ({}): reported to {}",
-            reported.child,
-            reported.status.value,
-            why,
-            reported.parent,
-        )
+        self.ending.told(reported, action, why)

@@ -45,9 +45,9 @@ def task_out(task: TaskInfo) -> TaskOut:
 
 
 class Canceller(Protocol):
-    """What the routes need of the pool (`supervisor.http.app.PoolView` is one)."""
+    """What the routes need of the task keeper (`supervisor.tasks.service.TaskKeeper`)."""
 
-    def cancel_task(self, task_id: str) -> None:
+    def cancel(self, task_id: str) -> None:
         """A cancel of the task was committed: signal its runner now."""
 
 
@@ -58,13 +58,13 @@ class Routes:
         self,
         store: Store,
         session: Lookup,
-        pool: Canceller | None,
+        keeper: Canceller | None,
         config: Config,
         host_id: str,
     ) -> None:
         self.store = store
         self.session = session
-        self.pool = pool
+        self.keeper = keeper
         self.config = config  # a reload swaps it (daemon.state_dir needs a restart)
         self.state_dir = resolve_paths(config).state_dir
         self.host_id = host_id
@@ -130,8 +130,8 @@ class Routes:
         cancelled = await asyncio.to_thread(self.store.tasks.cancel, task.id)
         if cancelled is None:
             raise self._missing(task.id)
-        if self.pool is not None:
-            self.pool.cancel_task(task.id)
+        if self.keeper is not None:
+            self.keeper.cancel(task.id)
         return answer(task_out(cancelled))
 
     async def _task(self, request: web.Request, need: Permission) -> TaskInfo:

@@ -27,21 +27,24 @@ import os
 import shutil
 import signal
 import subprocess
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from pathlib import Path
 from typing import Any
 
 import psutil
 
-from supervisor.contract.clock import SYSTEM, Clock, sleep_unless
+from supervisor.contract.background import spawn
+from supervisor.contract.clock import SYSTEM, Clock
 from supervisor.contract.config import Config
 from supervisor.contract.logs import log
 from supervisor.contract.mcp_env import child_environment
 from supervisor.contract.paths import inside, task_work_dir
 from supervisor.contract.task_kinds import TaskKind
 from supervisor.core.vocabulary import EventType, TaskAction, TaskStatus
-from supervisor.http.metrics import Metrics
+from supervisor.metrics import Metrics
+from supervisor.runtime.bus import Bus, Published
+from supervisor.runtime.loops import Wake, reconcile
+from supervisor.runtime.service import Service, Steps
 from supervisor.store import Store, TaskInfo, TaskReported
 from supervisor.tasks import rules
 from supervisor.tasks.runner import RunnerSpec, heartbeat_of, launch
@@ -53,8 +56,13 @@ HUNG_MARGIN = 30.0  # seconds past lost_grace + kill_grace before a silent runne
 PRUNE_EVERY = 3600.0  # seconds between sweeps of old output files
 
 
-class TaskKeeper:
+class TaskKeeper(Service):
     """Starts, reports and reconciles the background tasks (see the module docstring)."""
+
+    name = "tasks"
+    needs = ("store",)
+    after = ("pool",)  # the pool's stop ends the runners this one started
+    takes = ("tasks",)
 
     def __init__(
         self,
@@ -67,11 +75,13 @@ class TaskKeeper:
         boot_id: str,
         owner: str,
         state_dir: Path | None,
+        bus: Bus | None = None,
+        runners: dict[str, int] | None = None,
         clock: Clock = SYSTEM,
     ) -> None:
         self.config = config
         self.store = store
-        self.committed = committed  # the pool's: signals an event (and wakes for input)
+        self.committed = committed  # the bus's: signals an event (and wakes for input)
         self.metrics = metrics
         self.host = host
         self.boot_id = boot_id
@@ -82,19 +92,22 @@ class TaskKeeper:
             task_work_dir(config.tasks.work_dir, state_dir) if state_dir is not None else None
         )
         self.clock = clock
-        self.stirred = asyncio.Event()
-        self.runners: dict[str, int] = {}  # task id -> its runner's pid, while it runs
+        self.wake = Wake()
+        # Task id -> its runner's pid, while it runs; the pool's orphan reaper skips them.
+        self.runners: dict[str, int] = runners if runners is not None else {}
         self._watched: dict[int, tuple[str, int]] = {}  # pidfd -> (task id, runner pid)
-        self._starting: set[asyncio.Future[None]] = set()
+        self._starting: set[asyncio.Task[None]] = set()
         self._processes: dict[int, subprocess.Popen[bytes]] = {}  # runner pid -> process
         self._pruned_at: float | None = None  # None: not yet in this boot (the first pass does)
         self.log = log("tasks")
+        if bus is not None:
+            bus.subscribe(Published, lambda e: self.admitted(e.session, e.event))
 
     # --- signals from the rest of the daemon ---------------------------------------
 
     def stir(self) -> None:
         """Look again now: a task was admitted, a runner exited, a cancel was asked."""
-        self.stirred.set()
+        self.wake.wake()
 
     def admitted(self, session_id: str, payload: dict[str, Any]) -> None:
         """The pool's event hook: a `task_started` means a pending task to start."""
@@ -112,18 +125,31 @@ class TaskKeeper:
 
     # --- the loop -------------------------------------------------------------------
 
-    async def run(self) -> None:
-        """Pass at once, then on every stir and every `tasks.reconcile_interval`."""
+    def reconfigure(self, config: Config) -> None:
+        self.config = config
+
+    def loops(self) -> dict[str, Coroutine[Any, Any, None]]:
+        """A pass at once, then on every stir and every `tasks.reconcile_interval`."""
+        return {"tasks": self._loop()}
+
+    async def _loop(self) -> None:
         try:
-            while True:
-                self.stirred.clear()
-                try:
-                    await self.reconcile()
-                except Exception:
-                    self.log.exception("the task pass failed; the next one tries again")
-                await sleep_unless(self.clock, self.config.tasks.reconcile_interval, self.stirred)
+            await reconcile(
+                "tasks",
+                self._pass,
+                interval=lambda: self.config.tasks.reconcile_interval,
+                wake=self.wake,
+                clock=self.clock,
+                observer=self.metrics,
+            )
         finally:
             self._unwatch_all()
+
+    async def _pass(self) -> None:
+        await self.reconcile()
+
+    async def stop(self, steps: Steps) -> None:
+        await self.settle()  # a runner being started is ended with the others
 
     async def reconcile(self) -> None:
         """One pass over the tasks to act on (see the module docstring)."""
@@ -177,7 +203,7 @@ class TaskKeeper:
         if action is TaskAction.START:
             # The start is a unit a stop lets finish (`settle`): a claim committed with no
             # runner started would be reported lost though it never ran.
-            starting = asyncio.ensure_future(self._start(row))
+            starting = spawn(self._start(row), name=f"task-start-{row.id}")
             self._starting.add(starting)
             starting.add_done_callback(self._starting.discard)
             await asyncio.shield(starting)
@@ -369,9 +395,9 @@ class TaskKeeper:
         pass of a boot, then at most once an hour."""
         if self.directory is None:
             return
-        if self._pruned_at is not None and time.monotonic() - self._pruned_at < PRUNE_EVERY:
+        if self._pruned_at is not None and self.clock.monotonic() - self._pruned_at < PRUNE_EVERY:
             return
-        self._pruned_at = time.monotonic()
+        self._pruned_at = self.clock.monotonic()
         live = await asyncio.to_thread(self.store.tasks.live_ids)
         removed = 0
         for directory in (self.directory, self.work_dir):
@@ -407,7 +433,7 @@ def _kill_runner(pid: int) -> None:
 def _prune(directory: Path, keep: float, live: set[str]) -> int:
     """Remove what tasks left in `directory` (output files, working directories, runner
     logs) that was last changed more than `keep` seconds ago, but none of a `live` task."""
-    cutoff = time.time() - keep
+    cutoff = SYSTEM.time() - keep
     removed = 0
     with contextlib.suppress(OSError):
         for path in directory.iterdir():

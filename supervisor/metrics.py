@@ -37,9 +37,11 @@ from supervisor.core.vocabulary import (
     SubagentStatus,
     TaskStatus,
 )
-from supervisor.http.hosts import STATES as HOST_STATES
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+HOST_STATES = ("live", "left", "lost")  # a host row's, as `supervisor.http.hosts` reads it
 
 
 class _State(Collector):
@@ -232,6 +234,13 @@ class Metrics:
             "dropped) to fit the model's context window.",
             registry=r,
         )
+        self.loop_passes = Counter(
+            "turnkeeper_loop_passes",
+            "Passes of the daemon's reconcile loops, by loop and outcome (ok, or failed: "
+            "the loop tries again after its retry).",
+            ["loop", "outcome"],
+            registry=r,
+        )
         self.intake_replays = Counter(
             "turnkeeper_intake_replays",
             "Requests intake answered from an earlier commit (the same Idempotency-Key and "
@@ -323,6 +332,10 @@ class Metrics:
         r.register(self.append_latency)
         self.state = _State()
         r.register(self.state)
+
+    def loop_pass(self, loop: str, ok: bool) -> None:
+        """One pass of a reconcile loop (`supervisor.runtime.loops.reconcile`)."""
+        self.loop_passes.labels(loop, "ok" if ok else "failed").inc()
 
     def render(self) -> bytes:
         """The text exposition format."""

@@ -1,12 +1,14 @@
 """The waits of a stop for turns in flight on this daemon's workers.
 
-- The drain (`shutdown.drain_budget`, or `turnkeeper stop --drain SECONDS`), first of
-  the stop, intake already refusing: every turn in flight may finish, up to the budget.
-- The subagent drain (`shutdown.subagent_drain`), after the HTTP listener has closed and
-  before the workers are stopped: a subagent's turn in flight gets a few seconds to end,
-  so that its result reaches its parent in this boot rather than after a restart. A
-  child still running then is interrupted with the rest and resumed by recovery after
-  the restart; the log names it. No wait at all when no subagent's turn is in flight.
+- The drain (`shutdown.drain_budget`, or `turnkeeper stop --drain SECONDS`), the pool's
+  part of the daemon's drain (`supervisor.runtime.root`), intake already refusing: every
+  turn in flight may finish, up to the budget.
+- The subagent drain (`shutdown.subagent_drain`), the subagents service's first stop
+  step, after the HTTP listener has closed and before the workers are stopped: a
+  subagent's turn in flight gets a few seconds to end, so that its result reaches its
+  parent in this boot rather than after a restart. A child still running then is
+  interrupted with the rest and resumed by recovery after the restart; the log names
+  it. No wait at all when no subagent's turn is in flight.
 
 Each reads the database on a thread, polls at the pool's heartbeat (the subagent drain
 at most every POLL seconds: its cap is short), and waits through `sleep` and `clock`,
@@ -16,16 +18,26 @@ seams a test moves.
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, Protocol
 
+from supervisor.contract.clock import SYSTEM
+from supervisor.contract.config import Config
 from supervisor.contract.logs import log
 from supervisor.core.vocabulary import SessionKind
+from supervisor.store import SessionInfo, Store
 
-if TYPE_CHECKING:
-    from supervisor.pool.pool import Pool
-    from supervisor.store.sessions import SessionInfo
+
+class Pool(Protocol):
+    """What the drains read of the pool (`supervisor.pool.pool.Pool` is one)."""
+
+    config: Config
+    store: Store
+
+    @property
+    def assigned(self) -> Mapping[str, Any]: ...
+
+    def hold_assignments(self) -> None: ...
 
 POLL = 0.1  # the subagent drain's longest pause between two reads
 FIRST_READ = 2.0  # the read that decides whether a subagent drain is needed, capped
@@ -44,7 +56,7 @@ def subagent_turns(pool: Pool) -> list[str]:
     return [s.id for s in turns_in_flight(pool) if s.kind == SessionKind.SUBAGENT]
 
 
-async def drain(pool: Pool, budget: float, sleep: Sleep = asyncio.sleep) -> None:
+async def drain(pool: Pool, budget: float, sleep: Sleep = SYSTEM.sleep) -> None:
     """Let turns in flight finish, polled every heartbeat; the caller caps it at `budget`."""
     log("shutdown").info("draining: waiting up to {:.0f} s for turns in flight", budget)
     while await asyncio.to_thread(turns_in_flight, pool):
@@ -66,15 +78,15 @@ async def subagent_drain(
     running: list[str],
     cap: float,
     *,
-    clock: Callable[[], float] = time.monotonic,
-    sleep: Sleep = asyncio.sleep,
+    clock: Callable[[], float] = SYSTEM.monotonic,
+    sleep: Sleep = SYSTEM.sleep,
 ) -> list[str]:
     """Wait, up to `cap` seconds, while a subagent's turn is in flight here (`running` at
     first); returns, and logs, the ids still running at the end."""
     deadline = clock() + cap
     # Only turns in flight may end: no session is assigned meanwhile (a parent woken by a
     # result, a child's pending task), to be cut a moment later.
-    pool.ownership.stopping = True
+    pool.hold_assignments()
     log("shutdown").info(
         "subagent drain: waiting up to {:g} s for {} subagent turns in flight", cap, len(running)
     )

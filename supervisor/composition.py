@@ -1,0 +1,219 @@
+"""The composition root: the one place turnkeeper's supervisor is put together.
+
+`build` makes every service of one boot, each given in its constructor the services it
+`needs` (and the bus, the metrics, the clock), and hands them to a `Root`, which orders
+them by their needs, starts them in that order and stops them in reverse. Nothing is
+assigned into a service after it is built; what one service tells the others goes over
+the bus (`supervisor.runtime.bus`). docs/architecture.md draws the tree this builds;
+`turnkeeper debug services` prints it from the code.
+
+In start order (what each needs, in brackets):
+
+    store                                  the database, closed last
+    host            [store]                host row and boot row: taken first, left last
+    recovery        [store, host]          the breaker; the judge of interrupted turns
+    signals         [store]                PostgreSQL's wakes between daemons
+    pool            [store, recovery]      the worker processes and who owns what
+    subagents       [store, recovery, pool]
+    tasks           [store] after pool     background tasks and their runners
+    schedules       [store, pool]
+    courier         [store] after pool     deliveries
+    reloader        [store, pool, tasks]
+    restarter       [store, pool, reloader]
+    http            [pool, tasks, courier, restarter, reloader]
+    recovery-passes [recovery] after http  the boot scan, once the listener is up
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from supervisor.contract.clock import SYSTEM, Clock
+from supervisor.contract.config import Config
+from supervisor.contract.logs import log
+from supervisor.deliveries.service import Courier
+from supervisor.http.app import Api
+from supervisor.http.attach import Hub
+from supervisor.http.auth import Tokens
+from supervisor.http.service import HttpService
+from supervisor.metrics import Metrics
+from supervisor.pool.membership import Membership
+from supervisor.pool.pool import Pool
+from supervisor.pool.recoverer import Recoverer, RecoveryPasses
+from supervisor.pool.signals import Signals
+from supervisor.reloading import Reloader
+from supervisor.restarts.service import Restarter
+from supervisor.runtime.bus import Bus, Woken
+from supervisor.runtime.root import Root
+from supervisor.runtime.service import Service, Steps
+from supervisor.schedules.service import Scheduler
+from supervisor.store import RestartInfo, Store
+from supervisor.subagents.service import ChildEnding, Reconciler
+from supervisor.tasks.service import TaskKeeper
+
+CONTROL_SOCKET = "control.sock"
+
+
+class StoreService(Service):
+    """The database: opened before the tree is built (every service is given it), closed
+    after every other service stopped."""
+
+    name = "store"
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    async def stop(self, steps: Steps) -> None:
+        try:
+            await asyncio.to_thread(self.store.close)
+        except Exception as exc:  # a full disk: the stop goes on
+            log("shutdown").error("closing the database failed: {}", exc)
+
+
+@dataclass
+class Hooks:
+    """What the daemon itself (not a service) is told or asked by the tree."""
+
+    end_boot: Callable[[], None]  # blocking: ends the boot row with the stop's outcome
+    begin_restart: Callable[[RestartInfo], None]  # a restart request is due: stop for it
+    stopping: Callable[[], bool]  # the daemon is stopping
+    on_config: Callable[[Config], None]  # a reload put a configuration in force
+
+
+@dataclass
+class Tree:
+    """One boot's services, and the few the daemon talks to itself."""
+
+    root: Root
+    bus: Bus
+    metrics: Metrics
+    membership: Membership
+    pool: Pool
+    api: Api
+    reloader: Reloader
+    restarter: Restarter
+
+
+def build(
+    config: Config,
+    config_path: str | None,
+    store: Store,
+    tokens: Tokens,
+    hooks: Hooks,
+    *,
+    boot_id: str,
+    host: str,
+    runtime_dir: Path,
+    state_dir: Path,
+    clock: Clock = SYSTEM,
+) -> Tree:
+    """Every service of one boot, built in dependency order (see the module's docstring)."""
+    bus, metrics = Bus(), Metrics()
+    membership = Membership(
+        config, store, boot_id, host, bus=bus, metrics=metrics, ending=hooks.end_boot
+    )
+    ending = ChildEnding(store, bus, metrics)
+    recovery = Recoverer(config, store, boot_id, host, metrics, give_up=ending.give_up, clock=clock)
+    signals = Signals(store, lambda session: bus.publish(Woken(session)))
+    socket_path = runtime_dir / CONTROL_SOCKET
+    socket_path.unlink(missing_ok=True)  # stale; the daemon holds its lock
+    runners: dict[str, int] = {}  # the task keeper's runners: the pool reaps them not
+    pool = Pool(
+        config,
+        store,
+        boot_id,
+        f"ipc://{socket_path}",
+        recovery,
+        metrics,
+        bus=bus,
+        hosts=membership,
+        announce=signals.announce if signals.enabled else None,
+        reaped_elsewhere=runners,
+        clock=clock,
+    )
+    owner = recovery.owner_prefix
+    subagents = Reconciler(config, store, recovery, pool, ending, metrics, bus=bus, clock=clock)
+    keeper = TaskKeeper(
+        config,
+        store,
+        bus.committed,
+        metrics,
+        host=host,
+        boot_id=boot_id,
+        owner=owner,
+        state_dir=state_dir,
+        bus=bus,
+        runners=runners,
+        clock=clock,
+    )
+    scheduler = Scheduler(config, store, owner, bus.committed, pool.interrupt, metrics, clock=clock)
+    courier = Courier(config, store, owner, metrics, clock=clock, bus=bus)
+    hub = Hub()
+    services: list[Service] = []
+    root_box: list[Root] = []  # the reloader reconfigures the root it belongs to
+    reloader = Reloader(
+        config,
+        config_path,
+        store=store,
+        pool=pool,
+        keeper=keeper,
+        tokens=tokens,
+        hub=hub,
+        reconfigure=lambda new: root_box[0].reconfigure(new),
+        on_config=hooks.on_config,
+        bus=bus,
+    )
+    restarter = Restarter(
+        store,
+        host=host,
+        boot_id=boot_id,
+        config=lambda: reloader.config,
+        load=reloader.load,
+        version=lambda: reloader.version,
+        begin=hooks.begin_restart,
+        committed=bus.committed,
+        stopping=hooks.stopping,
+        hold=pool.orphans_held,
+        bus=bus,
+        clock=clock,
+    )
+    api = Api(
+        config,
+        store,
+        hub,
+        tokens,
+        metrics,
+        boot_id=boot_id,
+        pool=pool,
+        keeper=keeper,
+        courier=courier,
+        reloader=reloader,
+        restarts=restarter,
+        bus=bus,
+        host_id=host,
+    )
+    state = metrics.state
+    state.pool, state.mcp = pool.status, pool.mcp_states
+    state.sessions, state.subagents = store.sessions.counts, store.subagents.counts
+    state.tasks, state.restarts = store.tasks.counts, store.restarts.counts
+    services += [
+        StoreService(store),
+        membership,
+        recovery,
+        signals,
+        pool,
+        subagents,
+        keeper,
+        scheduler,
+        courier,
+        reloader,
+        restarter,
+        HttpService(config, api),
+        RecoveryPasses(recovery),
+    ]
+    root = Root(services)
+    root_box.append(root)
+    return Tree(root, bus, metrics, membership, pool, api, reloader, restarter)

@@ -1,0 +1,57 @@
+"""The HTTP API as a service: the listener of `Api`'s application.
+
+Started after every service the routes call (the pool, the task keeper, the courier, the
+restarter, the reloader), so its stop comes first: intake refuses from the stop's first
+moment (`Stopping` on the bus), the attach streams see the drain's events, and the
+listener closes once the drain is over (its step: `attach.shutdown_timeout` for the
+streams to end, and a second more).
+"""
+
+from __future__ import annotations
+
+from supervisor.contract.config import Config, parse_listen
+from supervisor.http.app import Api
+from supervisor.http.listener import Listener
+from supervisor.preflight import StartupError
+from supervisor.runtime.service import Service, Steps
+
+
+class HttpService(Service):
+    """Serves `api` on `http.listen` from its start to its stop."""
+
+    name = "http"
+    needs = ("pool", "tasks", "courier", "restarter", "reloader")
+    takes = ("http", "attach", "auth", "delivery", "restart")
+    drains = True  # the attach streams carry the drain's events
+
+    def __init__(self, config: Config, api: Api) -> None:
+        self.config = config
+        self.api = api
+        self.listener: Listener | None = None
+
+    async def start(self) -> None:
+        listener = Listener(
+            self.api.app(),
+            self.config.http,
+            self.config.attach.shutdown_timeout,
+            self.api.metrics.connections_evicted.inc,
+        )
+        try:
+            await listener.start(parse_listen(self.config.http.listen))
+        except OSError as exc:
+            reason = exc.strerror or str(exc)
+            raise StartupError(f"http.listen {self.config.http.listen}: {reason}") from exc
+        self.listener = listener
+
+    def reconfigure(self, config: Config) -> None:
+        self.config = config  # `http.listen` itself needs a restart: it is left as it was
+        self.api.reconfigure(config)
+
+    async def drain(self, deadline: float) -> None:
+        self.api.stopping = True  # also for a stop that no signal began (a fatal pool)
+
+    async def stop(self, steps: Steps) -> None:
+        self.api.stopping = True
+        if self.listener is not None:
+            cap = self.config.attach.shutdown_timeout + 1.0
+            await steps.run("http listener", cap, self.listener.cleanup)
