@@ -217,3 +217,44 @@ def build(
     root = Root(services)
     root_box.append(root)
     return Tree(root, bus, metrics, membership, pool, api, reloader, restarter)
+
+
+def draw(tree: Tree) -> str:
+    """The tree as its code declares it, in Markdown: each service in start order with
+    what it needs, the sections it takes on a reload, whether it stays up through the
+    drain and its loops; then who hears what on the bus. docs/architecture.md holds this
+    text; `tests/test_structure.py` fails when the two differ."""
+    lines = [
+        "| # | service | class | needs | after | drains | takes live | loops |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for n, s in enumerate(tree.root.describe(), 1):
+        lines.append(
+            f"| {n} | `{s['name']}` | `{s['class']}` | {', '.join(s['needs']) or '-'} "
+            f"| {', '.join(s['after']) or '-'} | {'yes' if s['drains'] else '-'} "
+            f"| {', '.join(s['takes']) or '-'} | {', '.join(s['loops']) or '-'} |"
+        )
+    lines += ["", "| event | heard by |", "|---|---|"]
+    for event, handlers in sorted(tree.bus.subscribers().items()):
+        lines.append(f"| `{event}` | {', '.join(f'`{h}`' for h in handlers)} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    """`python -m supervisor.composition`: the tree of the built-in configuration, drawn
+    (built on a throwaway SQLite database; nothing is started)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as directory:
+        where = Path(directory)
+        with Store(f"sqlite:///{where / 'structure.db'}") as store:
+            hooks = Hooks(lambda: None, lambda _: None, lambda: False, lambda _: None)
+            tree = build(
+                Config(), None, store, Tokens({}), hooks, boot_id="0" * 32, host="host",
+                runtime_dir=where, state_dir=where,
+            )  # fmt: skip
+            print(draw(tree), end="")
+
+
+if __name__ == "__main__":
+    main()

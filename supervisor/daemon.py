@@ -13,7 +13,7 @@ import os
 import signal
 import socket
 import uuid
-from collections.abc import Awaitable
+from collections.abc import Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -92,7 +92,7 @@ class Daemon:
         started in dependency order by its `Root`: a start that fails half-way (a port in
         use, say) stops exactly what started, in reverse, and the boot row says
         `startup_failed`; a stop stops them all in reverse, each step capped and timed
-        (DESIGN.md section 7), with the drain before the first service that serves it.
+        (docs/architecture.md, "The stop"), with the drain before the first service that serves it.
         """
         setproctitle("turnkeeper: supervisor")
         loop = asyncio.get_running_loop()
@@ -216,9 +216,9 @@ class Daemon:
         finally:
             await self.reloader.cancel()  # no slot retired or worker replaced during the stop
 
-    async def _until_stop(self, work: Awaitable[object]) -> bool:
+    async def _until_stop(self, work: Coroutine[Any, Any, object]) -> bool:
         """Run `work` unless a stop signal or a task's death comes first; True if it finished."""
-        task = asyncio.ensure_future(work)
+        task = spawn(work, name="until-stop")
         done = await first_of(task, spawn(self._stop.wait()), spawn(self._failed.wait()))
         return task in done and bool(task.result() is not False)
 
@@ -284,10 +284,9 @@ class Daemon:
     async def _drain_step(self, drains: Drains) -> None:
         """The optional drain, before the first service that stays up through it stops:
         turns in flight may finish (capped, and cut short at once by `_cut_drain`)."""
-        loop = asyncio.get_running_loop()
         budget = self.drain_budget
         if self.drain_cut_at is not None:  # a SIGTERM came before the drain began
-            budget = min(budget, self.drain_cut_at - loop.time())
+            budget = min(budget, self.drain_cut_at - SYSTEM.monotonic())
         if budget > 0 and self.outcome != "startup_failed":
             self.notifier.extend_timeout(budget + 30)
 
@@ -295,7 +294,7 @@ class Daemon:
                 async with asyncio.timeout(budget) as scope:
                     self.drain_scope = scope
                     try:
-                        await drains(loop.time() + budget)
+                        await drains(SYSTEM.monotonic() + budget)
                     finally:
                         self.drain_scope = None
 
@@ -305,8 +304,7 @@ class Daemon:
         """The stop's own drain `budget`, counted from now, for a drain begun or still to
         begin, if it ends sooner: a SIGTERM during a restart's drain stops on its terms. A
         drain under way is woken at once, even in a sleep or a database read."""
-        loop = asyncio.get_running_loop()
-        cut_at = loop.time() + budget
+        cut_at = SYSTEM.monotonic() + budget  # the event loop's clock: asyncio.timeout's
         self.drain_cut_at = min(cut_at, self.drain_cut_at or cut_at)
         scope = self.drain_scope
         if scope is not None and (when := scope.when()) is not None and cut_at < when:

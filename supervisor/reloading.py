@@ -228,7 +228,7 @@ class Reloader(Service):
                 else:
                     result, added = await self._take(workers)
                     _settle(applied, result)
-                    if result.ok and not self.pool.stopping:
+                    if result.ok and not self.pool.is_stopping():
                         await self._change_pool(result, added)
         except asyncio.CancelledError:  # `cancel`: the daemon stops
             if result is None:
@@ -292,7 +292,7 @@ class Reloader(Service):
         )
         self._say(result)
         try:
-            added = [] if self.pool.stopping else self.pool.grow()
+            added = [] if self.pool.is_stopping() else self.pool.grow()
         except Exception as exc:
             self.log.opt(exception=exc).error("adding slots failed: {!r}", exc)
             result.incomplete = f"adding slots failed: {exc!r} (see the daemon's log)"
@@ -400,7 +400,7 @@ class Reloader(Service):
         """Step 4: slots retired, the other workers replaced if need be, the slots that
         gave up started again, the slots added ready."""
         pool = self.pool
-        kept = [slot.index for slot in pool.slots if slot.index not in added]
+        kept = [index for index in pool.slot_indexes() if index not in added]
         await pool.shrink(ROLL_TIMEOUT)
         if result.workers_replaced:
             stopped = await pool.rolling_restart(ROLL_TIMEOUT, only=kept)

@@ -22,6 +22,7 @@ import zmq.asyncio
 from loguru import logger
 
 from supervisor.contract import control
+from supervisor.contract.background import spawn
 from supervisor.contract.config import Config
 from supervisor.contract.logs import setup_logging
 from supervisor.contract.reaper import exit_if_orphaned, set_pdeathsig
@@ -149,9 +150,9 @@ class Worker:
         # First on the connection: the supervisor reads nothing else from it before.
         await self.send("hello", pid=os.getpid(), secret=self.spec.secret)
         tasks = [
-            asyncio.create_task(self._receive()),
-            asyncio.create_task(self._heartbeat()),
-            asyncio.create_task(self._renew_leases()),
+            spawn(self._receive(), name="receive"),
+            spawn(self._heartbeat(), name="heartbeat"),
+            spawn(self._renew_leases(), name="leases"),
         ]
         if self.mcp is not None:
             # Ready means its servers are up (or failed their start once): the pool gives

@@ -23,6 +23,7 @@ from mcp.client.session import ClientSession
 from mcp.shared.exceptions import MCPError
 
 from supervisor import __version__
+from supervisor.contract.background import spawn
 from supervisor.contract.config import McpServer
 from supervisor.contract.reaper import ProcessId
 from supervisor.core.backoff import DEFAULT_BACKOFF, Backoff
@@ -147,7 +148,7 @@ class McpServerClient:
         """
         if self._task is None:
             self._set_state(McpState.STARTING)
-            self._task = asyncio.create_task(self._supervise(), name=f"mcp:{self.name}")
+            self._task = spawn(self._supervise(), name=f"mcp:{self.name}")
         while self.state is McpState.STARTING:
             await self._changed.wait()
         return self.state is McpState.READY
@@ -224,7 +225,7 @@ class McpServerClient:
             self._session = None
             # A task of its own, which `stop` awaits: a cancellation arriving while the
             # group is being stopped must neither cut that short nor skip `on_exit`.
-            self._cleanup = asyncio.create_task(self._stop_process(process, identity))
+            self._cleanup = spawn(self._stop_process(process, identity), name="mcp-stop")
             await asyncio.shield(self._cleanup)
 
     async def _stop_process(self, process: ServerProcess, identity: ProcessId | None) -> None:

@@ -23,6 +23,7 @@ import psutil
 from loguru import logger
 from mcp.shared.message import SessionMessage
 
+from supervisor.contract.background import spawn
 from workers.mcp_launch import Launched
 
 LINE_LIMIT = 32 * 1024 * 1024
@@ -83,12 +84,12 @@ class ServerProcess:
             SessionMessage | Exception
         ](0)
         self.outgoing, self._out_receive = anyio.create_memory_object_stream[SessionMessage](0)
-        self._stdout_task = asyncio.create_task(self._read_stdout(stdout))
+        self._stdout_task = spawn(self._read_stdout(stdout), name="mcp-stdout")
         self._tasks = [
             self._stdout_task,
-            asyncio.create_task(self._read_stderr(stderr)),
-            asyncio.create_task(self._write_stdin()),
-            asyncio.create_task(self._watch()),
+            spawn(self._read_stderr(stderr), name="mcp-stderr"),
+            spawn(self._write_stdin(), name="mcp-stdin"),
+            spawn(self._watch(), name="mcp-watch"),
         ]
 
     @classmethod

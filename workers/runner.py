@@ -26,6 +26,7 @@ from typing import Any
 import peewee
 from loguru import logger
 
+from supervisor.contract.background import spawn
 from supervisor.contract.clock import SYSTEM, Clock
 from supervisor.contract.sections import COMPACTION_PROMPT
 from supervisor.core import autonomy, engine
@@ -151,7 +152,7 @@ class SessionRunner:
 
     def start(self) -> None:
         """Start the runner's task and look for work at once."""
-        self.task = asyncio.create_task(self._loop(), name=f"session-{self.session_id}")
+        self.task = spawn(self._loop(), name=f"session-{self.session_id}")
         # A runner that stops (released, fenced out, failed) leaves no cached log behind.
         self.task.add_done_callback(lambda _: self._history.drop(self.session_id))
         self.wake()

@@ -22,6 +22,7 @@ from typing import Any
 
 from loguru import logger
 
+from supervisor.contract.background import spawn
 from supervisor.contract.config import mask_urls
 from supervisor.core.vocabulary import Cause, EventType, TurnOutcome
 from supervisor.store import EventRecord, LeaseLost, StorageUnavailable
@@ -203,8 +204,8 @@ class TurnContext:
 
     async def _ask_once(self, messages: list[Message], tools: list[ToolSpec]) -> ModelResponse:
         self._boundary()
-        call = asyncio.ensure_future(self._model.complete(messages, tools))
-        release = asyncio.ensure_future(self._released.wait())
+        call = spawn(self._model.complete(messages, tools), name="model-call")
+        release = spawn(self._released.wait(), name="released")
         try:
             await asyncio.wait({call, release}, return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:

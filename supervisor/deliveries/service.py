@@ -95,7 +95,7 @@ class Courier(Service):
         self._pruned_at = -PRUNE_EVERY
         self.log = log("deliveries")
         if bus is not None:
-            bus.subscribe(Published, lambda e: self.nudge(e.session, e.event))
+            bus.subscribe(Published, self._published)
 
     # --- signals --------------------------------------------------------------------
 
@@ -103,6 +103,9 @@ class Courier(Service):
         """The pool's event signal: an event that may carry a delivery was committed."""
         if event.get("type") in CARRIERS:
             self._wake.wake()
+
+    def _published(self, event: Published) -> None:
+        self.nudge(event.session, event.event)
 
     def stir(self) -> None:
         """Look again now (an operator retried a delivery)."""

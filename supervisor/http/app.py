@@ -1,4 +1,4 @@
-"""The HTTP API (DESIGN.md section 6): intake, attach, status, health and metrics.
+"""The HTTP API (the README's "HTTP API"): intake, attach, status, health and metrics.
 
 JSON in and out; errors are `{"error": {"code", "message"}}`. A caller sees only the
 sessions its principal may read (others are 404, as if they did not exist); `admin` is the
@@ -120,7 +120,7 @@ class Api:
         self.pages = pages.Pages(EventRows(store.db).batches)  # replays, /events: off the loop
         self.log = log("intake")
         if bus is not None:
-            bus.subscribe(Published, lambda e: self.publish(e.session, e.event))
+            bus.subscribe(Published, self._published)
             bus.subscribe(Stopping, self._stopping)
 
     def app(self) -> web.Application:
@@ -178,6 +178,9 @@ class Api:
 
     def _reloader(self) -> ReloaderView | None:
         return self.reloader if self.ready else None  # a reload while it starts is a 503
+
+    def _published(self, event: Published) -> None:
+        self.publish(event.session, event.event)
 
     def _stopping(self, _: Stopping) -> None:
         self.stopping = True  # intake refuses from this moment

@@ -27,6 +27,7 @@ from typing import Any
 
 from aiohttp import web
 
+from supervisor.contract.background import spawn
 from supervisor.contract.clock import SYSTEM, Clock
 from supervisor.contract.logs import log
 from supervisor.http.follow import READ_ERRORS, Follow, ReadHeads
@@ -162,7 +163,7 @@ class Hub:
 
     def _start(self) -> None:
         if self._heads is not None and self._follower is None and self._subs:
-            self._follower = asyncio.get_running_loop().create_task(self._run(self._heads))
+            self._follower = spawn(self._run(self._heads), name="attach-follow")
 
     def _stop(self) -> None:
         if self._follower is not None:

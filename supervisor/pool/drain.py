@@ -39,6 +39,7 @@ class Pool(Protocol):
 
     def hold_assignments(self) -> None: ...
 
+
 POLL = 0.1  # the subagent drain's longest pause between two reads
 FIRST_READ = 2.0  # the read that decides whether a subagent drain is needed, capped
 

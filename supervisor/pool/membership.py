@@ -25,6 +25,7 @@ import psutil
 
 from supervisor import __version__
 from supervisor.contract import reaper
+from supervisor.contract.clock import SYSTEM
 from supervisor.contract.config import Config
 from supervisor.contract.logs import log
 from supervisor.contract.paths import machine_id
@@ -169,7 +170,7 @@ class Membership(Service):
                 hosts = await loop.run_in_executor(self._renewer, self.store.hosts.all)
             except Exception as exc:  # the database is away: the next round tries again
                 self.log.warning("cannot renew the host row: {}", exc)
-                await asyncio.sleep(RENEW)
+                await SYSTEM.sleep(RENEW)
                 continue
             if overdue is None:
                 raise Fenced(
@@ -198,7 +199,7 @@ class Membership(Service):
                     )
                 self.bus.publish(HostsLost(tuple(sorted(lost - lost_before))))
             lost_before = lost
-            await asyncio.sleep(RENEW)
+            await SYSTEM.sleep(RENEW)
 
     def sweep(self) -> None:
         """Kill processes an earlier boot of this host left running, unless their pid was

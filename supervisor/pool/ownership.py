@@ -82,6 +82,7 @@ class Ownership:
         self.clock = clock  # monotonic: heartbeats
         self.budget = budget or Budget()
         self.owner_prefix = recovery.owner_prefix  # "<host>/<boot>": this boot's owners
+        self.host = recovery.host
         self.assigned: dict[str, WorkerHandle] = {}
         self.tokens: dict[str, int] = {}  # the lease token granted with each assignment
         # The daemons on the database that are alive (`Membership` keeps it), and how to
@@ -166,15 +167,15 @@ class Ownership:
         if full:
             self.full_due = started + FULL_PASS
         self.probe_due = started + PROBE
-        attention = set(self.recovery.attention)
+        attention = self.recovery.attention_now()
         now, sessions = await asyncio.to_thread(self._sessions_with_work, full, attention)
         infos = {info.id: info for info in sessions}
         facts = engine.Facts(
             owner_prefix=self.owner_prefix,
-            host_prefix=self.recovery.host + "/",
+            host_prefix=self.host + "/",
             heartbeat_interval=self.config.pool.heartbeat_interval,
             budget=self.budget,
-            breaker_tripped=self.recovery.breaker.tripped,
+            breaker_tripped=self.recovery.tripped(),
             stopping=self.stopping,
             live_hosts=self.hosts.live,
             adopting=self.hosts.adopting,
@@ -184,10 +185,10 @@ class Ownership:
             {name: w.view(facts.heartbeat_interval) for name, w in self.workers.items()},
             {sid: w.identity for sid, w in self.assigned.items()},
             self.woken,
-            self.recovery.memory,
+            self.recovery.remembered(),
             facts,
             now=now,
-            wall=self.recovery.clock(),
+            wall=self.recovery.wall(),
             monotonic=self.clock(),
             busy=frozenset(self.busy),
             tokens=self.tokens,
@@ -226,8 +227,7 @@ class Ownership:
                     judges.append((info, command))
         # Whatever this pass did not get to stays in view for the next one.
         served = {c.session for c in commands if isinstance(c, Assign | Judge)}
-        self.recovery.attention -= served
-        self.recovery.settle_attention(attention - served, set(infos))
+        self.recovery.served(served, attention - served, set(infos))
         await self._assign_all(assigns)  # user input first: its own commit
         if judges:
             await self._judge_all(judges)
@@ -331,7 +331,7 @@ class Ownership:
                 self.store.leases.grant,
                 grants,
                 self.config.lease.stale_after,
-                self.recovery.host + "/",
+                self.host + "/",
             )
             refunds: list[Pick] = []
             by_worker: dict[WorkerHandle, list[dict[str, Any]]] = {}

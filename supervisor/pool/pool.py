@@ -125,9 +125,9 @@ class Pool(Requests, Resizing, Service):
         self.background = Background("pool")  # handoffs, exit statuses; awaited by stop
         self._wanted = self.ownership.wanted
         self.bus.subscribe(Committed, self._committed)
-        self.bus.subscribe(TurnEnded, lambda e: self.interrupt(e.session))
+        self.bus.subscribe(TurnEnded, self._turn_ended)
         self.bus.subscribe(Woken, self._woken)
-        self.bus.subscribe(HostsLost, lambda _: self.ownership.hosts_lost())
+        self.bus.subscribe(HostsLost, self._hosts_lost)
         self.housekeeper = Housekeeper(
             self._tend, self.ownership.dispatch, self.ownership.next_pass_in, self._wanted, clock
         )
@@ -150,14 +150,27 @@ class Pool(Requests, Resizing, Service):
 
     async def drain(self, deadline: float) -> None:
         """Let the turns in flight on this daemon's workers finish (the root caps it)."""
-        await drain.drain(self, deadline - asyncio.get_running_loop().time())
+        await drain.drain(self, deadline - SYSTEM.monotonic())
 
     def reconfigure(self, config: Config) -> None:
         super().reconfigure(config)  # the slots' (Resizing)
         self.ownership.config = config
 
+    def _turn_ended(self, event: TurnEnded) -> None:
+        self.interrupt(event.session)  # its lease was revoked with what ended it
+
+    def _hosts_lost(self, _: HostsLost) -> None:
+        self.ownership.hosts_lost()
+
     def _woken(self, event: Woken) -> None:
         self.ownership.woken_elsewhere(event.session)  # another daemon's: ours if we own it
+
+    def is_stopping(self) -> bool:
+        """Its stop began: no slot is added, retired or restarted any more."""
+        return self.stopping
+
+    def slot_indexes(self) -> list[int]:
+        return [slot.index for slot in self.slots]
 
     def hold_assignments(self) -> None:
         """No session is assigned from now on: only the turns in flight may end."""

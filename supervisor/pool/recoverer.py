@@ -21,7 +21,8 @@ Who triggers what:
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Collection, Coroutine
+import contextlib
+from collections.abc import Awaitable, Callable, Collection, Coroutine, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -29,17 +30,18 @@ from supervisor.contract.clock import SYSTEM, Clock
 from supervisor.contract.config import Config
 from supervisor.contract.logs import log
 from supervisor.core import breaker, engine, recovery
+from supervisor.core import breaker as breakers
 from supervisor.core.engine import Memory, SessionView
 from supervisor.core.notices import notice
 from supervisor.core.recovery import Action, Decision, Interruption, Trigger
 from supervisor.core.vocabulary import SessionKind
 from supervisor.metrics import Metrics
-from supervisor.pool.breaker_keeping import NOT_EVALUATED, BreakerKeeping
 from supervisor.pool.runs import Resumer
 from supervisor.runtime.service import Service
 from supervisor.store import EventRecord, SessionInfo, Store
 from supervisor.subagents import rules as subagents
 
+NOT_EVALUATED = "not evaluated yet"
 BREAKER_CHECK = 2.0  # seconds between readings of the boot log
 TAIL_EVENTS = 200  # events read to classify a turn's tail
 
@@ -56,7 +58,7 @@ class Judged:
 GiveUp = Callable[[SessionInfo, Judged], Awaitable[None]]
 
 
-class Recoverer(BreakerKeeping, Service):
+class Recoverer(Service):
     """Carries out recovery decisions for one boot of the daemon. As a service it starts
     before the pool (the breaker read, the boot log pruned); its passes are
     `RecoveryPasses`', which start once the HTTP listener is up."""
@@ -81,8 +83,7 @@ class Recoverer(BreakerKeeping, Service):
         self.give_up = give_up
         self.store = store
         self.boot_id = boot_id
-        self.host = host
-        self.owner_prefix = f"{host}/{boot_id[:8]}"  # lease owners of this boot's workers
+        self._host = host
         self.metrics = metrics
         # Decisions compare with events' times, which workers stamp from the wall clock;
         # the breaker reads boot rows, stamped by the database clock, in a thread.
@@ -114,6 +115,92 @@ class Recoverer(BreakerKeeping, Service):
         )
 
     # --- background work ------------------------------------------------------------
+
+    @property
+    def host(self) -> str:
+        """This daemon's host id."""
+        return self._host
+
+    @property
+    def owner_prefix(self) -> str:
+        """ "<host>/<boot8>": what this boot's workers' lease owners begin with."""
+        return f"{self._host}/{self.boot_id[:8]}"
+
+    # --- the breaker (the rules are `supervisor.core.breaker`'s) ---------------------
+
+    def evaluate_breaker(self) -> breakers.BreakerState:
+        """Read this host's boot log and judge the breaker (blocking; run in a thread)."""
+        s = self.settings
+        now = SYSTEM.time()
+        try:
+            now = self.store.now()
+            rows = self.store.boots.of_host(self.host, breakers.prune_before(now))
+        except Exception as exc:
+            self.log.error("cannot read the boot log: {}", exc)
+            rows = None
+        state = breakers.judge_rows(
+            rows,
+            now,
+            s.breaker_threshold,
+            s.breaker_window,
+            is_current=lambda row: row.boot_id == self.boot_id,
+        )
+        previous, self.breaker = self.breaker, state
+        first = previous.reason == NOT_EVALUATED
+        if first or state.tripped != previous.tripped or state.fails_open != previous.fails_open:
+            level = "WARNING" if state.tripped or state.fails_open else "INFO"
+            self.log.log(
+                level, "breaker {}: {}", "TRIPPED" if state.tripped else "clear", state.reason
+            )
+            for memory in self.memory.values():
+                memory.quiet = None
+            with contextlib.suppress(Exception):
+                self.store.boots.set_breaker(self.boot_id, self.breaker_dict())
+        self.metrics.breaker_tripped.set(1 if state.tripped else 0)
+        return state
+
+    def breaker_dict(self) -> dict[str, Any]:
+        """The breaker for `/v1/status` and the boot row."""
+        b = self.breaker
+        return {
+            "tripped": b.tripped,
+            "unclean_boots": b.unclean_in_window,
+            "threshold": self.settings.breaker_threshold,
+            "window": self.settings.breaker_window,
+            "clears_at": b.clears_at,
+            "fails_open": b.fails_open,
+            "reason": b.reason,
+        }
+
+    def prune(self) -> None:
+        """Delete boot rows older than the retention (24 h)."""
+        with contextlib.suppress(Exception):
+            pruned = self.store.boots.prune(breakers.prune_before(self.store.now()))
+            if pruned:
+                self.log.info("pruned {} boot rows older than 24 h", pruned)
+
+    # --- what ownership's passes read and tell (methods: no one reaches in) ---------
+
+    def attention_now(self) -> set[str]:
+        """The sessions recovery has business with, as of now (a copy)."""
+        return set(self.attention)
+
+    def served(self, served: set[str], left: set[str], found: set[str]) -> None:
+        """A pass took `served` in hand; `left` of those it read stay in view."""
+        self.attention -= served
+        self.settle_attention(left, found)
+
+    def tripped(self) -> bool:
+        """Whether the crash-loop breaker holds interrupted turns back."""
+        return self.breaker.tripped
+
+    def remembered(self) -> Mapping[str, Memory]:
+        """What this boot remembers of each session, for the engine to read."""
+        return self.memory
+
+    def wall(self) -> float:
+        """The wall clock decisions compare events' times with."""
+        return self.clock()
 
     async def start(self) -> None:
         """Before the pool: the breaker as the boot log says, the boot log pruned."""

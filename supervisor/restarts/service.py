@@ -1,5 +1,5 @@
-"""Requested restarts (DESIGN.md section 13): admitted as a row, begun when due, carried out
-by a re-exec in place, settled once by the next boot.
+"""Requested restarts (the README's "Restart in place"): admitted as a row, begun when due,
+carried out by a re-exec in place, settled once by the next boot.
 
 - Admitted: an operator's `POST /v1/restart` through `Restarter.request`, an agent's turn
   through its worker (`workers.restarting`); either way a `restart_request` row is committed
@@ -89,7 +89,7 @@ class Restarter(Service):
         self.clock = clock
         self.log = log("restart")
         if bus is not None:
-            bus.subscribe(Published, lambda e: self.heard(e.session, e.event))
+            bus.subscribe(Published, self._published)
 
     # --- the API's desk -------------------------------------------------------------
 
@@ -143,6 +143,9 @@ class Restarter(Service):
         return config
 
     # --- what the pool hears --------------------------------------------------------
+
+    def _published(self, event: Published) -> None:
+        self.heard(event.session, event.event)
 
     def heard(self, session_id: str, event: dict[str, Any]) -> None:
         """An event was committed: a request, or the end of the turn a request waits for

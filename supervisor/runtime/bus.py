@@ -120,6 +120,10 @@ class Bus:
 
 
 def _name(handler: Callable[..., Any]) -> str:
+    """`Class.method` for a bound method; a lambda is named by the class it was written in
+    (`Class.<lambda>`), a function by its qualified name."""
     owner = getattr(handler, "__self__", None)
-    name = getattr(handler, "__name__", repr(handler))
-    return f"{type(owner).__name__}.{name}" if owner is not None else name
+    if owner is not None:
+        return f"{type(owner).__name__}.{handler.__name__}"
+    qualname = getattr(handler, "__qualname__", repr(handler))
+    return qualname.replace(".<locals>", "").replace("__init__.", "")

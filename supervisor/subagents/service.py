@@ -126,7 +126,7 @@ class Reconciler(Service):
         self.wake = Wake()
         self.log = log("subagents")
         if bus is not None:
-            bus.subscribe(WorkerExited, self.wake.wake)  # a child it ran may be over
+            bus.subscribe(WorkerExited, self._worker_exited)
 
     @property
     def ttl(self) -> float:
@@ -136,6 +136,9 @@ class Reconciler(Service):
     def stir(self) -> None:
         """Look again soon: a worker died, a child it ran may be over."""
         self.wake.wake()
+
+    def _worker_exited(self, _: WorkerExited) -> None:
+        self.stir()  # a child it ran may be over
 
     def reconfigure(self, config: Config) -> None:
         self.config = config

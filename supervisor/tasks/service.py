@@ -101,7 +101,7 @@ class TaskKeeper(Service):
         self._pruned_at: float | None = None  # None: not yet in this boot (the first pass does)
         self.log = log("tasks")
         if bus is not None:
-            bus.subscribe(Published, lambda e: self.admitted(e.session, e.event))
+            bus.subscribe(Published, self._published)
 
     # --- signals from the rest of the daemon ---------------------------------------
 
@@ -113,6 +113,9 @@ class TaskKeeper(Service):
         """The pool's event hook: a `task_started` means a pending task to start."""
         if payload.get("type") == EventType.TASK_STARTED:
             self.stir()
+
+    def _published(self, event: Published) -> None:
+        self.admitted(event.session, event.event)
 
     def cancel(self, task_id: str) -> None:
         """A cancel was committed (`DELETE /v1/tasks/{id}`): tell its runner at once if it

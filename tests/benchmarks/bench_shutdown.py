@@ -1,6 +1,6 @@
 """Shutdown time of a whole process tree: the real daemon, 4 workers, 4 MCP servers each.
 
-DESIGN.md section 7 stops every descendant at once: SIGTERM to all, one shared
+The stop (docs/architecture.md) stops every descendant at once: SIGTERM to all, one shared
 `shutdown.kill_grace` deadline, SIGKILL to the rest. This benchmark measures the wall
 time from SIGTERM to the daemon's exit (`turnkeeper run` as a real process,
 `tests.daemon.Daemon`, `pool.workers = 4, pool.spare = 0`, HTTP on a unix socket in the
