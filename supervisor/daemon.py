@@ -21,7 +21,7 @@ from setproctitle import setproctitle
 
 from supervisor import __version__
 from supervisor.composition import Hooks, Tree, build
-from supervisor.contract.background import first_of, spawn
+from supervisor.contract.background import LoopDied, first_of, spawn
 from supervisor.contract.clock import SYSTEM
 from supervisor.contract.config import (
     Config,
@@ -232,7 +232,10 @@ class Daemon:
         if task.cancelled() or self.failure is not None:
             return
         exc = task.exception()
-        self.failure = f"task {task.get_name()} " + (f"died: {exc!r}" if exc else "ended")
+        if isinstance(exc, LoopDied):  # a service's loop: named, with what it raised
+            self.failure, exc = str(exc), exc.cause
+        else:
+            self.failure = f"task {task.get_name()} " + (f"died: {exc!r}" if exc else "ended")
         log("daemon").opt(exception=exc).critical(
             "{}; stopping, to exit non-zero and be restarted", self.failure
         )

@@ -275,7 +275,7 @@ def test_a_loop_that_raises_ends_its_service_and_the_root_says_so() -> None:
         return ended
 
     assert asyncio.run(scenario()) == [
-        "broken: ExceptionGroup('unhandled errors in a TaskGroup', [OSError('disk on fire')])"
+        "broken: LoopDied(\"task broken-loop died: OSError('disk on fire')\")"
     ]
 
 

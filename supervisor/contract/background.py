@@ -45,18 +45,40 @@ def spawn(
     return task
 
 
+class LoopDied(Exception):
+    """A loop of a service ended by itself or raised: the service cannot do its job."""
+
+    def __init__(self, loop: str, cause: BaseException | None) -> None:
+        super().__init__(f"task {loop} " + (f"died: {cause!r}" if cause else "ended"))
+        self.loop, self.cause = loop, cause
+
+
 async def run_loops(loops: Mapping[str, Coroutine[Any, Any, Any]]) -> None:
-    """Run `loops` (by name) under one TaskGroup until all end, one raises or the caller
-    is cancelled; in every case none is left running when this returns."""
+    """Run `loops` (by name) until the caller is cancelled, under one TaskGroup. A loop
+    runs until cancelled: one that ends or raises raises `LoopDied` here (naming it),
+    once its siblings are cancelled; in every case none is left running."""
     pending = dict(loops)
     try:
         async with asyncio.TaskGroup() as group:
             while pending:
                 name, work = pending.popitem()
-                group.create_task(work, name=name)
+                group.create_task(_named(name, work), name=name)
+    except BaseExceptionGroup as group_error:
+        died = [e for e in group_error.exceptions if isinstance(e, LoopDied)]
+        if died:
+            raise died[0] from None
+        raise
     finally:
         for work in pending.values():  # not started: close them, no "never awaited"
             work.close()
+
+
+async def _named(name: str, work: Coroutine[Any, Any, Any]) -> None:
+    try:
+        await work
+    except Exception as exc:
+        raise LoopDied(name, exc) from exc
+    raise LoopDied(name, None)
 
 
 async def first_of(*works: Awaitable[Any]) -> set[asyncio.Future[Any]]:

@@ -31,6 +31,7 @@ from supervisor.contract.logs import log
 from supervisor.contract.paths import machine_id
 from supervisor.metrics import Metrics
 from supervisor.runtime.bus import Bus, HostsLost, Stopping
+from supervisor.runtime.loops import QUIET, Wake, reconcile
 from supervisor.runtime.service import Service, Steps
 from supervisor.store import Host, HostTaken, Me, SingleHost, Store
 
@@ -79,6 +80,7 @@ class Membership(Service):
             version=__version__,
         )
         self.live: tuple[str, ...] = (host_id,)  # the live hosts' ids, this one included
+        self._lost_before: set[str] | None = None  # None: not read yet (lost long ago: no news)
         self.adopting = True  # False once this daemon stops: it takes no other host's session
         self.bus.subscribe(Stopping, self._stopping)
         # A thread of its own: the renewal never waits behind the pool's database work.
@@ -159,47 +161,53 @@ class Membership(Service):
             return False
 
     async def run(self) -> None:
-        """Renew the row and read the others', every `RENEW` s, until cancelled."""
-        lost_before: set[str] | None = None  # None: not read yet (lost long ago: no news)
-        while True:
-            try:
-                loop = asyncio.get_running_loop()
-                overdue = await loop.run_in_executor(
-                    self._renewer, self.store.hosts.renew, self.host_id, self.boot_id, self.ttl
-                )
-                hosts = await loop.run_in_executor(self._renewer, self.store.hosts.all)
-            except Exception as exc:  # the database is away: the next round tries again
-                self.log.warning("cannot renew the host row: {}", exc)
-                await SYSTEM.sleep(RENEW)
-                continue
-            if overdue is None:
-                raise Fenced(
-                    f"host id {self.host_id} is held by another boot now (this daemon was "
-                    "paused or cut off from the database past lease.stale_after, and another "
-                    "daemon started with its id): stopping"
-                )
-            if overdue > 0:
+        """Renew the row and read the others', every `RENEW` s, until cancelled; a renewal
+        that finds the row another boot's raises Fenced (the daemon stops)."""
+        self._lost_before = None
+        await reconcile(
+            "hosts",
+            self._renew,
+            interval=lambda: RENEW,
+            wake=Wake(),
+            clock=SYSTEM,
+            observer=self.metrics if self.metrics is not None else QUIET,
+            fatal=(Fenced,),
+        )
+
+    async def _renew(self) -> float:
+        loop = asyncio.get_running_loop()
+        overdue = await loop.run_in_executor(
+            self._renewer, self.store.hosts.renew, self.host_id, self.boot_id, self.ttl
+        )
+        hosts = await loop.run_in_executor(self._renewer, self.store.hosts.all)
+        if overdue is None:
+            raise Fenced(
+                f"host id {self.host_id} is held by another boot now (this daemon was "
+                "paused or cut off from the database past lease.stale_after, and another "
+                "daemon started with its id): stopping"
+            )
+        if overdue > 0:
+            self.log.warning(
+                "this host was away {:.1f} s past its lease.stale_after (paused, or cut "
+                "off from the database): sessions the others adopted meanwhile are "
+                "dropped; their leases fence out whatever this host still had in flight",
+                overdue,
+            )
+        self.live = tuple(h.host_id for h in hosts if h.live) or (self.host_id,)
+        lost = {h.host_id for h in hosts if not h.live and h.host_id != self.host_id}
+        if self._lost_before is not None and lost - self._lost_before:
+            for host in sorted(lost - self._lost_before):
+                row = next(h for h in hosts if h.host_id == host)
                 self.log.warning(
-                    "this host was away {:.1f} s past its lease.stale_after (paused, or cut "
-                    "off from the database): sessions the others adopted meanwhile are "
-                    "dropped; their leases fence out whatever this host still had in flight",
-                    overdue,
+                    "host {} {} ({:.1f} s since it was last seen): its sessions are "
+                    "adopted as their leases run out",
+                    host,
+                    "left" if row.state == "left" else "stopped renewing",
+                    row.now - row.last_seen,
                 )
-            self.live = tuple(h.host_id for h in hosts if h.live) or (self.host_id,)
-            lost = {h.host_id for h in hosts if not h.live and h.host_id != self.host_id}
-            if lost_before is not None and lost - lost_before:
-                for host in sorted(lost - lost_before):
-                    row = next(h for h in hosts if h.host_id == host)
-                    self.log.warning(
-                        "host {} {} ({:.1f} s since it was last seen): its sessions are "
-                        "adopted as their leases run out",
-                        host,
-                        "left" if row.state == "left" else "stopped renewing",
-                        row.now - row.last_seen,
-                    )
-                self.bus.publish(HostsLost(tuple(sorted(lost - lost_before))))
-            lost_before = lost
-            await SYSTEM.sleep(RENEW)
+            self.bus.publish(HostsLost(tuple(sorted(lost - self._lost_before))))
+        self._lost_before = lost
+        return RENEW
 
     def sweep(self) -> None:
         """Kill processes an earlier boot of this host left running, unless their pid was

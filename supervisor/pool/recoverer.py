@@ -37,6 +37,7 @@ from supervisor.core.recovery import Action, Decision, Interruption, Trigger
 from supervisor.core.vocabulary import SessionKind
 from supervisor.metrics import Metrics
 from supervisor.pool.runs import Resumer
+from supervisor.runtime.loops import Wake, reconcile
 from supervisor.runtime.service import Service
 from supervisor.store import EventRecord, SessionInfo, Store
 from supervisor.subagents import rules as subagents
@@ -101,6 +102,8 @@ class Recoverer(Service):
         self.attention: set[str] = set()
         self.runs = Resumer(store, metrics, self.clock, self._memory, self.wanted)
         self.log = log("recovery")
+        self._booted = False  # the boot scan has run (the breaker loop's first pass)
+        self._retry_armed = False  # the retry timer's first pass only rests
 
     def configure(self, config: Config) -> None:
         """Take `config`'s settings: at the start, and on a reload."""
@@ -214,19 +217,45 @@ class Recoverer(Service):
         """The boot scan (at once), the breaker loop and the retry timer."""
         return {"recovery-breaker": self._breaker_loop(), "recovery-retry": self._retry_loop()}
 
-    async def _breaker_loop(self) -> None:
-        await self.scan(Trigger.BOOT_SCAN)
-        while True:
-            await self.timer.sleep(BREAKER_CHECK)
-            was = self.breaker.tripped
-            await asyncio.to_thread(self.evaluate_breaker)
-            if was and not self.breaker.tripped and not self.scanned:
-                await self.scan(Trigger.BOOT_SCAN)
+    def _breaker_loop(self) -> Coroutine[Any, Any, None]:
+        """The boot scan at once; then the breaker read every BREAKER_CHECK, and the boot
+        scan once it lets go if it held the scan back."""
+        return reconcile(
+            "recovery-breaker",
+            self._breaker_pass,
+            interval=lambda: BREAKER_CHECK,
+            wake=Wake(),
+            clock=self.timer,
+            observer=self.metrics,
+        )
 
-    async def _retry_loop(self) -> None:
-        while True:
-            await self.timer.sleep(self.settings.retry_interval)
+    async def _breaker_pass(self) -> float:
+        if not self._booted:
+            self._booted = True
+            await self.scan(Trigger.BOOT_SCAN)
+            return BREAKER_CHECK
+        was = self.breaker.tripped
+        await asyncio.to_thread(self.evaluate_breaker)
+        if was and not self.breaker.tripped and not self.scanned:
+            await self.scan(Trigger.BOOT_SCAN)
+        return BREAKER_CHECK
+
+    def _retry_loop(self) -> Coroutine[Any, Any, None]:
+        """A scan every `recovery.retry_interval` (the first one interval after boot)."""
+        return reconcile(
+            "recovery-retry",
+            self._retry_pass,
+            interval=lambda: self.settings.retry_interval,
+            wake=Wake(),
+            clock=self.timer,
+            observer=self.metrics,
+        )
+
+    async def _retry_pass(self) -> float:
+        if self._retry_armed:
             await self.scan(Trigger.RETRY_TIMER)
+        self._retry_armed = True
+        return self.settings.retry_interval
 
     # --- the guarded pass -----------------------------------------------------------
 

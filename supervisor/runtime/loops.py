@@ -77,10 +77,12 @@ async def reconcile(
     retry: float | None = None,
     observer: PassObserver = QUIET,
     wakes: tuple[asyncio.Event, ...] = (),
+    fatal: tuple[type[BaseException], ...] = (),
 ) -> None:
     """Pass at once, then on every wake and after every rest, until cancelled (see the
     module's docstring). `wakes`: more events that cut a rest short (left set: their
-    owner clears them)."""
+    owner clears them); `fatal`: errors that end the loop (and so its service, and the
+    daemon) instead of a retry."""
     say = log(name.split("-")[0])
     wake.bind()
     failing = False
@@ -88,14 +90,17 @@ async def reconcile(
         wake.clear()
         try:
             rest = await step()
-            if failing:
-                say.info("{}: passes work again", name)
-            failing, ok = False, True
+        except fatal:
+            raise
         except Exception:
             wait = retry if retry is not None else interval()
             if not failing:
                 say.exception("{}: a pass failed; trying again every {:g} s", name, wait)
             failing, ok, rest = True, False, wait
+        else:
+            if failing:
+                say.info("{}: passes work again", name)
+            failing, ok = False, True
         observer.loop_pass(name, ok)
         if rest is None:
             rest = interval()
