@@ -11,6 +11,7 @@ from pathlib import Path
 
 from supervisor import checks, locks, trust
 from supervisor.contract.config import Config, Paths, make_private_dir
+from supervisor.contract.errors import PluginError, StartupError
 from supervisor.http.auth import (
     ADMIN,
     Tokens,
@@ -20,14 +21,6 @@ from supervisor.http.auth import (
     read_tokens_file,
 )
 from supervisor.store import sqlite_path
-
-
-class StartupError(Exception):
-    """The daemon cannot start; the message says why (one line)."""
-
-
-class PluginError(Exception):
-    """A configuration the daemon cannot run with (exit 78); the message names the key."""
 
 
 def check_plugins(config: Config) -> None:

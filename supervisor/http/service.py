@@ -10,9 +10,9 @@ streams to end, and a second more).
 from __future__ import annotations
 
 from supervisor.contract.config import Config, parse_listen
+from supervisor.contract.errors import StartupError
 from supervisor.http.app import Api
 from supervisor.http.listener import Listener
-from supervisor.preflight import StartupError
 from supervisor.runtime.service import Service, Steps
 
 

@@ -29,7 +29,7 @@ from supervisor.contract.clock import SYSTEM
 from supervisor.contract.config import Config
 from supervisor.contract.logs import log
 from supervisor.contract.paths import machine_id
-from supervisor.metrics import Metrics
+from supervisor.pool.counting import Counts
 from supervisor.runtime.bus import Bus, HostsLost, Stopping
 from supervisor.runtime.loops import QUIET, Wake, reconcile
 from supervisor.runtime.service import Service, Steps
@@ -59,7 +59,7 @@ class Membership(Service):
         host_id: str,
         *,
         bus: Bus | None = None,
-        metrics: Metrics | None = None,
+        metrics: Counts | None = None,
         ending: Callable[[], None] | None = None,
     ) -> None:
         self.store = store
@@ -236,7 +236,7 @@ class Membership(Service):
         self.log.info("left the database's hosts; {} leases handed back", expired)
 
 
-def previous_stop(store: Store, boot_id: str, metrics: Metrics) -> None:
+def previous_stop(store: Store, boot_id: str, metrics: Counts) -> None:
     """The previous boot's stop step durations, as gauges."""
     for boot in store.boots.recent(2):
         if boot.boot_id != boot_id and boot.breaker:

@@ -39,8 +39,8 @@ from supervisor.contract.spawn import WorkerSpec
 from supervisor.core.engine import HEARTBEATS_MISSED
 from supervisor.core.slots import Slot, SlotState, all_fatal
 from supervisor.core.vocabulary import AssignReason
-from supervisor.metrics import Metrics
 from supervisor.pool import drain
+from supervisor.pool.counting import Counts
 from supervisor.pool.handle import WorkerHandle
 from supervisor.pool.housekeeping import Housekeeper
 from supervisor.pool.ownership import HostView, Ownership
@@ -79,7 +79,7 @@ class Pool(Requests, Resizing, Service):
         boot_id: str,
         address: str,
         recovery: Recoverer,
-        metrics: Metrics,
+        metrics: Counts,
         *,
         bus: Bus | None = None,
         hosts: HostView | None = None,

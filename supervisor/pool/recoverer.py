@@ -35,7 +35,7 @@ from supervisor.core.engine import Memory, SessionView
 from supervisor.core.notices import notice
 from supervisor.core.recovery import Action, Decision, Interruption, Trigger
 from supervisor.core.vocabulary import SessionKind
-from supervisor.metrics import Metrics
+from supervisor.pool.counting import Counts
 from supervisor.pool.runs import Resumer
 from supervisor.runtime.loops import Wake, reconcile
 from supervisor.runtime.service import Service
@@ -74,7 +74,7 @@ class Recoverer(Service):
         store: Store,
         boot_id: str,
         host: str,
-        metrics: Metrics,
+        metrics: Counts,
         *,
         give_up: GiveUp | None = None,
         clock: Clock = SYSTEM,

@@ -15,7 +15,7 @@ from supervisor.contract.logs import log
 from supervisor.core import autonomy
 from supervisor.core.engine import Memory
 from supervisor.core.recovery import Trigger
-from supervisor.metrics import Metrics
+from supervisor.pool.counting import Counts
 from supervisor.store import ReplayedSeq, Store
 
 RUN_TAIL = 20  # events read to find an autonomous run's newest checkpoint
@@ -26,7 +26,7 @@ class Resumer:
     """Resumes autonomous runs, with what that needs of recovery."""
 
     store: Store
-    metrics: Metrics
+    metrics: Counts
     clock: Callable[[], float]  # wall time: a checkpoint's next wake is wall time
     memory: Callable[[str], Memory]  # recovery's record of a session
     wanted: asyncio.Event  # set: the pool has input to hand out

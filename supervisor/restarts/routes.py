@@ -30,7 +30,7 @@ from supervisor.core.vocabulary import RestartOutcome, RestartState
 from supervisor.http.answers import RETRY_AFTER, ApiError, answer, read_body, whole
 from supervisor.http.auth import ADMIN
 from supervisor.http.schemas import SESSION_ID_PATTERN
-from supervisor.restarts.rules import REASON_MAX
+from supervisor.restarts.rules import REASON_MAX, RestartRefused
 from supervisor.store import Store
 from supervisor.store.restarts import Admitted, RateLimited, RestartInfo
 
@@ -40,10 +40,6 @@ MAX_DRAIN = 3600.0  # seconds a request may let turns run before the restart
 MAX_LISTED = 1000  # requests one answer lists (`limit`)
 LISTED = 50  # ... unless told
 FLAGS = {"true": True, "false": False}
-
-
-class RestartRefused(Exception):
-    """The daemon will not restart now; the message says why in one line."""
 
 
 class RestartDesk(Protocol):

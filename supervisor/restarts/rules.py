@@ -43,6 +43,10 @@ _DROPPED = frozenset({"Cc", "Cf", "Cs"})
 Verdict = Literal["new", "in_progress", "rate_limited"]
 
 
+class RestartRefused(Exception):
+    """The daemon will not restart now; the message says why in one line."""
+
+
 def clean_reason(text: object) -> str:
     """A request's reason as stored and shown: control characters dropped, whitespace
     collapsed to single spaces, at most `REASON_MAX` characters. ValueError unless a

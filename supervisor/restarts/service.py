@@ -29,12 +29,11 @@ from typing import Any
 from supervisor import __version__
 from supervisor.contract.clock import SYSTEM, Clock
 from supervisor.contract.config import Config, ConfigError, resolve_paths, resolved_host_id
+from supervisor.contract.errors import PluginError
 from supervisor.contract.logs import log
 from supervisor.core.vocabulary import EventType, RestartState
 from supervisor.notify import Notifier
-from supervisor.preflight import PluginError
-from supervisor.restarts.routes import RestartRefused
-from supervisor.restarts.rules import clean_reason, wait_left
+from supervisor.restarts.rules import RestartRefused, clean_reason, wait_left
 from supervisor.runtime.bus import Bus, Published
 from supervisor.runtime.loops import MAX_REST, Wake, reconcile
 from supervisor.runtime.service import Service

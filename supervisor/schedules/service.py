@@ -36,6 +36,7 @@ from supervisor.contract.config import Config
 from supervisor.contract.cron import Cron, CronError
 from supervisor.contract.logs import log
 from supervisor.core.vocabulary import (
+    ADMIN_PRINCIPAL,
     EventType,
     FireOutcome,
     Permission,
@@ -43,7 +44,6 @@ from supervisor.core.vocabulary import (
     SessionStatus,
     Writer,
 )
-from supervisor.http.auth import ADMIN
 from supervisor.metrics import Metrics
 from supervisor.runtime.loops import Wake, reconcile
 from supervisor.runtime.service import Service
@@ -245,7 +245,7 @@ class Scheduler(Service):
             self.log.info("schedule {} did not run for {}: {}", schedule.id, _when(fire), stopped)
             return
         outcome = FireOutcome(fire.outcome)
-        owner = schedule.owner or ADMIN
+        owner = schedule.owner or ADMIN_PRINCIPAL
         payload = rules.message(schedule.id, schedule.text, owner, fire.scheduled_for, outcome)
         key = rules.idempotency_key(schedule.id, fire.scheduled_for)
         if schedule.session is None:
@@ -298,8 +298,8 @@ class Scheduler(Service):
             return str(exc)
         if info.status != SessionStatus.OPEN:
             return f"its session is {info.status}"
-        owner = schedule.owner or ADMIN
-        if owner != ADMIN:
+        owner = schedule.owner or ADMIN_PRINCIPAL
+        if owner != ADMIN_PRINCIPAL:
             held = self.store.acl.permission(schedule.session, owner)
             if held is None or not Permission(held).includes(Permission.WRITE):
                 return f"its owner {owner} no longer has write access to its session"
