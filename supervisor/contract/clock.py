@@ -13,8 +13,6 @@ import itertools
 import time
 from typing import Protocol
 
-from supervisor.contract.background import first_of, spawn
-
 
 class Clock(Protocol):
     """What code that waits or measures time is handed."""
@@ -50,9 +48,14 @@ SYSTEM = SystemClock()
 
 async def sleep_unless(clock: Clock, seconds: float, *events: asyncio.Event) -> bool:
     """Sleep `seconds` on `clock`, or less if one of `events` is set; True if cut short."""
-    sleep = spawn(clock.sleep(seconds), name="sleep")
-    done = await first_of(sleep, *(spawn(event.wait(), name="wake") for event in events))
-    return sleep not in done
+    sleep = asyncio.ensure_future(clock.sleep(seconds))
+    waits = {sleep, *(asyncio.ensure_future(event.wait()) for event in events)}
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        return not sleep.done()
+    finally:
+        for wait in waits:
+            wait.cancel()
 
 
 class FakeClock:
