@@ -152,7 +152,6 @@ def build(
     scheduler = Scheduler(config, store, owner, bus.committed, pool.interrupt, metrics, clock=clock)
     courier = Courier(config, store, owner, metrics, clock=clock, bus=bus)
     hub = Hub()
-    services: list[Service] = []
     root_box: list[Root] = []  # the reloader reconfigures the root it belongs to
     reloader = Reloader(
         config,
@@ -199,7 +198,7 @@ def build(
     state.pool, state.mcp = pool.status, pool.mcp_states
     state.sessions, state.subagents = store.sessions.counts, store.subagents.counts
     state.tasks, state.restarts = store.tasks.counts, store.restarts.counts
-    services += [
+    services: list[Service] = [
         StoreService(store),
         membership,
         recovery,

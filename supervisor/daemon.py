@@ -41,7 +41,7 @@ from supervisor.pool.processes import REAP_BOUND
 from supervisor.preflight import PluginError, StartupError, check_plugins, take_files
 from supervisor.reloading import Reloader
 from supervisor.restarts.service import Restarter
-from supervisor.runtime.bus import Bus, ConfigChanged, Stopping
+from supervisor.runtime.bus import Bus, Stopping
 from supervisor.runtime.root import Drains
 from supervisor.stopping import READY_TIMEOUT, STOP_REQUEST, StepLog
 from supervisor.store import RestartInfo, Store
@@ -129,7 +129,6 @@ class Daemon:
         self.api, self.membership, self.restarter = tree.api, tree.membership, tree.restarter
         self.reloader = tree.reloader
         self.bus = tree.bus
-        tree.bus.subscribe(ConfigChanged, lambda e: self._configured(e.config))
         try:
             await tree.root.start(self.steps)  # HostTaken, SingleHost, a port in use: raised
             tree.root.run(self._service_ended)

@@ -9,7 +9,6 @@ import ast
 import asyncio
 import inspect
 import os
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, ClassVar
@@ -401,7 +400,3 @@ class RealSleep:
     async def sleep(self, seconds: float) -> None:
         self.clock.slept.append(seconds)
         await asyncio.Event().wait()
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(pytest.main([__file__]))

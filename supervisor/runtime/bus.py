@@ -1,8 +1,9 @@
 """The in-process event bus: what one service tells the others, typed.
 
 A service publishes a fact (`Committed`, `Published`, `WorkerExited`, `TurnEnded`,
-`HostsLost`, `Woken`, `Stopping`, `ConfigChanged`); the services that care subscribe to
-its type when they are built.
+`HostsLost`, `Woken`, `Stopping`); the services that care subscribe to its type when
+they are built. A reload's configuration is not an event: the root hands it to each
+service (`Root.reconfigure`), which may refuse it.
 Nobody calls into another service to say "look again": the publisher does not know who
 listens. Handlers run at once, in the publisher's call, in the order they subscribed; they
 must not block (a handler wakes its own loop, it does not do the loop's work). A handler
@@ -20,7 +21,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from supervisor.contract.config import Config
 from supervisor.contract.logs import log
 
 
@@ -79,13 +79,6 @@ class Stopping:
     """The daemon was told to stop (a signal, a requested restart): take no new work."""
 
     reason: str
-
-
-@dataclass(frozen=True)
-class ConfigChanged:
-    """A reload put `config` in force (after every service took it)."""
-
-    config: Config = field(hash=False)
 
 
 E = TypeVar("E")

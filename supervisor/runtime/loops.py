@@ -34,8 +34,8 @@ class Wake:
         self.event = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
 
-    def wake(self, *_: object) -> None:
-        """Look again now (arguments are ignored: a bus handler may pass its event)."""
+    def wake(self) -> None:
+        """Look again now."""
         self.event.set()
 
     def wake_threadsafe(self) -> None:

@@ -148,16 +148,13 @@ class Reconciler(Service):
         return {
             "subagents": reconcile(
                 "subagents",
-                self._pass,
+                self.reconcile,
                 interval=lambda: self.config.subagents.reconcile_interval,
                 wake=self.wake,
                 clock=self.clock,
                 observer=self.metrics,
             )
         }
-
-    async def _pass(self) -> None:
-        await self.reconcile()
 
     async def stop(self, steps: Steps) -> None:
         """The subagent drain (after the HTTP listener closed: a subagent's turn in flight

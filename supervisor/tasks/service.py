@@ -139,7 +139,7 @@ class TaskKeeper(Service):
         try:
             await reconcile(
                 "tasks",
-                self._pass,
+                self.reconcile,
                 interval=lambda: self.config.tasks.reconcile_interval,
                 wake=self.wake,
                 clock=self.clock,
@@ -147,9 +147,6 @@ class TaskKeeper(Service):
             )
         finally:
             self._unwatch_all()
-
-    async def _pass(self) -> None:
-        await self.reconcile()
 
     async def stop(self, steps: Steps) -> None:
         await self.settle()  # a runner being started is ended with the others
