@@ -222,7 +222,7 @@ def draw(tree: Tree) -> str:
     """The tree as its code declares it, in Markdown: each service in start order with
     what it needs, the sections it takes on a reload, whether it stays up through the
     drain and its loops; then who hears what on the bus. docs/architecture.md holds this
-    text; `tests/test_structure.py` fails when the two differ."""
+    text; `tests/project/test_structure.py` fails when the two differ."""
     lines = [
         "| # | service | class | needs | after | drains | takes live | loops |",
         "|---|---|---|---|---|---|---|---|",

@@ -1,4 +1,4 @@
-"""The harness of tests/test_deliveries_daemon.py: a daemon with delivery targets that
+"""The harness of tests/deliveries/test_deliveries_daemon.py: a daemon with delivery targets that
 point at real receivers on loopback (`tests.deliveries_receiver`), and what the tests read
 back from the database, the API, the CLI and /metrics."""
 

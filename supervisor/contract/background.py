@@ -13,7 +13,7 @@ these helpers, never with a bare `asyncio.create_task`:
   reload in flight). The task is referenced until it ends.
 - `first_of`: wait for the first of several awaitables; the others are cancelled.
 
-A test that must find none elsewhere: `tests/test_structure.py`.
+A test that must find none elsewhere: `tests/project/test_structure.py`.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Its component schemas are built from the pydantic models the handlers use
 (`schemas.py`, `model_json_schema`), so they are what the code validates and answers; only
-the table of paths below is written by hand. A property test (tests/test_api_fuzz.py)
+the table of paths below is written by hand. A property test (tests/http/test_api_fuzz.py)
 drives the real server from this document and fails on any answer that does not match it.
 """
 

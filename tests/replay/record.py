@@ -7,7 +7,7 @@ Run by hand from the repository's root, with the project's virtualenv:
 It starts one daemon (`tests.daemon.Daemon`: two workers, the `ChaosAgent` of
 `tests.agents`, the echo model, the attempt schedule shortened to 0, 0.5 and 1 s) in a
 temporary directory, plays the scenarios below against it with real signals, as
-`tests/test_chaos.py` does, stops it cleanly, and writes every session's event log
+`tests/pool/test_chaos.py` does, stops it cleanly, and writes every session's event log
 (seq, type, turn id, payload, created_at, writer, lease token) and its final session row
 to `tests/replay/logs/<scenario>.json`, each file headed by what produced it. Machine
 values are stripped: the temporary directory becomes `<tmp>` wherever a payload holds it,
