@@ -20,6 +20,7 @@ import tomli_w
 
 from supervisor.store import EventRecord, Store
 from tests.conftest import PYTHON, REPO, python_env
+from tests.support import cli_env, run_turnkeeper
 
 READY_TIMEOUT = 45.0
 
@@ -67,25 +68,11 @@ class LoopbackServer:
         self.thread.join(10)
 
 
-def cli_env(**extra: str) -> dict[str, str]:
-    """python_env() without the caller's TURNKEEPER_* variables, which would override."""
-    env = {k: v for k, v in python_env().items() if not k.startswith("TURNKEEPER_")}
-    env.update(extra)
-    return env
-
-
 def turnkeeper(daemon: Daemon, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
     """The command line against `daemon`'s configuration, as a user runs it (a wide
     terminal, no stdin, `env` on top of `cli_env`)."""
-    return subprocess.run(
-        [PYTHON, "-m", "supervisor", "--config", str(daemon.config_path), *args],
-        cwd=REPO,
-        env=cli_env(**{"COLUMNS": "200", **env}),
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    environ = cli_env(**{"COLUMNS": "200", **env})
+    return run_turnkeeper(*args, env=environ, config=daemon.config_path)
 
 
 class Daemon:

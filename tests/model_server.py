@@ -18,7 +18,6 @@ import contextlib
 import importlib.util
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from tests.support import free_port
 
 REQUIRED = "TURNKEEPER_TEST_REQUIRE_MODEL_SERVER"
 MISSING = (
@@ -108,12 +109,6 @@ def write_model(path: Path, seed: int = 0) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 class ModelServer:

@@ -10,17 +10,12 @@ from pathlib import Path
 
 from supervisor.store import Store
 from tests.conftest import PYTHON, REPO, python_env
+from tests.support import run_turnkeeper
 
 
 def turnkeeper(state: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [PYTHON, "-m", "supervisor", *args],
-        cwd=REPO,
-        env=python_env(TURNKEEPER_DAEMON__STATE_DIR=str(state), TURNKEEPER_CONFIG="", **env),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    environ = python_env(TURNKEEPER_DAEMON__STATE_DIR=str(state), TURNKEEPER_CONFIG="", **env)
+    return run_turnkeeper(*args, env=environ)
 
 
 def test_read_commands_refuse_a_missing_database_without_creating_one(tmp_path: Path) -> None:

@@ -28,6 +28,7 @@ from supervisor.store import Store
 from tests.cli.test_client import cli_env, new_session, one_line, wait_for_a_turn
 from tests.conftest import PYTHON, REPO
 from tests.daemon import Daemon, daemons, events, wait_until
+from tests.support import free_port, run_turnkeeper
 
 __all__ = ["daemons"]  # the fixture
 
@@ -39,16 +40,7 @@ def turnkeeper(
     daemon: Daemon | Path, *args: str, stdin: str | None = None, **env: str
 ) -> subprocess.CompletedProcess[str]:
     config = daemon.config_path if isinstance(daemon, Daemon) else daemon
-    return subprocess.run(
-        [PYTHON, "-m", "supervisor", "--config", str(config), *args],
-        cwd=REPO,
-        env=cli_env(**env),
-        input=stdin,
-        stdin=None if stdin is not None else subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    return run_turnkeeper(*args, env=cli_env(**env), config=config, stdin=stdin)
 
 
 def popen(daemon: Daemon, *args: str) -> subprocess.Popen[bytes]:
@@ -112,13 +104,6 @@ def seqs(lines: list[str]) -> list[int]:
 
 
 # --- exit code 3 ------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-    return port
 
 
 def stale_socket(path: Path) -> Path:

@@ -15,20 +15,14 @@ import tomli_w
 from supervisor.cli.service import detect
 from tests.conftest import PYTHON, REPO, python_env
 from tests.daemon import Daemon, daemons, wait_until
+from tests.support import run_turnkeeper
 
 __all__ = ["daemons"]  # the fixture
 Daemons = Callable[..., Daemon]
 
 
 def cli(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [PYTHON, "-m", "supervisor", *args, "--config", str(config)],
-        cwd=REPO,
-        env=python_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    return run_turnkeeper(*args, env=python_env(), config=config, timeout=120)
 
 
 SYSTEM = "0::/system.slice/turnkeeper.service\n"

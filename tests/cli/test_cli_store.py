@@ -24,6 +24,7 @@ from supervisor.http.auth import digest
 from supervisor.store import Store
 from tests.conftest import PYTHON, REPO, python_env, this_host_id
 from tests.daemon import Daemon, daemons, inject, turn_ended, wait_until
+from tests.support import run_turnkeeper
 
 __all__ = ["daemons"]  # the fixture
 
@@ -33,18 +34,15 @@ DEAD_PID = 999_999_999  # above pid_max: never a live process
 
 def turnkeeper(where: Path | Daemon, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
     """`python -m supervisor ARGS` on a state dir, or with a daemon's config file."""
-    command = [PYTHON, "-m", "supervisor", *args]
-    if isinstance(where, Daemon):
-        command[3:3] = ["--config", str(where.config_path)]
+    config = where.config_path if isinstance(where, Daemon) else None
+    if config is not None:
         environ = python_env()
     else:
         environ = python_env(TURNKEEPER_DAEMON__STATE_DIR=str(where), TURNKEEPER_CONFIG="")
     for name in ("COLUMNS", "TURNKEEPER_TOKEN"):  # a width and a token of the test's own
         environ.pop(name, None)
     environ.update(env)
-    return subprocess.run(
-        command, cwd=REPO, env=environ, capture_output=True, text=True, timeout=60
-    )
+    return run_turnkeeper(*args, env=environ, config=config)
 
 
 def store_at(state: Path) -> Store:

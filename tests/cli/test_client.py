@@ -18,19 +18,13 @@ from supervisor.cli.client import Client, SseMessage, parse_sse
 from supervisor.contract.config import load_config
 from tests.conftest import PYTHON, REPO
 from tests.daemon import Daemon, cli_env, wait_until
+from tests.support import run_turnkeeper
 
 SESSION_ID = re.compile(r"^[0-9a-f]{32}$")
 
 
 def turnkeeper(config: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [PYTHON, "-m", "supervisor", "--config", str(config), *args],
-        cwd=REPO,
-        env=cli_env(**env),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    return run_turnkeeper(*args, env=cli_env(**env), config=config)
 
 
 def popen(config: Path, *args: str) -> subprocess.Popen[bytes]:

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import PYTHON, REPO, python_env
+from tests.support import run_turnkeeper
 
 EX_CONFIG = 78
 
@@ -39,18 +40,12 @@ def _config(tmp_path: Path, text: str) -> Path:
 
 def turnkeeper(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
     """`python -m supervisor --config F ARGS`, with tmp_path/mods importable."""
-    return subprocess.run(
-        [PYTHON, "-m", "supervisor", "--config", str(tmp_path / "turnkeeper.toml"), *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        env=python_env(
-            TURNKEEPER_CONFIG="",
-            PYTHONPATH=os.pathsep.join([str(tmp_path / "mods"), str(REPO)]),
-            **env,
-        ),
-        timeout=90,
+    environ = python_env(
+        TURNKEEPER_CONFIG="",
+        PYTHONPATH=os.pathsep.join([str(tmp_path / "mods"), str(REPO)]),
+        **env,
     )
+    return run_turnkeeper(*args, env=environ, config=tmp_path / "turnkeeper.toml", timeout=90)
 
 
 def doctor_json(tmp_path: Path, **env: str) -> tuple[int, dict[str, Any]]:

@@ -25,7 +25,8 @@ from supervisor.http.auth import Tokens, digest
 from supervisor.metrics import Metrics
 from supervisor.store import Grant, Me, Store
 from supervisor.store.models import Host as HostRow
-from tests.conftest import PYTHON, REPO, python_env
+from tests.conftest import python_env
+from tests.support import run_turnkeeper
 
 TOKEN = "admin-token"
 MACHINE = "0123456789abcdef0123456789abcdef"  # a machine id, as /etc/machine-id holds one
@@ -111,14 +112,7 @@ def turnkeeper(
     for name in ("COLUMNS", "TURNKEEPER_TOKEN", "TURNKEEPER_DAEMON__HOST_ID"):
         if name not in env:
             environ.pop(name, None)
-    return subprocess.run(
-        [PYTHON, "-m", "supervisor", *args],
-        cwd=REPO,
-        env=environ,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    return run_turnkeeper(*args, env=environ)
 
 
 @BACKENDS

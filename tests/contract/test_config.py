@@ -25,6 +25,7 @@ from supervisor.contract.config import (
     resolve_paths,
 )
 from supervisor.contract.delivery_targets import DeliveryTarget
+from tests.support import run_turnkeeper
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "etc" / "turnkeeper.toml"
@@ -574,14 +575,7 @@ def run_cli(
 ) -> subprocess.CompletedProcess[str]:
     environ = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home)}
     environ.update(env or {})
-    return subprocess.run(
-        [sys.executable, "-m", "supervisor", *args],
-        cwd=ROOT,
-        env=environ,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    return run_turnkeeper(*args, env=environ)
 
 
 def one_error_line(result: subprocess.CompletedProcess[str]) -> str:

@@ -5,12 +5,10 @@ Pure functions: the events are built by hand, no database.
 
 from __future__ import annotations
 
-import itertools
-from typing import Any
-
 import pytest
 
 from supervisor.store import EventRecord
+from tests.support import ev
 from workers.history import (
     INTERRUPTED_RESULT,
     NOT_STARTED_RESULT,
@@ -24,18 +22,6 @@ from workers.history import (
     turn_events,
 )
 from workers.models import Message, ToolCall
-
-_seq = itertools.count(1)
-
-
-def ev(
-    type: str,
-    payload: dict[str, Any] | None = None,
-    turn_id: str | None = "t1",
-    created_at: float = 1_700_000_000.0,
-) -> EventRecord:
-    """One committed event of session "s1"."""
-    return EventRecord("s1", next(_seq), type, turn_id, payload or {}, created_at, "worker")
 
 
 def user(text: str) -> EventRecord:

@@ -29,20 +29,13 @@ from supervisor.http.auth import digest
 from supervisor.store import EventRecord, Store
 from tests.conftest import PYTHON
 from tests.daemon import Daemon, daemons, events, turn_ended, wait_until
+from tests.support import free_port
 
 __all__ = ["daemons"]  # the fixture
 
 Daemons = Callable[..., Daemon]
 PRINCIPALS = ("alice", "bob")
 ATTACH_SHUTDOWN_TIMEOUT = 5.0  # attach.shutdown_timeout's default
-
-
-def free_port() -> int:
-    """A TCP port on loopback nobody listens on (free when asked; a tiny race after)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 @dataclass

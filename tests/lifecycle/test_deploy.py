@@ -26,6 +26,7 @@ from supervisor.contract.config import Config
 from supervisor.store import Store
 from tests.conftest import PYTHON, REPO, python_env
 from tests.daemon import wait_until
+from tests.support import free_port
 
 UNIT = REPO / "systemd" / "turnkeeper.service"
 SYSUSERS = REPO / "systemd" / "turnkeeper.sysusers"
@@ -122,12 +123,6 @@ def test_the_supervisord_program_restarts_like_the_unit() -> None:
 def environment(value: str) -> dict[str, str]:
     """supervisord's `environment=KEY="value",...`."""
     return dict(re.findall(r'(\w+)="([^"]*)"', value))
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def alive(pid: int) -> bool:

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 
 from supervisor.store import Store
-from tests.conftest import PYTHON, REPO, python_env
+from tests.conftest import python_env
 from tests.daemon import Daemon, daemons, events, inject, turn_ended, wait_until
+from tests.support import run_turnkeeper
 
 __all__ = ["daemons"]  # the fixture
 
@@ -23,14 +24,7 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def cli(daemon: Daemon, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [PYTHON, "-m", "supervisor", "--config", str(daemon.config_path), *args],
-        cwd=REPO,
-        env=python_env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    return run_turnkeeper(*args, env=python_env(), config=daemon.config_path)
 
 
 def sigkill(daemon: Daemon) -> None:

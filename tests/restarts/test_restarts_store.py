@@ -18,7 +18,6 @@ from supervisor.core.vocabulary import RestartState
 from supervisor.restarts import rules
 from supervisor.store import (
     Admitted,
-    EventRecord,
     LeaseLost,
     RateLimited,
     RestartInfo,
@@ -26,6 +25,7 @@ from supervisor.store import (
 )
 from supervisor.store.models import RestartRequest
 from tests.conftest import BACKENDS
+from tests.support import stored_events as events
 
 pytestmark = pytest.mark.parametrize("db_url", BACKENDS, indirect=True)
 
@@ -66,11 +66,6 @@ def ask(store: Store, boot: str, **options: Any) -> Admitted:
         "min_interval": 60.0,
     }
     return store.restarts.request(boot=boot, **(values | options))
-
-
-def events(store: Store, session_id: str, type: str | None = None) -> list[EventRecord]:
-    found = store.events.read(session_id, limit=10_000)
-    return [e for e in found if type is None or e.type == type]
 
 
 def boot(store: Store, host: str = "host-a") -> str:

@@ -24,10 +24,10 @@ import pytest
 
 from supervisor.store import EventRecord, FireInfo, Store
 from tests.cli.test_client import cli_env
-from tests.conftest import PYTHON, REPO
 from tests.daemon import Daemon, daemons, events, wait_until
 from tests.http.test_api import Api, assert_error, create_session, start
 from tests.pool.test_recovery_daemon import metric
+from tests.support import run_turnkeeper
 
 __all__ = ["daemons", "start"]  # the fixtures
 
@@ -38,15 +38,8 @@ DOWN = 10.0  # seconds the daemon stays down before the catch-up boot
 
 
 def turnkeeper(daemon: Daemon, token: str, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [PYTHON, "-m", "supervisor", "--config", str(daemon.config_path), *args],
-        cwd=REPO,
-        env=cli_env(TURNKEEPER_TOKEN=token, COLUMNS="200"),
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    environ = cli_env(TURNKEEPER_TOKEN=token, COLUMNS="200")
+    return run_turnkeeper(*args, env=environ, config=daemon.config_path)
 
 
 def fires(store: Store, schedule_id: str) -> list[FireInfo]:

@@ -30,6 +30,7 @@ from supervisor.metrics import Metrics
 from supervisor.store import LeaseLost, Store, SubagentInfo
 from tests.daemon import Daemon, daemons, events, turnkeeper, wait_until
 from tests.http.test_api import Api, assert_error, create_session, start
+from tests.support import RoutesPool
 
 __all__ = ["daemons", "start"]  # the fixtures
 
@@ -226,26 +227,6 @@ def test_subagents_without_a_daemon_exits_3(tmp_path: Path) -> None:
 # --- the routes and the pool, in-process ------------------------------------------------
 
 
-class Pool:
-    """A pool that records what the routes tell it."""
-
-    def __init__(self) -> None:
-        self.interrupted: list[str] = []
-
-    def wake(self, session_id: str) -> None: ...
-
-    def touch(self, session_id: str) -> None: ...
-
-    def interrupt(self, session_id: str) -> None:
-        self.interrupted.append(session_id)
-
-    def status(self) -> dict[str, Any]:
-        return {"slots": [], "restarts": 0}
-
-    def breaker(self) -> dict[str, Any]:
-        return {}
-
-
 TOKEN = "operator-token"
 
 
@@ -255,7 +236,7 @@ def test_interrupt_and_close_tell_the_pool_to_stop_every_descendant(tmp_path: Pa
         idle = store.sessions.create("admin").id
         child = spawn(store, lead, "a").id
         grandchild = spawn(store, child, "b").id
-        pool = Pool()
+        pool = RoutesPool()
         app = App(
             Config(),
             store,

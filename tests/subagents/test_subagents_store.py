@@ -12,9 +12,10 @@ import pytest
 
 from supervisor.core.vocabulary import SubagentStatus
 from supervisor.metrics import Metrics
-from supervisor.store import EventRecord, LeaseLost, Spawned, Store, TooManySessions
+from supervisor.store import LeaseLost, Spawned, Store, TooManySessions
 from supervisor.subagents.rules import Refused
 from tests.conftest import BACKENDS
+from tests.support import stored_events as events
 
 pytestmark = pytest.mark.parametrize("db_url", BACKENDS, indirect=True)
 
@@ -45,11 +46,6 @@ class Turn:
     def end(self, answer: str = "done", outcome: str = "completed") -> None:
         self.append("model_response", {"text": answer})
         self.append("turn_ended", {"outcome": outcome})
-
-
-def events(store: Store, session_id: str, type: str | None = None) -> list[EventRecord]:
-    found = store.events.read(session_id, limit=10_000)
-    return [e for e in found if type is None or e.type == type]
 
 
 def statuses(store: Store, *ids: str) -> list[str]:

@@ -32,6 +32,7 @@ from supervisor.store import LeaseLost, Store, TaskInfo
 from tests.conftest import this_host_id
 from tests.daemon import Daemon, daemons, events, turnkeeper, wait_until
 from tests.http.test_api import Api, assert_error, create_session, start
+from tests.support import RoutesPool
 
 __all__ = ["daemons", "start"]  # the fixtures
 
@@ -326,28 +327,6 @@ def test_tasks_without_a_daemon_exits_3(tmp_path: Path) -> None:
 # --- the routes and the pool, in-process ------------------------------------------------
 
 
-class Pool:
-    """A pool that records the cancels the routes tell it of."""
-
-    def __init__(self) -> None:
-        self.cancelled: list[str] = []
-
-    def wake(self, session_id: str) -> None: ...
-
-    def touch(self, session_id: str) -> None: ...
-
-    def interrupt(self, session_id: str) -> None: ...
-
-    def cancel(self, task_id: str) -> None:
-        self.cancelled.append(task_id)
-
-    def status(self) -> dict[str, Any]:
-        return {"slots": [], "restarts": 0}
-
-    def breaker(self) -> dict[str, Any]:
-        return {}
-
-
 TOKEN = "operator-token"
 
 
@@ -357,7 +336,7 @@ def test_a_cancel_tells_the_pool_of_a_live_task_only(tmp_path: Path) -> None:
         waiting = put(store, session)
         running = put(store, session, host="h")
         ended = put(store, session, host="h", outcome=TaskStatus.SUCCEEDED)
-        pool = Pool()
+        pool = RoutesPool()
         config = Config.model_validate({"daemon": {"state_dir": str(tmp_path / "state")}})
         tokens = Tokens({"admin": digest(TOKEN)})
         app = App(

@@ -12,9 +12,10 @@ from typing import Any
 import pytest
 
 from supervisor.core.vocabulary import TaskStatus
-from supervisor.store import EventRecord, LeaseLost, Started, Store
+from supervisor.store import LeaseLost, Started, Store
 from supervisor.tasks.rules import TaskRefused
 from tests.conftest import BACKENDS
+from tests.support import stored_events as events
 
 pytestmark = pytest.mark.parametrize("db_url", BACKENDS, indirect=True)
 
@@ -44,11 +45,6 @@ class Turn:
             max_running=options.pop("max_running", 8),
             call_id=call_id,
         )
-
-
-def events(store: Store, session_id: str, type: str | None = None) -> list[EventRecord]:
-    found = store.events.read(session_id, limit=10_000)
-    return [e for e in found if type is None or e.type == type]
 
 
 def running(store: Store, turn: Turn) -> str:

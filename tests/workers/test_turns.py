@@ -7,7 +7,6 @@ events a resumed turn reads are built by hand.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -16,6 +15,7 @@ from typing import Any
 import pytest
 
 from supervisor.store import EventRecord, LeaseLost
+from tests.support import ev
 from workers.agent import AgentLoadError, Turn, load_agent_class
 from workers.agents.tool_loop import MAX_STEPS, ToolLoopAgent
 from workers.history import INTERRUPTED_RESULT, NOT_STARTED_RESULT, to_messages
@@ -58,19 +58,6 @@ class Log:
 
     def payloads(self, type: str) -> list[dict[str, Any]]:
         return [payload for t, payload, _ in self.entries if t == type]
-
-
-_seq = itertools.count(1)
-
-
-def ev(
-    type: str,
-    payload: dict[str, Any] | None = None,
-    turn_id: str | None = "t1",
-    created_at: float = T0,
-) -> EventRecord:
-    """One committed event of session "s1"."""
-    return EventRecord("s1", next(_seq), type, turn_id, payload or {}, created_at, "worker")
 
 
 def user(text: str, created_at: float = T0) -> EventRecord:

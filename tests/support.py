@@ -1,0 +1,103 @@
+"""Helpers the tests share: a free port, the command line as a user runs it, made-up
+events, a store's events, and a pool that records what the routes tell it.
+
+`tests/daemon.py` is the other shared module: a real daemon as a process.
+"""
+
+from __future__ import annotations
+
+import itertools
+import socket
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from supervisor.store import EventRecord, Store
+from tests.conftest import PYTHON, REPO, python_env
+
+T0 = 1_700_000_000.0  # 2023-11-14 22:13:20 UTC: the time made-up events are stamped with
+
+
+def free_port() -> int:
+    """A TCP port on loopback nobody listens on (free when asked; a tiny race after)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def cli_env(**extra: str) -> dict[str, str]:
+    """python_env() without the caller's TURNKEEPER_* variables, which would override."""
+    env = {k: v for k, v in python_env().items() if not k.startswith("TURNKEEPER_")}
+    env.update(extra)
+    return env
+
+
+def run_turnkeeper(
+    *args: str,
+    env: dict[str, str],
+    config: Path | None = None,
+    stdin: str | None = None,
+    timeout: float = 60,
+) -> subprocess.CompletedProcess[str]:
+    """`python -m supervisor [--config CONFIG] ARGS` as a user runs it, in the repository,
+    with exactly `env`; stdin is `stdin`, or nothing at all."""
+    command = [PYTHON, "-m", "supervisor"]
+    if config is not None:
+        command += ["--config", str(config)]
+    return subprocess.run(
+        [*command, *args],
+        cwd=REPO,
+        env=env,
+        input=stdin,
+        stdin=None if stdin is not None else subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+_seq = itertools.count(1)
+
+
+def ev(
+    type: str,
+    payload: dict[str, Any] | None = None,
+    turn_id: str | None = "t1",
+    created_at: float = T0,
+    *,
+    seq: int | None = None,
+    session: str = "s1",
+) -> EventRecord:
+    """One committed event of session "s1" (the next seq unless `seq` is given)."""
+    number = next(_seq) if seq is None else seq
+    return EventRecord(session, number, type, turn_id, payload or {}, created_at, "worker")
+
+
+def stored_events(store: Store, session_id: str, type: str | None = None) -> list[EventRecord]:
+    """A session's events as committed (of `type` only, if given)."""
+    found = store.events.read(session_id, limit=100_000)
+    return [e for e in found if type is None or e.type == type]
+
+
+class RoutesPool:
+    """A pool that records what the HTTP routes tell it: interrupts and task cancels."""
+
+    def __init__(self) -> None:
+        self.interrupted: list[str] = []
+        self.cancelled: list[str] = []
+
+    def wake(self, session_id: str) -> None: ...
+
+    def touch(self, session_id: str) -> None: ...
+
+    def interrupt(self, session_id: str) -> None:
+        self.interrupted.append(session_id)
+
+    def cancel(self, task_id: str) -> None:
+        self.cancelled.append(task_id)
+
+    def status(self) -> dict[str, Any]:
+        return {"slots": [], "restarts": 0}
+
+    def breaker(self) -> dict[str, Any]:
+        return {}
