@@ -47,6 +47,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from enum import Enum
+from types import MappingProxyType
 from typing import Any
 
 from supervisor.core.adoption import adopts
@@ -95,9 +96,10 @@ class WorkerView:
     replacing: bool = False
 
 
-@dataclass
+@dataclass(frozen=True)
 class Memory:
-    """Everything recovery remembers of one session during a boot, in one record."""
+    """Everything recovery remembers of one session during a boot, in one record (kept
+    by `Recollection`, which alone makes a new one)."""
 
     touched: bool = False  # a request touched it (first touch)
     died: bool = False  # its worker died during this boot
@@ -369,6 +371,167 @@ def charged(memory: Memory, turn_id: str, at: float) -> Memory:
     return replace(
         memory, last_attempt=(turn_id, at), due=None, picked=None, quiet=None, settled=None
     )
+
+
+class Granted(Enum):
+    """What a session picked for a worker comes to once the lease grant has answered."""
+
+    SKIPPED = "skipped"  # a continuation the turn outran, or another daemon took: no charge
+    DROPPED = "dropped"  # no lease, or its worker is gone: nothing was charged
+    REFUND = "refund"  # charged with the lease, but its worker is gone: give it back
+    ASSIGN = "assign"  # leased (and charged, if a continuation): tell the worker
+
+
+@dataclass(frozen=True)
+class AfterGrant:
+    """The decision after a grant: whether the attempt is charged, and what comes next."""
+
+    charged: bool
+    then: Granted
+
+
+def after_grant(
+    *, continuation: bool, leased: bool, moved_on: bool, raced: bool, alive: bool
+) -> AfterGrant:
+    """What a grant's answer means for one pick. A continuation is charged with its lease,
+    in the grant's transaction, unless the turn moved on or another daemon took the
+    session first; a lease whose worker died meanwhile is not handed out, and a charge
+    that went with it is refunded."""
+    if continuation and (moved_on or raced):
+        return AfterGrant(False, Granted.SKIPPED)
+    charged_now = continuation and leased
+    if not leased:
+        return AfterGrant(False, Granted.DROPPED)
+    if not alive:
+        return AfterGrant(charged_now, Granted.REFUND if charged_now else Granted.DROPPED)
+    return AfterGrant(charged_now, Granted.ASSIGN)
+
+
+class Recollection:
+    """What recovery remembers during one boot, owned here and changed only through the
+    event methods below (h11's manner: the caller says what happened, the record moves).
+
+    - `memory`: one `Memory` a session, read by `plan` and `scan_targets`;
+    - `attention`: the sessions a pass must read by id (touched, a dead worker's, picked
+      by a scan, an attempt coming due), so no pass scans every session for them.
+    """
+
+    def __init__(self) -> None:
+        self._memory: dict[str, Memory] = {}
+        self._attention: set[str] = set()
+
+    # --- reads ----------------------------------------------------------------------
+
+    @property
+    def memory(self) -> Mapping[str, Memory]:
+        """Every session's record (read-only)."""
+        return MappingProxyType(self._memory)
+
+    def of(self, session_id: str) -> Memory:
+        """The session's record (an empty one if nothing is remembered)."""
+        return self._memory.get(session_id, EMPTY)
+
+    def attention(self) -> set[str]:
+        """The sessions a pass must read by id, as of now (a copy)."""
+        return set(self._attention)
+
+    def next_due_in(self, now: float) -> float:
+        """Seconds from `now` until the earliest scheduled attempt is due (inf if none)."""
+        dues = [m.due for m in self._memory.values() if m.due is not None and m.due > now]
+        return min(dues) - now if dues else float("inf")
+
+    # --- events ---------------------------------------------------------------------
+
+    def touched(self, session_id: str) -> bool:
+        """A request touched the session; True the first time (a first touch)."""
+        memory = self.of(session_id)
+        if memory.touched:
+            return False
+        self._set(session_id, replace(memory, touched=True))
+        self._attention.add(session_id)
+        return True
+
+    def died(self, session_ids: Iterable[str]) -> None:
+        """The worker of these sessions died during this boot."""
+        for session_id in session_ids:
+            self._set(session_id, replace(self.of(session_id), died=True))
+            self._attention.add(session_id)
+
+    def picked(self, session_ids: Iterable[str], trigger: Trigger) -> None:
+        """The boot scan or the retry timer chose these sessions."""
+        for session_id in session_ids:
+            self._set(session_id, replace(self.of(session_id), picked=trigger))
+            self._attention.add(session_id)
+
+    def assigned(self, session_id: str) -> None:
+        """The session has a new owner: its old owner's death is history."""
+        if session_id in self._memory:
+            self._set(session_id, replace(self._memory[session_id], died=False))
+
+    def charged(self, session_id: str, turn_id: str, at: float) -> None:
+        """An attempt at `turn_id` was charged at `at`."""
+        self._set(session_id, charged(self.of(session_id), turn_id, at))
+
+    def refunded(self, session_id: str, turn_id: str) -> None:
+        """The attempt at `turn_id` was given back: it is not the latest any more."""
+        memory = self.of(session_id)
+        if memory.last_attempt and memory.last_attempt[0] == turn_id:
+            self._set(session_id, replace(memory, last_attempt=None))
+
+    def quieted(self, session_id: str, key: tuple[Any, ...]) -> bool:
+        """A SKIP (or hold) of `key` is to be logged; True if it was not logged already."""
+        memory = self.of(session_id)
+        if memory.quiet == key:
+            return False
+        self._set(session_id, replace(memory, quiet=key))
+        return True
+
+    def skipped(self, session_id: str, settled: tuple[Any, ...], quiet: tuple[Any, ...]) -> bool:
+        """Judged SKIP on `settled` facts; True if this SKIP is new (to be logged)."""
+        self._set(session_id, replace(self.of(session_id), settled=settled))
+        return self.quieted(session_id, quiet)
+
+    def scheduled(self, session_id: str, at: float) -> bool:
+        """The next attempt is due at `at`; True if that changed. Kept in view: the pass
+        at `at` reads it by id."""
+        self._attention.add(session_id)
+        memory = self.of(session_id)
+        if memory.due == at:
+            return False
+        self._set(session_id, replace(memory, due=at))
+        return True
+
+    def ended(self, session_id: str) -> None:
+        """The interruption was settled (a notice, a give-up) or a queued message drives
+        the next turn: nothing is due or picked any more."""
+        self._set(session_id, replace(self.of(session_id), due=None, picked=None))
+
+    def forget_quiet(self) -> None:
+        """The breaker changed: every SKIP is worth logging again."""
+        for session_id, memory in list(self._memory.items()):
+            if memory.quiet is not None:
+                self._memory[session_id] = replace(memory, quiet=None)
+
+    def served(self, served: set[str], left: set[str], found: set[str]) -> None:
+        """A pass took `served` in hand and did not act on `left` (`found`: those of them
+        that still have work). Kept in view of `left`: those still owed a judgement (a dead
+        worker's, picked by a scan, or with an attempt to come due); a touch judged SKIP
+        is the full pass's to find again."""
+        self._attention -= served
+        for session_id in left:
+            m = self._memory.get(session_id)
+            if (
+                session_id not in found
+                or m is None
+                or not (m.died or m.picked is not None or m.due is not None)
+            ):
+                self._attention.discard(session_id)
+
+    def _set(self, session_id: str, memory: Memory) -> None:
+        self._memory[session_id] = memory
+
+
+EMPTY = Memory()
 
 
 class Step(Enum):

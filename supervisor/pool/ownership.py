@@ -21,7 +21,7 @@ from supervisor.contract.background import spawn
 from supervisor.contract.config import Config
 from supervisor.contract.logs import log
 from supervisor.core import adoption, engine
-from supervisor.core.engine import Assign, Budget, Judge, Move, Next, Wake
+from supervisor.core.engine import Assign, Budget, Granted, Judge, Move, Next, Wake
 from supervisor.core.vocabulary import AssignReason
 from supervisor.pool.handle import WorkerHandle
 from supervisor.pool.recoverer import Judged, Recoverer
@@ -340,16 +340,23 @@ class Ownership:
                 assert target is not None
                 if granted.raced:
                     log("pool", session=p.info.id).debug("another daemon took it first")
+                after = engine.after_grant(
+                    continuation=p.judged is not None,
+                    leased=granted.lease is not None,
+                    moved_on=granted.moved_on,
+                    raced=granted.raced,
+                    alive=target.alive,
+                )
                 if p.judged is not None:
-                    if granted.moved_on or granted.raced:
+                    if after.then is Granted.SKIPPED:
                         self.recovery.charge_skipped(p.judged)
-                        continue
-                    if granted.lease is not None:
+                    elif after.charged:
                         self.recovery.charged(p.info, p.judged)
-                if granted.lease is None or not target.alive:
-                    if granted.lease is not None and p.judged is not None:
-                        refunds.append(p)
+                if after.then is Granted.REFUND:
+                    refunds.append(p)
+                if after.then is not Granted.ASSIGN:
                     continue
+                assert granted.lease is not None
                 target.sessions.add(p.info.id)
                 target.spare = False
                 self.assigned[p.info.id] = target

@@ -5,7 +5,8 @@ The rules live in `supervisor.core` (pure code, tested on their own): `breaker`,
 `recovery` (the decision table), `tail` (how a turn stands) and `engine` (when the pool
 asks for a judgement). This module looks the facts up, asks those rules, does what they
 say and logs every decision under subsystem `recovery` with the session id and reason.
-What it remembers of a session during a boot is one `engine.Memory` record.
+What it remembers of a session during a boot is one `engine.Memory` record, kept by
+`engine.Recollection` and changed only through its event methods.
 
 Who triggers what:
 - the pool, when the engine plans a `Judge` (a worker of this boot died, a user message
@@ -23,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable, Collection, Coroutine, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from supervisor.contract.clock import SYSTEM, Clock
@@ -91,16 +92,14 @@ class Recoverer(Service):
         self.timer = clock  # the breaker loop's and the retry timer's waits
         self.clock = clock.time
         self.breaker = breaker.BreakerState(False, 0, NOT_EVALUATED)
-        self.memory: dict[str, Memory] = {}  # what this boot remembers, by session
+        # What this boot remembers of each session, and which a pass must read by id.
+        self.recollection = engine.Recollection()
         self.attempted: list[str] = []  # this boot's `attempted` list, as written
         self.scanned = False  # the boot scan ran (not suppressed)
         # Set when recovery has work for the pool (picked sessions, a resumed run): the
         # pool's dispatch waits on it.
         self.wanted = asyncio.Event()
-        # Sessions recovery has business with (a worker died, a request touched it, a scan
-        # picked it): the pool's passes read them by id, not by scanning every session.
-        self.attention: set[str] = set()
-        self.runs = Resumer(store, metrics, self.clock, self._memory, self.wanted)
+        self.runs = Resumer(store, metrics, self.clock, self.recollection.quieted, self.wanted)
         self.log = log("recovery")
         self._booted = False  # the boot scan has run (the breaker loop's first pass)
         self._retry_armed = False  # the retry timer's first pass only rests
@@ -155,8 +154,7 @@ class Recoverer(Service):
             self.log.log(
                 level, "breaker {}: {}", "TRIPPED" if state.tripped else "clear", state.reason
             )
-            for memory in self.memory.values():
-                memory.quiet = None
+            self.recollection.forget_quiet()
             with contextlib.suppress(Exception):
                 self.store.boots.set_breaker(self.boot_id, self.breaker_dict())
         self.metrics.breaker_tripped.set(1 if state.tripped else 0)
@@ -186,12 +184,11 @@ class Recoverer(Service):
 
     def attention_now(self) -> set[str]:
         """The sessions recovery has business with, as of now (a copy)."""
-        return set(self.attention)
+        return self.recollection.attention()
 
     def served(self, served: set[str], left: set[str], found: set[str]) -> None:
         """A pass took `served` in hand; `left` of those it read stay in view."""
-        self.attention -= served
-        self.settle_attention(left, found)
+        self.recollection.served(served, left, found)
 
     def tripped(self) -> bool:
         """Whether the crash-loop breaker holds interrupted turns back."""
@@ -199,7 +196,7 @@ class Recoverer(Service):
 
     def remembered(self) -> Mapping[str, Memory]:
         """What this boot remembers of each session, for the engine to read."""
-        return self.memory
+        return self.recollection.memory
 
     def wall(self) -> float:
         """The wall clock decisions compare events' times with."""
@@ -278,7 +275,7 @@ class Recoverer(Service):
         views = [SessionView.of(info) for info in sessions]
         targets = [
             (rows[view.id], own)
-            for view, own in engine.scan_targets(views, self.memory, facts, trigger)
+            for view, own in engine.scan_targets(views, self.recollection.memory, facts, trigger)
         ]
         judged = list(zip([i for i, _ in targets], await self.judge_all(targets), strict=True))
         held = 0 if children else await self.runs.resume(trigger, self.breaker.tripped)
@@ -303,9 +300,7 @@ class Recoverer(Service):
                 )
                 return
             self.attempted += plan
-        for session_id in plan:
-            self._memory(session_id).picked = trigger
-        self.attention.update(plan)
+        self.recollection.picked(plan, trigger)
         for info, j in judged:
             if j.decision.action is Action.DRIVE_WITH_QUEUED_MESSAGE:
                 self.wanted.set()  # the pool hands it to a worker, as for any queued message
@@ -328,45 +323,20 @@ class Recoverer(Service):
 
     def touch(self, session_id: str) -> bool:
         """A request touched the session (first touch); True the first time."""
-        memory = self._memory(session_id)
-        first, memory.touched = not memory.touched, True
-        if first:
-            self.attention.add(session_id)
-        return first
+        return self.recollection.touched(session_id)
 
     def died(self, session_ids: list[str]) -> None:
         """The worker of these sessions died during this boot."""
-        for session_id in session_ids:
-            self._memory(session_id).died = True
-        self.attention.update(session_ids)
-
-    def settle_attention(self, left: set[str], found: set[str]) -> None:
-        """A pass did not act on `left` (`found`: those that still have work). Kept: those
-        still owed a judgement (a dead worker's, picked by a scan, or with an attempt to
-        come due); a touch judged SKIP is the full pass's to find again."""
-        for session_id in left:
-            m = self.memory.get(session_id)
-            if (
-                session_id not in found
-                or m is None
-                or not (m.died or m.picked is not None or m.due is not None)
-            ):
-                self.attention.discard(session_id)
+        self.recollection.died(session_ids)
 
     def next_due_in(self) -> float:
-        """Seconds until the earliest scheduled attempt is due (inf if none)."""
-        now = self.clock()
-        # One come due is judged by the pass at that time (it is kept in `attention`).
-        dues = [m.due for m in self.memory.values() if m.due is not None and m.due > now]
-        return min(dues) - now if dues else float("inf")
+        """Seconds until the earliest scheduled attempt is due (inf if none). One come due
+        is judged by the pass at that time (it is kept in view)."""
+        return self.recollection.next_due_in(self.clock())
 
     def assigned(self, session_id: str) -> None:
         """The pool gave the session a new owner: its old owner's death is history."""
-        if session_id in self.memory:
-            self.memory[session_id].died = False
-
-    def _memory(self, session_id: str) -> Memory:
-        return self.memory.setdefault(session_id, Memory())
+        self.recollection.assigned(session_id)
 
     # --- judging --------------------------------------------------------------------
 
@@ -391,7 +361,7 @@ class Recoverer(Service):
     def facts(
         self, info: SessionInfo, events: list[EventRecord], trigger: Trigger, now: float
     ) -> Interruption:
-        memory = self.memory.get(info.id, Memory())
+        memory = self.recollection.of(info.id)
         attempt = memory.last_attempt
         return recovery.interruption(
             info,
@@ -412,8 +382,7 @@ class Recoverer(Service):
     def charged(self, info: SessionInfo, j: Judged) -> None:
         """The attempt was charged in the database (with the lease, before it starts)."""
         assert info.active_turn_id is not None
-        memory = self._memory(info.id)
-        self.memory[info.id] = engine.charged(memory, info.active_turn_id, self.clock())
+        self.recollection.charged(info.id, info.active_turn_id, self.clock())
         self.metrics.recovery_age.observe(max(0.0, self.clock() - j.facts.interrupted_at))
         self._count(j, "started")
         if info.kind == SessionKind.SUBAGENT:
@@ -424,9 +393,7 @@ class Recoverer(Service):
         """An attempt that was charged but never handed to a worker is given back."""
         assert info.active_turn_id is not None
         await asyncio.to_thread(self.store.sessions.refund_attempt, info.id, info.active_turn_id)
-        memory = self._memory(info.id)
-        if memory.last_attempt and memory.last_attempt[0] == info.active_turn_id:
-            memory.last_attempt = None
+        self.recollection.refunded(info.id, info.active_turn_id)
         self.metrics.recovery_refunds.inc()
         self._log(info, j).info("attempt refunded: no worker took the session")
 
@@ -435,28 +402,21 @@ class Recoverer(Service):
         d, f = j.decision, j.facts
         if d.action in (Action.CONTINUE, Action.DRIVE_WITH_QUEUED_MESSAGE):
             raise ValueError(f"{d.action.value} is the pool's to carry out")
-        memory = self._memory(info.id)
         if d.action is Action.SKIP:
-            memory.settled = engine.settled_key(
-                SessionView.of(info), j.trigger, self.breaker.tripped
-            )
-            key = (d.reason, j.trigger)
-            if memory.quiet != key:
-                memory.quiet = key
+            settled = engine.settled_key(SessionView.of(info), j.trigger, self.breaker.tripped)
+            if self.recollection.skipped(info.id, settled, (d.reason, j.trigger)):
                 self._count(j, "suppressed" if d.suppressed else "skipped")
                 self._log(info, j).log("WARNING" if d.suppressed else "INFO", "{}", d.reason)
             return
         if d.action is Action.CONTINUE_AT:
             assert d.at is not None
-            self.attention.add(info.id)  # the pass at `due` reads it by id
-            if memory.due != d.at:
-                memory.due = d.at
+            if self.recollection.scheduled(info.id, d.at):  # kept in view till then
                 self._count(j, "scheduled")
                 self._log(info, j).info("{}", d.reason)
             return
         if info.kind == SessionKind.SUBAGENT and self.give_up is not None:
             await self.give_up(info, j)  # the child ends, and its parent is told
-            memory.due, memory.picked = None, None
+            self.recollection.ended(info.id)
             return
         told = notice(d, f, info.id)
         assert info.active_turn_id is not None
@@ -472,11 +432,11 @@ class Recoverer(Service):
         self._count(j, told.outcome if done else "skipped")
         level = "ERROR" if d.quarantine else "WARNING"
         self._log(info, j).log(level, "{}{}", d.reason, "" if done else " (turn moved on)")
-        memory.due, memory.picked = None, None
+        self.recollection.ended(info.id)
 
     def drive(self, info: SessionInfo, j: Judged) -> None:
         """A queued user message drives the next turn (the pool assigns it)."""
-        self.memory[info.id] = replace(self._memory(info.id), due=None, picked=None)
+        self.recollection.ended(info.id)
         self._count(j, "started")
         self._log(info, j).info("{}", j.decision.reason)
 

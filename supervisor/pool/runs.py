@@ -10,10 +10,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from supervisor.contract.logs import log
 from supervisor.core import autonomy
-from supervisor.core.engine import Memory
 from supervisor.core.recovery import Trigger
 from supervisor.pool.counting import Counts
 from supervisor.store import ReplayedSeq, Store
@@ -28,7 +28,7 @@ class Resumer:
     store: Store
     metrics: Counts
     clock: Callable[[], float]  # wall time: a checkpoint's next wake is wall time
-    memory: Callable[[str], Memory]  # recovery's record of a session
+    quieted: Callable[[str, tuple[Any, ...]], bool]  # recovery's: True if not logged yet
     wanted: asyncio.Event  # set: the pool has input to hand out
 
     async def resume(self, trigger: Trigger, tripped: bool) -> int:
@@ -50,8 +50,7 @@ class Resumer:
             if tripped:
                 held += 1
                 key = ("autonomous resume suppressed", trigger)
-                if self.memory(info.id).quiet != key:
-                    self.memory(info.id).quiet = key
+                if self.quieted(info.id, key):
                     self.metrics.recovery.labels("resume_run", "daemon_restart", "suppressed").inc()
                     log("recovery", session=info.id).warning(
                         "breaker tripped: autonomous resume suppressed"

@@ -346,6 +346,103 @@ def test_a_charge_clears_what_held_the_session_back() -> None:
     assert after == Memory(died=True, last_attempt=("t1", NOW))
 
 
+# --- after a grant ------------------------------------------------------------------
+
+G = engine.Granted
+
+
+@pytest.mark.parametrize(
+    ("continuation", "leased", "moved_on", "raced", "alive", "charged", "then"),
+    [
+        (False, True, False, False, True, False, G.ASSIGN),  # new input, leased
+        (False, False, False, False, True, False, G.DROPPED),  # no lease
+        (False, True, False, False, False, False, G.DROPPED),  # its worker died meanwhile
+        (False, False, False, True, True, False, G.DROPPED),  # another daemon took it
+        (True, True, False, False, True, True, G.ASSIGN),  # a continuation, charged
+        (True, True, False, False, False, True, G.REFUND),  # charged, no worker to take it
+        (True, False, True, False, True, False, G.SKIPPED),  # the turn moved on: no charge
+        (True, False, False, True, True, False, G.SKIPPED),  # raced: no charge
+        (True, False, False, False, True, False, G.DROPPED),  # no lease, not charged
+    ],
+)
+def test_after_a_grant_a_continuation_is_charged_with_its_lease_or_given_back(
+    continuation: bool,
+    leased: bool,
+    moved_on: bool,
+    raced: bool,
+    alive: bool,
+    charged: bool,
+    then: engine.Granted,
+) -> None:
+    after = engine.after_grant(
+        continuation=continuation, leased=leased, moved_on=moved_on, raced=raced, alive=alive
+    )
+    assert after == engine.AfterGrant(charged, then)
+
+
+# --- what recovery remembers: one record, changed by events -----------------------------
+
+
+def test_the_recollection_is_changed_only_through_its_events() -> None:
+    r = engine.Recollection()
+    with pytest.raises(TypeError):
+        r.memory["s1"] = Memory()  # type: ignore[index]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        r.of("s1").died = True  # type: ignore[misc]
+    assert r.touched("s1") and not r.touched("s1")  # a first touch once
+    r.died(["s2"])
+    r.picked(["s3"], Trigger.BOOT_SCAN)
+    assert r.attention() == {"s1", "s2", "s3"}
+    assert r.of("s2").died and r.of("s3").picked is Trigger.BOOT_SCAN
+    r.assigned("s2")
+    assert not r.of("s2").died
+    r.assigned("nobody")  # nothing is remembered of a session by its assignment alone
+    assert "nobody" not in r.memory
+
+
+def test_a_skip_is_logged_once_until_the_breaker_changes() -> None:
+    r = engine.Recollection()
+    assert r.skipped("s1", ("facts",), ("why", Trigger.FIRST_TOUCH))
+    assert not r.skipped("s1", ("facts",), ("why", Trigger.FIRST_TOUCH))
+    assert r.of("s1").settled == ("facts",)
+    assert r.skipped("s1", ("facts",), ("other", Trigger.FIRST_TOUCH))
+    r.forget_quiet()
+    assert r.of("s1").quiet is None and r.of("s1").settled == ("facts",)
+    assert r.quieted("s1", ("x",)) and not r.quieted("s1", ("x",))
+
+
+def test_an_attempt_scheduled_charged_refunded_and_ended() -> None:
+    r = engine.Recollection()
+    assert r.scheduled("s1", NOW + 5) and not r.scheduled("s1", NOW + 5)
+    assert r.attention() == {"s1"} and r.next_due_in(NOW) == 5
+    assert r.next_due_in(NOW + 6) == float("inf")  # come due: the pass at that time has it
+    r.charged("s1", "t1", NOW)
+    assert r.of("s1") == Memory(last_attempt=("t1", NOW))
+    r.refunded("s1", "t0")  # another turn's: kept
+    assert r.of("s1").last_attempt == ("t1", NOW)
+    r.refunded("s1", "t1")
+    assert r.of("s1").last_attempt is None
+    r.picked(["s1"], Trigger.RETRY_TIMER)
+    r.scheduled("s1", NOW + 1)
+    r.ended("s1")
+    assert (r.of("s1").due, r.of("s1").picked) == (None, None)
+
+
+def test_a_pass_keeps_in_view_only_what_is_still_owed_a_judgement() -> None:
+    r = engine.Recollection()
+    r.touched("touched")
+    r.died(["dead"])
+    r.picked(["picked"], Trigger.BOOT_SCAN)
+    r.scheduled("due", NOW + 1)
+    r.died(["served"])
+    everyone = r.attention()
+    r.served({"served"}, everyone - {"served"}, found=everyone - {"gone"})
+    assert r.attention() == {"dead", "picked", "due"}
+    r.died(["gone"])
+    r.served(set(), {"gone"}, found=set())  # no work left: out of view
+    assert "gone" not in r.attention()
+
+
 # --- the boot scan and the retry timer ------------------------------------------------
 
 EARLIER = "host/oldboot1/w0.1"  # a worker of an earlier boot of this host
@@ -458,7 +555,7 @@ class Pool(RuleBasedStateMachine):
         self.generation = 0
         self.assigned: dict[str, str] = {}
         self.woken: dict[str, int] = {}
-        self.memory: dict[str, Memory] = {}
+        self.recollection = engine.Recollection()
         self.token = 0
         self.last: list[Command] = []  # the latest pass's plan
         self.seen: dict[str, WorkerView] = {}  # the workers as it saw them
@@ -478,7 +575,7 @@ class Pool(RuleBasedStateMachine):
         for i in range(interrupted):
             sid = f"old{len(self.rows)}-{i}"
             self.rows[sid] = Row(sid, turn="t", owner=f"{BOOT}/gone", expires=self.now - 1)
-            self.memory[sid] = Memory(died=True)
+            self.recollection.died([sid])
 
     @rule(data=st.data())
     def user_input(self, data: st.DataObject) -> None:
@@ -496,7 +593,7 @@ class Pool(RuleBasedStateMachine):
             self.workers[dead.name] = dataclasses.replace(dead, alive=False)
             for sid, owner in self.assigned.items():
                 if owner == dead.name:
-                    self.memory.setdefault(sid, Memory()).died = True
+                    self.recollection.died([sid])
             self._spawn(spare=True)
 
     @rule(data=st.data())
@@ -546,7 +643,7 @@ class Pool(RuleBasedStateMachine):
             views,
             self.assigned,
             self.woken,
-            self.memory,
+            self.recollection.memory,
             dataclasses.replace(FACTS, budget=self.BUDGET),
             now=self.now,
             wall=self.now,
@@ -572,7 +669,7 @@ class Pool(RuleBasedStateMachine):
         row.owner, row.expires, row.token = f"{BOOT}/{name}", self.now + self.STALE, self.token
         self.assigned[sid] = name
         self.woken[sid] = row.seq
-        self.memory.setdefault(sid, Memory()).died = False
+        self.recollection.assigned(sid)
 
     @invariant()
     def commands_go_to_workers_that_take_sessions(self) -> None:

@@ -209,7 +209,7 @@ def test_k_sessions_of_a_dead_worker_are_adopted_in_one_transaction_and_one_mess
         row = store.sessions.get(sid)
         assert row.attempt_count == 2  # charged
         assert row.owner == f"host/{BOOT[:8]}/w2.1" and row.lease_token == a["token"] == 2
-    assert pool.recovery.attention == set()  # nothing left owed
+    assert pool.recovery.attention_now() == set()  # nothing left owed
 
 
 def test_a_turn_that_moved_on_is_neither_charged_nor_leased(store: Store) -> None:
