@@ -25,7 +25,7 @@ from pydantic import BaseModel, Field
 
 from supervisor.contract.config import Config
 from supervisor.core.vocabulary import DeliveryKind, DeliveryStatus
-from supervisor.http.answers import ApiError, answer, whole
+from supervisor.http.answers import PRINCIPAL, ApiError, answer, whole
 from supervisor.http.auth import ADMIN
 from supervisor.http.schemas import SESSION_ID_PATTERN
 from supervisor.store import DeliveryInfo, SessionNotFound, Store
@@ -107,7 +107,7 @@ class DeliveryRoutes:
                 field="status",
             )
         session = request.query.get("session")
-        principal = request["principal"]
+        principal = request[PRINCIPAL]
         if session is None and principal != ADMIN:
             raise ApiError(
                 403,
@@ -124,7 +124,7 @@ class DeliveryRoutes:
 
     async def get(self, request: web.Request) -> web.Response:
         delivery = await self._delivery(request)
-        principal = request["principal"]
+        principal = request[PRINCIPAL]
         if principal != ADMIN:
             held = await asyncio.to_thread(self.store.acl.permission, delivery.session, principal)
             if held is None:
@@ -133,7 +133,7 @@ class DeliveryRoutes:
 
     async def retry(self, request: web.Request) -> web.Response:
         self.refuse()
-        if request["principal"] != ADMIN:
+        if request[PRINCIPAL] != ADMIN:
             raise ApiError(403, "forbidden", "only the admin principal may retry a delivery")
         delivery = await self._delivery(request)
         if self.config.delivery.target(delivery.target) is None:

@@ -27,6 +27,12 @@ M = TypeVar("M", bound=BaseModel)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 RETRY_AFTER = "5"
 
+# What the auth middleware (auth.py) puts on a request it lets through.
+PRINCIPAL = web.RequestKey("principal", str)  # whose token it carries
+TOKEN_HASH = web.RequestKey("token_hash", str)  # that token's digest: a stream checks it again
+# Whether that token still names that principal (a reload may revoke it mid-request).
+TOKEN_VALID: web.RequestKey[Callable[[], bool]] = web.RequestKey("token_valid")
+
 MAX_SEQ = 2**62  # beyond any seq, and within every backend's BIGINT
 _WHOLE = re.compile(r"[0-9]{1,19}")
 
@@ -84,7 +90,7 @@ async def read_body(request: web.Request, model: type[M], timeout: float) -> M:
         raise ApiError(408, "timeout", f"the body did not arrive within {timeout} s") from exc
     except Exception as exc:  # a broken transfer or content encoding
         raise ApiError(400, "bad_body", f"the body cannot be read: {exc}") from exc
-    still_valid = request.get("token_valid")
+    still_valid = request.get(TOKEN_VALID)
     if still_valid is not None and not still_valid():
         # A reload revoked or replaced the token while the body came in: nothing is written.
         raise ApiError(

@@ -21,7 +21,16 @@ from supervisor.contract.logs import log
 from supervisor.core.vocabulary import EventType, Permission, Rejection, SessionStatus, Writer
 from supervisor.deliveries.routes import DeliveryRoutes, Stirrer
 from supervisor.http import answers, attach, auth, follow, hosts, openapi, pages
-from supervisor.http.answers import MAX_SEQ, RETRY_AFTER, ApiError, answer, read_body, whole
+from supervisor.http.answers import (
+    MAX_SEQ,
+    PRINCIPAL,
+    RETRY_AFTER,
+    TOKEN_HASH,
+    ApiError,
+    answer,
+    read_body,
+    whole,
+)
 from supervisor.http.auth import ADMIN, Tokens
 from supervisor.http.lifecycle import Lifecycle, refuse_closed
 from supervisor.http.reload_route import ReloaderView, ReloadRoutes, config_state
@@ -224,7 +233,7 @@ class Api:
             info = await asyncio.to_thread(self.store.sessions.get, session_id)
         except SessionNotFound:
             raise missing from None
-        principal = request["principal"]
+        principal = request[PRINCIPAL]
         if principal != ADMIN:
             held = await asyncio.to_thread(self.store.acl.permission, session_id, principal)
             if held is None:
@@ -274,7 +283,7 @@ class Api:
                 f"with write access can release it with POST /v1/sessions/{info.id}/release "
                 f"(or `turnkeeper sessions release {info.id}`); then send the message again",
             )
-        principal = request["principal"]
+        principal = request[PRINCIPAL]
         seq = await self.store.events.append_async(
             info.id,
             EventType.USER_MESSAGE,
@@ -317,7 +326,7 @@ class Api:
             after = whole(header, "Last-Event-ID", 0, 0, MAX_SEQ)
         else:
             after = self._int(request, "after", 0, 0, MAX_SEQ)
-        principal = request["principal"]
+        principal = request[PRINCIPAL]
         limit = self.config.http.max_streams_per_principal
         if self.hub.streams_of(principal) >= limit:
             self.metrics.intake_rejections.labels(Rejection.TOO_MANY_STREAMS).inc()
@@ -332,7 +341,7 @@ class Api:
             self.hub.follow(follow.Heads(self.store.db))
         # A reload may have revoked the token while the session was read; from here on (no
         # await before the subscription) a reload's hang-up reaches this stream.
-        if self.tokens.principals().get(principal) != request["token_hash"]:
+        if self.tokens.principals().get(principal) != request[TOKEN_HASH]:
             raise ApiError(
                 401,
                 "unauthorized",
@@ -346,7 +355,7 @@ class Api:
     async def acl(self, request: web.Request) -> web.Response:
         info = await self._session(request, Permission.ADMIN)
         body = await read_body(request, AclChange, self.config.http.read_timeout)
-        by = request["principal"]
+        by = request[PRINCIPAL]
         if body.permission is None:
             seq = await asyncio.to_thread(self.store.acl.revoke, info.id, body.principal, by=by)
         else:
@@ -358,7 +367,7 @@ class Api:
         return answer(AclEntries.model_validate({"acl": entries}))
 
     async def status(self, request: web.Request) -> web.Response:
-        if request["principal"] != ADMIN:
+        if request[PRINCIPAL] != ADMIN:
             raise ApiError(403, "forbidden", "only the admin principal may read the status")
         counts = await asyncio.to_thread(self.store.sessions.counts)
         pool: dict[str, Any] = (

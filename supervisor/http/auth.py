@@ -35,7 +35,7 @@ from aiohttp import web
 from supervisor import trust
 from supervisor.contract.logs import log
 from supervisor.core.vocabulary import ADMIN_PRINCIPAL
-from supervisor.http.answers import error_response
+from supervisor.http.answers import PRINCIPAL, TOKEN_HASH, TOKEN_VALID, error_response
 
 ADMIN = ADMIN_PRINCIPAL
 _LINE = re.compile(r"^(?P<principal>[A-Za-z0-9_.@-]{1,100})\s+sha256:(?P<hash>[0-9a-f]{64})$")
@@ -206,11 +206,11 @@ def bearer(tokens: Tokens, public: Callable[[str], bool]) -> Any:
                     "send Authorization: Bearer <token>",
                     headers={"WWW-Authenticate": "Bearer"},
                 )
-            request["principal"] = principal
+            request[PRINCIPAL] = principal
             held = digest(token.strip())
-            request["token_hash"] = held  # a stream checks it again (app.py)
+            request[TOKEN_HASH] = held  # a stream checks it again (app.py)
             # And a body, once read (`answers.read_body`): a reload may revoke it meanwhile.
-            request["token_valid"] = lambda: tokens.principals().get(principal) == held
+            request[TOKEN_VALID] = lambda: tokens.principals().get(principal) == held
         return await handler(request)
 
     return middleware

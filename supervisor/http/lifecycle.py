@@ -24,7 +24,7 @@ from typing import Any, Protocol
 from aiohttp import web
 
 from supervisor.core.vocabulary import EventType, Permission, SessionKind, SessionStatus
-from supervisor.http.answers import ApiError, answer
+from supervisor.http.answers import PRINCIPAL, ApiError, answer
 from supervisor.http.schemas import Closed, Interrupted, Released
 from supervisor.store import SessionClosed, SessionInfo, Store
 
@@ -64,7 +64,7 @@ class Lifecycle:
 
     async def interrupt(self, request: web.Request) -> web.Response:
         info = await self.session(request, Permission.WRITE)
-        seq = await asyncio.to_thread(self.store.sessions.interrupt, info.id, request["principal"])
+        seq = await asyncio.to_thread(self.store.sessions.interrupt, info.id, request[PRINCIPAL])
         if seq is not None:
             self._publish(info.id, [(seq, EventType.TURN_ENDED)])
             self._stop_worker(info.id)
@@ -74,7 +74,7 @@ class Lifecycle:
 
     async def close(self, request: web.Request) -> web.Response:
         info = await self.session(request, Permission.ADMIN)
-        written = await asyncio.to_thread(self.store.sessions.close, info.id, request["principal"])
+        written = await asyncio.to_thread(self.store.sessions.close, info.id, request[PRINCIPAL])
         if written:
             self._publish(info.id, written)
             self._stop_worker(info.id)  # its turn, or its idle runner: it runs nothing more
@@ -84,9 +84,7 @@ class Lifecycle:
 
     async def release(self, request: web.Request) -> web.Response:
         info = await self.session(request, Permission.WRITE)
-        written = await asyncio.to_thread(
-            self.store.sessions.release, info.id, request["principal"]
-        )
+        written = await asyncio.to_thread(self.store.sessions.release, info.id, request[PRINCIPAL])
         status = SessionStatus(info.status)
         if written:
             self._publish(info.id, written)

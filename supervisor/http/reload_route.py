@@ -24,7 +24,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
 from supervisor.contract.config import Config, config_version
-from supervisor.http.answers import RETRY_AFTER, ApiError, answer, read_body
+from supervisor.http.answers import PRINCIPAL, RETRY_AFTER, ApiError, answer, read_body
 from supervisor.http.auth import ADMIN
 from supervisor.http.schemas import ConfigState, ErrorDetail
 
@@ -143,7 +143,7 @@ class ReloadRoutes:
         router.add_post("/v1/reload", self.reload)
 
     async def reload(self, request: web.Request) -> web.Response:
-        if request["principal"] != ADMIN:
+        if request[PRINCIPAL] != ADMIN:
             raise ApiError(403, "forbidden", "only the admin principal may reload the daemon")
         body = ReloadBody()
         if request.can_read_body:

@@ -24,7 +24,7 @@ from supervisor.contract.config import Config
 from supervisor.contract.delivery_targets import DeliveryTarget
 from supervisor.core import autonomy
 from supervisor.core.vocabulary import EventType, Permission
-from supervisor.http.answers import ApiError, answer, read_body, whole
+from supervisor.http.answers import PRINCIPAL, ApiError, answer, read_body, whole
 from supervisor.http.auth import ADMIN
 from supervisor.http.lifecycle import Lookup
 from supervisor.http.schemas import (
@@ -92,7 +92,7 @@ class SessionRoutes:
             )
         deliver = None
         if body.deliver_to is not None:
-            target = self.target(body.deliver_to, request["principal"])
+            target = self.target(body.deliver_to, request[PRINCIPAL])
             deliver = (target.name, " ".join(sorted(target.events)))
         first: list[tuple[str, dict[str, Any]]] = []
         if body.run is not None:
@@ -107,7 +107,7 @@ class SessionRoutes:
         try:
             info = await asyncio.to_thread(
                 self.store.sessions.create,
-                request["principal"],
+                request[PRINCIPAL],
                 kind=body.kind,
                 title=body.title,
                 agent=body.agent,
@@ -125,7 +125,7 @@ class SessionRoutes:
 
     async def list(self, request: web.Request) -> web.Response:
         limit = whole(request.query.get("limit"), "limit", LISTED, 1, MAX_LISTED)
-        principal = request["principal"]
+        principal = request[PRINCIPAL]
         sessions = await asyncio.to_thread(
             self.store.sessions.list, None if principal == ADMIN else principal, limit
         )
@@ -144,7 +144,7 @@ class SessionRoutes:
         self.refuse()
         info = await self.session(request, Permission.WRITE)
         body = await read_body(request, SessionUpdate, self.config.http.read_timeout)
-        principal = request["principal"]
+        principal = request[PRINCIPAL]
         current = self.config.delivery.target(info.deliver_to) if info.deliver_to else None
         if current is not None and not may_use(current, principal):
             # Unbinding or rebinding takes the replies away from the current target: only

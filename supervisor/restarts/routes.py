@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from supervisor.contract.config import Config
 from supervisor.core.vocabulary import RestartOutcome, RestartState
-from supervisor.http.answers import RETRY_AFTER, ApiError, answer, read_body, whole
+from supervisor.http.answers import PRINCIPAL, RETRY_AFTER, ApiError, answer, read_body, whole
 from supervisor.http.auth import ADMIN
 from supervisor.http.schemas import SESSION_ID_PATTERN
 from supervisor.restarts.rules import REASON_MAX, RestartRefused
@@ -189,7 +189,7 @@ class RestartRoutes:
     @staticmethod
     def _admin(request: web.Request, what: str) -> str:
         """The caller's principal, if it is the admin; else a 403."""
-        principal: str = request["principal"]
+        principal: str = request[PRINCIPAL]
         if principal != ADMIN:
             raise ApiError(403, "forbidden", f"only the admin principal may {what}")
         return principal

@@ -32,7 +32,7 @@ from pydantic_core import PydanticCustomError
 from supervisor.contract.config import Config
 from supervisor.contract.cron import MAX_CRON, MAX_TIMEZONE, Cron, CronError, zone
 from supervisor.core.vocabulary import FireOutcome, Misfire, Permission, ScheduleStatus
-from supervisor.http.answers import ApiError, answer, read_body, whole
+from supervisor.http.answers import PRINCIPAL, ApiError, answer, read_body, whole
 from supervisor.http.auth import ADMIN
 from supervisor.http.schemas import MAX_TEXT, SESSION_ID_PATTERN
 from supervisor.schedules.rules import GAP_SAMPLE, next_due, shortest_gap
@@ -171,7 +171,7 @@ class ScheduleRoutes:
         self.refuse()
         body = await read_body(request, CreateSchedule, self.config.http.read_timeout)
         await asyncio.to_thread(self._often_enough, body)
-        principal = request["principal"]
+        principal = request[PRINCIPAL]
         if body.session is not None:
             await self._writable(principal, body.session)
         try:
@@ -195,7 +195,7 @@ class ScheduleRoutes:
 
     async def list(self, request: web.Request) -> web.Response:
         limit = whole(request.query.get("limit"), "limit", 100, 1, MAX_LISTED)
-        principal = request["principal"]
+        principal = request[PRINCIPAL]
         reader = None if principal == ADMIN else principal
         found = await asyncio.to_thread(self.store.schedules.visible, reader, limit)
         newest = await asyncio.to_thread(self.store.schedules.newest, [s.id for s in found])
@@ -271,7 +271,7 @@ class ScheduleRoutes:
         if not SCHEDULE_ID.match(schedule_id):
             raise missing
         info = await asyncio.to_thread(self.store.schedules.get, schedule_id)
-        principal = request["principal"]
+        principal = request[PRINCIPAL]
         if info is None:
             raise missing
         if principal == ADMIN:

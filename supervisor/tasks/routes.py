@@ -26,7 +26,7 @@ from aiohttp import web
 
 from supervisor.contract.config import Config, resolve_paths
 from supervisor.core.vocabulary import Permission, TaskStatus
-from supervisor.http.answers import ApiError, answer, whole
+from supervisor.http.answers import PRINCIPAL, ApiError, answer, whole
 from supervisor.http.auth import ADMIN
 from supervisor.http.lifecycle import Lookup
 from supervisor.http.schemas import TASK_ID_PATTERN, TaskList, TaskOut
@@ -100,7 +100,7 @@ class Routes:
                     f"status: {status[:40]!r} is not a task status ({', '.join(sorted(known))})",
                     field="status",
                 )
-        principal = request["principal"]
+        principal = request[PRINCIPAL]
         who = None if principal == ADMIN else principal
         tasks = await asyncio.to_thread(self.store.tasks.listed, statuses, limit, who)
         return answer(TaskList(tasks=[task_out(task) for task in tasks]))
@@ -142,7 +142,7 @@ class Routes:
         task = await asyncio.to_thread(self.store.tasks.get, task_id)
         if task is None:
             raise self._missing(task_id)
-        principal = request["principal"]
+        principal = request[PRINCIPAL]
         if principal != ADMIN:
             held = await asyncio.to_thread(self.store.acl.permission, task.session, principal)
             if held is None:

@@ -43,7 +43,7 @@ def test_an_announced_session_wakes_the_listener_of_the_same_database(db_url: st
                         break
                     await asyncio.sleep(0.05)
             finally:
-                await asyncio.to_thread(listener.stop)
+                await listener.stop()
         return heard
 
     heard = asyncio.run(scenario())
