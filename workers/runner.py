@@ -18,8 +18,6 @@ ended but continued on the attempt schedule (`workers.continuation`).
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -27,7 +25,7 @@ import peewee
 from loguru import logger
 
 from supervisor.contract.background import spawn
-from supervisor.contract.clock import SYSTEM, Clock
+from supervisor.contract.clock import SYSTEM, Clock, sleep_unless
 from supervisor.contract.sections import COMPACTION_PROMPT
 from supervisor.core import autonomy, engine
 from supervisor.core.continuation import attempts_charged
@@ -217,8 +215,7 @@ class SessionRunner:
 
     async def _pause(self, seconds: float) -> None:
         """Wait `seconds`, or less if the session is released meanwhile."""
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.released.wait(), seconds)
+        await sleep_unless(self._clock, seconds, self.released)
 
     def _release_lease(self) -> None:
         self._store.leases.release(Lease(self.session_id, "", self.token, 0.0))
@@ -305,7 +302,7 @@ class SessionRunner:
     async def _checkpoint(self) -> None:
         """An autonomous run: record its counters; while no budget is spent, go on."""
         events = await self._read()
-        progress = autonomy.progress(events, time.time())
+        progress = autonomy.progress(events, self._clock.time())
         found = autonomy.run_of(events)
         if progress is None or found is None:
             return
@@ -394,6 +391,7 @@ class SessionRunner:
             Outage(self._outage_budget, outage_since(this_turn)),
             self._health,
             budget,
+            clock=self._clock,
         )
         started = self._clock.time()
         ending = await turns.agent_ending(agent, context)
@@ -407,13 +405,13 @@ class SessionRunner:
     async def _commit(
         self, type: str, payload: dict[str, Any], turn_id: str | None, key: str | None = None
     ) -> int:
-        now = time.time()
-        started = time.perf_counter()
+        now = self._clock.time()
+        started = self._clock.perf_counter()
         seq = await self._store.events.append_async(
             self.session_id, type, payload, token=self._turn_token, turn_id=turn_id,
             created_at=now, idempotency_key=key,
         )  # fmt: skip
-        self._observe(time.perf_counter() - started)
+        self._observe(self._clock.perf_counter() - started)
         # A signal only: whoever reads the event reads it from the database.
         await self._notify("committed", session=self.session_id, seq=seq, event_type=type)
         return seq

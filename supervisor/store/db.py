@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -19,6 +18,7 @@ from urllib.parse import urlsplit
 import peewee
 from playhouse import db_url
 
+from supervisor.contract.clock import SYSTEM
 from supervisor.store.errors import BadStoreURL, StoreBusy
 
 T = TypeVar("T")
@@ -164,8 +164,8 @@ def run_write(
     work: Callable[[], T],
     *,
     deadline: float = WRITE_DEADLINE_S,
-    sleep: Callable[[float], None] = time.sleep,
-    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = SYSTEM.sleep_blocking,
+    clock: Callable[[], float] = SYSTEM.monotonic,
 ) -> T:
     """Run `work` in one write transaction, retrying transient failures until `deadline`.
 
@@ -188,8 +188,8 @@ def run_append(
     work: Callable[[Any], T],
     *,
     deadline: float = WRITE_DEADLINE_S,
-    sleep: Callable[[float], None] = time.sleep,
-    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = SYSTEM.sleep_blocking,
+    clock: Callable[[], float] = SYSTEM.monotonic,
 ) -> T:
     """`run_write` for the event log: `work` gets this thread's DB-API cursor.
 
