@@ -28,6 +28,7 @@ from supervisor.contract.background import spawn
 from supervisor.contract.clock import SYSTEM, Clock, sleep_unless
 from supervisor.contract.sections import COMPACTION_PROMPT
 from supervisor.core import autonomy, engine
+from supervisor.core.backoff import Backoff
 from supervisor.core.continuation import attempts_charged
 from supervisor.core.engine import SessionView, Step
 from supervisor.core.recovery import ATTEMPT_DELAYS
@@ -47,7 +48,8 @@ from workers.spawning import Limits, Spawner
 from workers.tasking import Kinds, Starter
 from workers.tools import Toolbox
 
-STORAGE_RETRY = (1.0, 30.0)  # first and longest wait before trying a failed write again
+# The waits before trying a failed write again: 1 s, doubling, at most 30 s.
+STORAGE_RETRY = Backoff(initial=1.0, factor=2.0, cap=30.0)
 # What a database that takes no writes raises: our own error, or the driver's.
 STORAGE_ERRORS = (StorageUnavailable, peewee.OperationalError, peewee.InterfaceError)
 READ_LIMIT = 1_000_000  # events in one read: a session's whole log
@@ -176,7 +178,7 @@ class SessionRunner:
         self._woken.set()
 
     async def _loop(self) -> None:
-        delay = STORAGE_RETRY[0]
+        failures = 0  # writes the database refused in a row
         try:
             while not self.released.is_set():
                 await self._woken.wait()
@@ -186,6 +188,8 @@ class SessionRunner:
                 try:
                     await self._run_available()
                 except STORAGE_ERRORS as exc:
+                    failures += 1
+                    delay = STORAGE_RETRY.delay(failures)
                     self.log.error(
                         "the database takes no writes ({}); trying again in {:.0f} s",
                         " ".join(str(exc).split())[:300],
@@ -193,10 +197,9 @@ class SessionRunner:
                     )
                     self.cause = "storage_unavailable"  # for the continuation's note
                     await self._pause(delay)
-                    delay = min(delay * 2, STORAGE_RETRY[1])
                     self._woken.set()
                     continue
-                delay = STORAGE_RETRY[0]
+                failures = 0
         except turns.TurnReleased:
             pass
         except Reported:

@@ -19,6 +19,7 @@ import peewee
 from playhouse import db_url
 
 from supervisor.contract.clock import SYSTEM
+from supervisor.core.backoff import Backoff
 from supervisor.store.errors import BadStoreURL, StoreBusy
 
 T = TypeVar("T")
@@ -31,6 +32,8 @@ DRIVER_ERRORS = peewee.__exception_wrapper__  # type: ignore[attr-defined]
 BUSY_TIMEOUT_S = 5.0
 # How long a write keeps retrying transient failures (locks, deadlocks, lost connections).
 WRITE_DEADLINE_S = 60.0
+# The waits between those retries: 5 ms, doubling, at most half a second.
+BUSY_BACKOFF = Backoff(initial=0.005, factor=2.0, cap=0.5)
 
 SYNCHRONOUS = {"full": "FULL", "normal": "NORMAL"}
 
@@ -224,7 +227,7 @@ def _retrying(
     clock: Callable[[], float],
 ) -> T:
     give_up = clock() + deadline
-    delay = 0.005
+    busy = 0  # transient failures so far
     integrity_retries = 2
     while True:
         try:
@@ -242,5 +245,5 @@ def _retrying(
             if backend(db) != "sqlite":
                 # A broken server connection is dropped so the retry opens a new one.
                 db.close()
-            sleep(delay)
-            delay = min(delay * 2, 0.5)
+            busy += 1
+            sleep(BUSY_BACKOFF.delay(busy))

@@ -46,6 +46,7 @@ from supervisor.contract import reaper
 from supervisor.contract.clock import SYSTEM, Clock
 from supervisor.contract.mcp_env import child_environment
 from supervisor.contract.paths import make_private_dir
+from supervisor.core.backoff import Backoff
 from supervisor.core.vocabulary import TaskStatus
 from supervisor.store import Store
 from supervisor.tasks import rules
@@ -65,7 +66,8 @@ IDLE = 1.0  # seconds between two looks while the command runs (SIGCHLD wakes it
 POLL = 0.05  # while stopping: members of the group that die send us no SIGCHLD
 DRAIN = 1.0  # seconds the pipe is still read once every process is gone
 REAP_BUDGET = 2.0  # seconds after SIGKILL before survivors are given up on
-BACKOFF = (0.5, 1.0, 2.0, 4.0)  # seconds between tries to open the database, to record
+# Seconds between tries to open the database, to record: 0.5, 1, 2, 4.
+BACKOFF = Backoff(initial=0.5, factor=2.0, cap=4.0).delays(4)
 
 
 class Stop(enum.Enum):
