@@ -14,8 +14,9 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Mapping
+
+from supervisor.contract.clock import SYSTEM
 
 AGENT_LOAD_TIMEOUT = 60.0  # seconds the imports may take in one child
 
@@ -28,7 +29,7 @@ class Probe:
     ) -> None:
         self.specs = specs
         self.timeout = timeout
-        self.deadline = time.monotonic() + timeout
+        self.deadline = SYSTEM.monotonic() + timeout
         request = json.dumps({"path": sys.path, "specs": specs})
         self.proc = subprocess.Popen(
             [sys.executable, "-m", __name__, request],
@@ -43,7 +44,7 @@ class Probe:
         the one an import that ended the child is blamed on."""
         try:
             output, stderr = self.proc.communicate(
-                timeout=max(0.0, self.deadline - time.monotonic())
+                timeout=max(0.0, self.deadline - SYSTEM.monotonic())
             )
             ended = _ended(self.proc.returncode, stderr)
         except subprocess.TimeoutExpired:

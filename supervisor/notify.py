@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import os
 import socket
-import time
 from collections.abc import MutableMapping
+
+from supervisor.contract.clock import SYSTEM
 
 
 class Notifier:
@@ -75,7 +76,7 @@ class Notifier:
         (`ready` sets it back)."""
         fields: dict[str, str | int] = {
             "RELOADING": 1,
-            "MONOTONIC_USEC": time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000,
+            "MONOTONIC_USEC": int(SYSTEM.monotonic() * 1_000_000),  # CLOCK_MONOTONIC
             "STATUS": status,
         }
         if self.watchdog_usec:

@@ -23,6 +23,7 @@ from loguru import logger
 
 from supervisor.contract import control
 from supervisor.contract.background import spawn
+from supervisor.contract.clock import SYSTEM
 from supervisor.contract.config import Config
 from supervisor.contract.logs import setup_logging
 from supervisor.contract.reaper import exit_if_orphaned, set_pdeathsig
@@ -313,7 +314,7 @@ class Worker:
                 model_down_since=self.health.down_since,
                 model_tokens=self.health.take(),
             )
-            await asyncio.sleep(self.config.pool.heartbeat_interval)
+            await SYSTEM.sleep(self.config.pool.heartbeat_interval)
 
     def _served(self) -> None:
         """A runner ended a turn (any outcome): one more for the heartbeat's count."""
@@ -327,7 +328,7 @@ class Worker:
     async def _renew_leases(self) -> None:
         ttl = self.config.lease.stale_after
         while True:
-            await asyncio.sleep(ttl / 3)
+            await SYSTEM.sleep(ttl / 3)
             try:
                 await asyncio.to_thread(
                     self.store.leases.renew_owner,

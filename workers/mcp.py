@@ -24,6 +24,7 @@ from typing import Any
 
 import mcp_types
 
+from supervisor.contract.clock import SYSTEM
 from supervisor.contract.config import McpServer
 from workers.mcp_launch import Launched
 from workers.mcp_server import (
@@ -156,5 +157,5 @@ class McpTools:
 
     async def aclose(self, grace: float) -> None:
         """Stop every server: SIGTERM to all groups at once, SIGKILL after `grace` s, reap."""
-        deadline = asyncio.get_running_loop().time() + grace
+        deadline = SYSTEM.monotonic() + grace
         await asyncio.gather(*(client.stop(deadline) for client in self.clients))

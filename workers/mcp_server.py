@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +23,7 @@ from mcp.shared.exceptions import MCPError
 
 from supervisor import __version__
 from supervisor.contract.background import spawn
+from supervisor.contract.clock import SYSTEM
 from supervisor.contract.config import McpServer
 from supervisor.contract.reaper import ProcessId
 from supervisor.core.backoff import DEFAULT_BACKOFF, Backoff
@@ -52,7 +52,7 @@ class RestartPolicy:
     `crashed` returns None, for good.
     """
 
-    clock: Clock = time.monotonic
+    clock: Clock = SYSTEM.monotonic
     backoff: Backoff = DEFAULT_BACKOFF
     max_crashes: int = 5
     window: float = 60.0
@@ -155,17 +155,16 @@ class McpServerClient:
 
     async def wait_ready(self, timeout: float) -> bool:
         """Wait up to `timeout` seconds for the server to answer calls; False if it is not."""
-        loop = asyncio.get_running_loop()
-        until = loop.time() + timeout
+        until = SYSTEM.monotonic() + timeout
         while self.state in (McpState.STARTING, McpState.BACKOFF):
             try:
-                await asyncio.wait_for(self._changed.wait(), until - loop.time())
+                await asyncio.wait_for(self._changed.wait(), until - SYSTEM.monotonic())
             except TimeoutError:
                 break
         return self.state is McpState.READY
 
     async def stop(self, deadline: float) -> None:
-        """Stop the server's process group: SIGTERM now, SIGKILL at `deadline` (loop time)."""
+        """Stop the server's process group: SIGTERM now, SIGKILL at `deadline` (monotonic)."""
         self._deadline = deadline
         if isinstance(self._launched, Launched):  # never started: never connected to
             self._launched.discard()
@@ -199,7 +198,7 @@ class McpServerClient:
                 return
             self.log.warning("MCP server {!r} {}; restarting in {:g} s", self.name, reason, delay)
             self._set_state(McpState.BACKOFF)
-            await asyncio.sleep(delay)
+            await SYSTEM.sleep(delay)
 
     async def _run_once(self) -> str:
         """One life of the server process; returns how it ended, for the log."""
@@ -229,8 +228,9 @@ class McpServerClient:
             await asyncio.shield(self._cleanup)
 
     async def _stop_process(self, process: ServerProcess, identity: ProcessId | None) -> None:
-        loop = asyncio.get_running_loop()
-        deadline = self._deadline if self._deadline is not None else loop.time() + ORPHAN_GRACE
+        deadline = (
+            self._deadline if self._deadline is not None else SYSTEM.monotonic() + ORPHAN_GRACE
+        )
         await process.terminate(deadline)
         if identity is not None and self._on_exit is not None:
             await self._callback(self._on_exit, self.name, process.pid)
@@ -293,8 +293,7 @@ class McpServerClient:
                 f"the MCP server {self.name!r} is unavailable: it crashed "
                 f"{self.policy.max_crashes} times within {self.policy.window:g} s"
             )
-        loop = asyncio.get_running_loop()
-        until = loop.time() + self.config.call_timeout
+        until = SYSTEM.monotonic() + self.config.call_timeout
         session, process = self._session, self.process
         if session is None and await self.wait_ready(self.config.call_timeout):
             session, process = self._session, self.process
@@ -307,7 +306,7 @@ class McpServerClient:
             return error_outcome(
                 f"the MCP server {self.name!r} is not running ({self.state.value})"
             )
-        timeout = max(until - loop.time(), 0.001)
+        timeout = max(until - SYSTEM.monotonic(), 0.001)
         try:
             result = await session.call_tool(tool, arguments, read_timeout_seconds=timeout)
         except MCPError as exc:

@@ -24,6 +24,7 @@ from loguru import logger
 from mcp.shared.message import SessionMessage
 
 from supervisor.contract.background import spawn
+from supervisor.contract.clock import SYSTEM
 from workers.mcp_launch import Launched
 
 LINE_LIMIT = 32 * 1024 * 1024
@@ -187,15 +188,14 @@ class ServerProcess:
             self.log.warning("{}[{}]: cannot signal its group: {}", self.name, self.pid, exc)
 
     async def _gone_by(self, deadline: float) -> bool:
-        loop = asyncio.get_running_loop()
         while not (self._exited.is_set() and not _group_alive(self.pgid)):
-            if loop.time() >= deadline:
+            if SYSTEM.monotonic() >= deadline:
                 return False
-            await asyncio.sleep(POLL)
+            await SYSTEM.sleep(POLL)
         return True
 
     async def terminate(self, deadline: float) -> None:
-        """SIGTERM the process group; SIGKILL what is left at `deadline` (loop time).
+        """SIGTERM the process group; SIGKILL what is left at `deadline` (monotonic).
 
         Then waits up to `REAP_BUDGET` for the server to be reaped, and closes the pipes and
         streams. Descendants that left the group (setsid) are out of reach here.
@@ -207,8 +207,7 @@ class ServerProcess:
                 "{}[{}]: still running at the deadline; SIGKILL to its group", self.name, self.pid
             )
             self._signal_group(signal.SIGKILL)
-            loop = asyncio.get_running_loop()
-            if not await self._gone_by(loop.time() + REAP_BUDGET):
+            if not await self._gone_by(SYSTEM.monotonic() + REAP_BUDGET):
                 self.log.error("{}[{}]: survived SIGKILL", self.name, self.pid)
         # Its last stderr lines (a traceback, say) are worth the wait; pipes held open by
         # an escaped descendant are not.

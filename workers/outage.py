@@ -18,7 +18,9 @@ from supervisor.core.vocabulary import EventType
 from supervisor.store import EventRecord
 from workers.models import ModelError
 
-DELAYS = (1.0, 2.0, 4.0, 8.0, 15.0, 30.0)  # seconds between calls; the last one repeats
+# Seconds between calls; the last one repeats. Steps chosen one by one, not the shared
+# doubling backoff (`supervisor.core.backoff`): 15 s, not 16, before the 30 s that repeat.
+DELAYS = (1.0, 2.0, 4.0, 8.0, 15.0, 30.0)
 NOTICE = "the model is unavailable; retrying"
 OUTAGE_KEY = "outage_since"  # in the notice's payload
 

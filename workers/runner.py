@@ -18,8 +18,6 @@ ended but continued on the attempt schedule (`workers.continuation`).
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -27,9 +25,10 @@ import peewee
 from loguru import logger
 
 from supervisor.contract.background import spawn
-from supervisor.contract.clock import SYSTEM, Clock
+from supervisor.contract.clock import SYSTEM, Clock, sleep_unless
 from supervisor.contract.sections import COMPACTION_PROMPT
 from supervisor.core import autonomy, engine
+from supervisor.core.backoff import Backoff
 from supervisor.core.continuation import attempts_charged
 from supervisor.core.engine import SessionView, Step
 from supervisor.core.recovery import ATTEMPT_DELAYS
@@ -49,7 +48,8 @@ from workers.spawning import Limits, Spawner
 from workers.tasking import Kinds, Starter
 from workers.tools import Toolbox
 
-STORAGE_RETRY = (1.0, 30.0)  # first and longest wait before trying a failed write again
+# The waits before trying a failed write again: 1 s, doubling, at most 30 s.
+STORAGE_RETRY = Backoff(initial=1.0, factor=2.0, cap=30.0)
 # What a database that takes no writes raises: our own error, or the driver's.
 STORAGE_ERRORS = (StorageUnavailable, peewee.OperationalError, peewee.InterfaceError)
 READ_LIMIT = 1_000_000  # events in one read: a session's whole log
@@ -178,7 +178,7 @@ class SessionRunner:
         self._woken.set()
 
     async def _loop(self) -> None:
-        delay = STORAGE_RETRY[0]
+        failures = 0  # writes the database refused in a row
         try:
             while not self.released.is_set():
                 await self._woken.wait()
@@ -188,6 +188,8 @@ class SessionRunner:
                 try:
                     await self._run_available()
                 except STORAGE_ERRORS as exc:
+                    failures += 1
+                    delay = STORAGE_RETRY.delay(failures)
                     self.log.error(
                         "the database takes no writes ({}); trying again in {:.0f} s",
                         " ".join(str(exc).split())[:300],
@@ -195,10 +197,9 @@ class SessionRunner:
                     )
                     self.cause = "storage_unavailable"  # for the continuation's note
                     await self._pause(delay)
-                    delay = min(delay * 2, STORAGE_RETRY[1])
                     self._woken.set()
                     continue
-                delay = STORAGE_RETRY[0]
+                failures = 0
         except turns.TurnReleased:
             pass
         except Reported:
@@ -217,8 +218,7 @@ class SessionRunner:
 
     async def _pause(self, seconds: float) -> None:
         """Wait `seconds`, or less if the session is released meanwhile."""
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.released.wait(), seconds)
+        await sleep_unless(self._clock, seconds, self.released)
 
     def _release_lease(self) -> None:
         self._store.leases.release(Lease(self.session_id, "", self.token, 0.0))
@@ -305,7 +305,7 @@ class SessionRunner:
     async def _checkpoint(self) -> None:
         """An autonomous run: record its counters; while no budget is spent, go on."""
         events = await self._read()
-        progress = autonomy.progress(events, time.time())
+        progress = autonomy.progress(events, self._clock.time())
         found = autonomy.run_of(events)
         if progress is None or found is None:
             return
@@ -394,6 +394,7 @@ class SessionRunner:
             Outage(self._outage_budget, outage_since(this_turn)),
             self._health,
             budget,
+            clock=self._clock,
         )
         started = self._clock.time()
         ending = await turns.agent_ending(agent, context)
@@ -407,13 +408,13 @@ class SessionRunner:
     async def _commit(
         self, type: str, payload: dict[str, Any], turn_id: str | None, key: str | None = None
     ) -> int:
-        now = time.time()
-        started = time.perf_counter()
+        now = self._clock.time()
+        started = self._clock.perf_counter()
         seq = await self._store.events.append_async(
             self.session_id, type, payload, token=self._turn_token, turn_id=turn_id,
             created_at=now, idempotency_key=key,
         )  # fmt: skip
-        self._observe(time.perf_counter() - started)
+        self._observe(self._clock.perf_counter() - started)
         # A signal only: whoever reads the event reads it from the database.
         await self._notify("committed", session=self.session_id, seq=seq, event_type=type)
         return seq

@@ -6,11 +6,11 @@ A tool never raises into a turn: failures come back as an error result the model
 
 from __future__ import annotations
 
-import asyncio
 import json
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from supervisor.contract.clock import SYSTEM
 from workers.models import ToolSpec
 
 MAX_RESULT_BYTES = 256 * 1024  # tools.max_result_bytes
@@ -89,7 +89,7 @@ class BuiltinTools:
             seconds = arguments.get("seconds")
             if not isinstance(seconds, int | float) or not 0 <= seconds <= 300:
                 return ToolOutcome("seconds must be a number from 0 to 300", is_error=True)
-            await asyncio.sleep(seconds)
+            await SYSTEM.sleep(seconds)
             return ToolOutcome(f"slept {seconds} s")
         known = ", ".join(spec.name for spec in self.SPECS)
         return ToolOutcome(f"unknown tool {name!r}; known: {known}", is_error=True)

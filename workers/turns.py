@@ -9,11 +9,9 @@ is let finish, so its result is recorded.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import json
 import math
-import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -23,6 +21,7 @@ from typing import Any
 from loguru import logger
 
 from supervisor.contract.background import spawn
+from supervisor.contract.clock import SYSTEM, Clock, sleep_unless
 from supervisor.contract.config import mask_urls
 from supervisor.core.vocabulary import Cause, EventType, TurnOutcome
 from supervisor.store import EventRecord, LeaseLost, StorageUnavailable
@@ -72,6 +71,7 @@ class TurnContext:
         outage: Outage | None = None,
         health: Health | None = None,
         budget: Budget | None = None,
+        clock: Clock = SYSTEM,
     ) -> None:
         self.session_id = session_id
         self.turn_id = turn_id
@@ -90,6 +90,7 @@ class TurnContext:
         self._outage = outage
         self._health = health
         self.budget = budget
+        self._clock = clock
 
     @property
     def messages(self) -> list[Message]:
@@ -181,7 +182,7 @@ class TurnContext:
             except ModelError as exc:
                 if outage is None:
                     raise
-                now = time.time()
+                now = self._clock.time()
                 delay = outage.wait(exc, now)
                 if delay is None:
                     raise outage.spent(exc) from None
@@ -191,8 +192,7 @@ class TurnContext:
                     await self._commit(EventType.NOTICE, payload, self.turn_id)
                 if self._health is not None:
                     self._health.down(outage.since)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._released.wait(), delay)
+                await sleep_unless(self._clock, delay, self._released)
                 self._boundary()
                 continue
             if outage is not None:
@@ -339,7 +339,7 @@ async def _repair(missing: history.MissingResult, turn_id: str, commit: Commit) 
         type="tool_result",
         turn_id=turn_id,
         payload=payload,
-        created_at=time.time(),
+        created_at=SYSTEM.time(),
         writer="worker",
     )
 
@@ -373,7 +373,7 @@ async def resume_turn(
         )
         return TurnOutcome.COMPLETED
     # A TRUNCATED tail is continued too: the note asks the model to go on from the cut.
-    last_at = events[-1].created_at if events else time.time()
+    last_at = events[-1].created_at if events else SYSTEM.time()
     when = datetime.fromtimestamp(last_at, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
     note = (
         f"[turnkeeper] This turn was interrupted because "

@@ -13,7 +13,6 @@ import contextlib
 import errno
 import json
 import os
-import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +20,7 @@ from typing import Any
 
 import httpx
 
+from supervisor.contract.clock import SYSTEM
 from supervisor.contract.config import Config, parse_listen, resolve_paths
 from supervisor.core.backoff import Backoff
 
@@ -69,7 +69,7 @@ class Reconnect:
     lost: Callable[[str], None]  # the reason, once per loss
     back: Callable[[int], None]  # the seq the stream resumes after
     backoff: Backoff = RECONNECT_BACKOFF
-    sleep: Callable[[float], None] = time.sleep
+    sleep: Callable[[float], None] = SYSTEM.sleep_blocking
 
 
 @dataclass(frozen=True)
@@ -250,7 +250,7 @@ class Client:
         repeated. If the daemon is gone once a stream was open (it stopped, or the
         connection broke), `reconnect` says so and tries again with its backoff until the
         daemon is back; without it, DaemonNotRunning is raised. A first connection that
-        fails always raises. `deadline` (time.monotonic()) raises ClientTimeout; it is
+        fails always raises. `deadline` (SYSTEM.monotonic()) raises ClientTimeout; it is
         checked on every line, and an idle stream carries a keep-alive comment every 15 s,
         so it can be passed by up to that much.
         """
@@ -288,7 +288,7 @@ class Client:
         self, session_id: str, after: int, deadline: float | None
     ) -> Iterator[Iterator[dict[str, Any]]]:
         """One attach request: its events, once the daemon has accepted it."""
-        read = None if deadline is None else max(deadline - time.monotonic(), 0.01)
+        read = None if deadline is None else max(deadline - SYSTEM.monotonic(), 0.01)
         with (
             _transport_errors(self.address, deadline),
             self._http.stream(
@@ -385,7 +385,7 @@ def _nobody_listens(exc: BaseException) -> str | None:
 
 def _until(lines: Iterator[str], deadline: float | None) -> Iterator[str]:
     for line in lines:
-        if deadline is not None and time.monotonic() >= deadline:
+        if deadline is not None and SYSTEM.monotonic() >= deadline:
             raise ClientTimeout("the deadline passed")
         yield line
 

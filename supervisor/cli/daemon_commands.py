@@ -12,7 +12,6 @@ or was interrupted under `send --wait`); 2 a usage error; 3 the daemon is not ru
 from __future__ import annotations
 
 import sys
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +29,7 @@ from supervisor.cli.common import (
     table,
     when,
 )
+from supervisor.contract.clock import SYSTEM
 from supervisor.core.vocabulary import McpState, Permission, SessionKind, SlotState, TurnOutcome
 
 if TYPE_CHECKING:
@@ -108,7 +108,7 @@ def send(
             if as_json:
                 emit_json({"seq": seq})
             return
-        deadline = time.monotonic() + timeout
+        deadline = SYSTEM.monotonic() + timeout
         reply = wait_for_reply(client, session_id, seq, deadline, echo=not as_json)
     if reply is None:
         fail(f"no reply within {timeout:g} s")

@@ -6,7 +6,6 @@ import json
 import os
 import signal
 import sys
-import time
 
 import click
 
@@ -36,6 +35,7 @@ from supervisor.cli.common import (
     load,
     open_store,
 )
+from supervisor.contract.clock import SYSTEM
 from supervisor.contract.config import Config, resolve_paths
 from supervisor.deliveries import cli as deliveries_command
 from supervisor.restarts import cli as restart_command
@@ -136,13 +136,13 @@ def stop(ctx: click.Context, drain: float | None, timeout: float) -> None:
         click.echo(f"draining for up to {seconds:g} s", err=True)
     os.kill(pid, signal.SIGTERM)
     progress = _DrainProgress(cfg) if drain is not None and sys.stderr.isatty() else None
-    deadline = time.monotonic() + timeout
+    deadline = SYSTEM.monotonic() + timeout
     while daemon_pid(paths) == pid:
-        if time.monotonic() > deadline:
+        if SYSTEM.monotonic() > deadline:
             fail(f"pid {pid} has not exited after {timeout:g} s")
         if progress is not None:
             progress.show()
-        time.sleep(0.1)
+        SYSTEM.sleep_blocking(0.1)
     if progress is not None:
         progress.end()
     click.echo(f"stopped (pid {pid})")
@@ -155,9 +155,9 @@ class _DrainProgress:
         self.cfg, self.shown, self.next_at = cfg, False, 0.0
 
     def show(self) -> None:
-        if time.monotonic() < self.next_at:
+        if SYSTEM.monotonic() < self.next_at:
             return
-        self.next_at = time.monotonic() + 0.5
+        self.next_at = SYSTEM.monotonic() + 0.5
         from supervisor.cli.client import Client, ClientError
 
         try:

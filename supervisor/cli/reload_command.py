@@ -195,13 +195,12 @@ def address(cfg: Config, pid: int) -> str:
 
 
 def _post(client: Client, body: dict[str, bool], timeout: float) -> dict[str, Any]:
-    import time
-
     import httpx
 
     from supervisor.cli.client import TIMEOUT, ClientTimeout, _transport_errors
+    from supervisor.contract.clock import SYSTEM
 
-    deadline = time.monotonic() + timeout + MARGIN
+    deadline = SYSTEM.monotonic() + timeout + MARGIN
     try:
         with _transport_errors(client.address, deadline):
             response = client._http.post(

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import click
 
 from supervisor.cli.common import connect, daemon_pid, json_option, load, reports_errors, when
+from supervisor.contract.clock import SYSTEM
 from supervisor.contract.config import resolve_paths
 from supervisor.core.vocabulary import SessionCount, SessionStatus, SubagentStatus
 
@@ -47,7 +47,7 @@ def sessions_list(ctx: click.Context, limit: int, as_json: bool) -> None:
     elif not sessions:
         click.echo("no sessions")
     else:
-        click.echo(_sessions_table(sessions, time.time()))
+        click.echo(_sessions_table(sessions, SYSTEM.time()))
 
 
 def _sessions_table(sessions: list[SessionInfo], now: float) -> str:
@@ -189,7 +189,7 @@ def _follow(store: Store, session_id: str, after: int, show: Callable[[EventReco
                 show(event)
                 after = event.seq
             if len(page) < PAGE:
-                time.sleep(POLL_INTERVAL)
+                SYSTEM.sleep_blocking(POLL_INTERVAL)
     except KeyboardInterrupt:
         return
 

@@ -5,7 +5,6 @@ down: boots, the breaker, autonomous runs; and the `sessions` group of
 from __future__ import annotations
 
 import re
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -13,6 +12,7 @@ import click
 
 from supervisor.cli.common import json_option
 from supervisor.cli.session_commands import sessions_group
+from supervisor.contract.clock import SYSTEM
 from supervisor.core.vocabulary import BootOutcome
 
 if TYPE_CHECKING:
@@ -88,7 +88,7 @@ def process_check(db_now: float) -> Callable[[Boot], bool]:
     """
     import psutil
 
-    skew = db_now - time.time()
+    skew = db_now - SYSTEM.time()
 
     def running(boot: Boot) -> bool:
         try:

@@ -43,7 +43,6 @@ no peer can create a metric series.
 from __future__ import annotations
 
 import hmac
-import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Annotated, Any, Literal, TypeVar
@@ -58,6 +57,7 @@ from pydantic import (
     ValidationError,
 )
 
+from supervisor.contract.clock import SYSTEM
 from supervisor.contract.limits import MAX_NAME as MAX_NAME
 from supervisor.contract.limits import MAX_SERVERS as MAX_SERVERS
 from supervisor.contract.limits import PRINTABLE
@@ -335,7 +335,7 @@ class Refusals:
         size: int = 1024,
         burst: int = 20,
         window: float = 60.0,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = SYSTEM.monotonic,
     ) -> None:
         self.size, self.burst, self.window, self.clock = size, burst, window, clock
         self._seen: OrderedDict[bytes, None] = OrderedDict()

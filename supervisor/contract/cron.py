@@ -20,6 +20,8 @@ from zoneinfo import ZoneInfo
 
 from cronsim import CronSim, CronSimError
 
+from supervisor.contract.clock import SYSTEM
+
 MAX_CRON = 200  # characters of an expression (its column's width)
 MAX_TIMEZONE = 64  # characters of a time zone's name (its column's width)
 FIELDS = "5 fields (minute hour day-of-month month day-of-week), or 6 with seconds first"
@@ -58,7 +60,7 @@ class Cron:
         self.timezone = timezone
         self.zone = zone(timezone)
         try:
-            first = next(self._steps(datetime.now(UTC).timestamp(), reverse=False), None)
+            first = next(self._steps(SYSTEM.time(), reverse=False), None)
         except CronSimError as exc:
             raise CronError("cron", f"{expr!r} is not a cron expression: {exc}; {FIELDS}") from None
         if first is None:

@@ -19,12 +19,13 @@ import contextlib
 import ctypes
 import os
 import signal
-import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
 import psutil
+
+from supervisor.contract.clock import SYSTEM
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
@@ -283,8 +284,8 @@ def terminate(
     procs: Sequence[psutil.Process],
     grace: float,
     *,
-    clock: Clock = time.monotonic,
-    sleep: Sleep = time.sleep,
+    clock: Clock = SYSTEM.monotonic,
+    sleep: Sleep = SYSTEM.sleep_blocking,
     poll: float = 0.02,
 ) -> TerminateReport:
     """SIGTERM all `procs` at once, SIGKILL those alive `grace` seconds later, reap ours.
@@ -325,8 +326,8 @@ def terminate_tree(
     grace: float,
     extra_pgids: Iterable[int] = (),
     *,
-    clock: Clock = time.monotonic,
-    sleep: Sleep = time.sleep,
+    clock: Clock = SYSTEM.monotonic,
+    sleep: Sleep = SYSTEM.sleep_blocking,
 ) -> TerminateReport:
     """`terminate` every process `descendants(root_pid, extra_pgids)` finds (not root)."""
     return terminate(descendants(root_pid, extra_pgids), grace, clock=clock, sleep=sleep)

@@ -1,12 +1,18 @@
-"""The backoff policy: how long to wait before starting again something that crashed.
+"""The backoff policy: how long to wait before trying again something that keeps failing.
 
-One policy for the worker slots (`supervisor.core.slots`) and the MCP servers of a worker
-(`workers.mcp`). Pure: the caller counts the crashes and passes them in.
+The one doubling wait of the project: the worker slots (`supervisor.core.slots`), the MCP
+servers of a worker (`workers.mcp_server`), the command line's reconnects, the deliveries'
+retries (`supervisor.deliveries.rules`, jittered), the store's retries of a busy database
+(`supervisor.store.db`), a task runner's retries of its database work and a session
+runner's of a write the database refused. Pure: the caller counts the failures and passes
+them in.
 
 Rules
 -----
-- After the n-th crash in a row the wait is `min(cap, initial * factor ** (n - 1))`: with
+- After the n-th failure in a row the wait is `min(cap, initial * factor ** (n - 1))`: with
   the defaults 0.5, 1, 2, 4, 8, 16, 30, 30, ... seconds.
+- `jittered` spreads that wait d over its upper half, [d / 2, d], by a number in [0, 1]
+  the caller passes in (so that what one outage held back does not all come back at once).
 - A run that lasted `healthy_after` seconds forgives the crashes before it: the next crash
   counts as the first one again.
 """
@@ -36,6 +42,17 @@ class Backoff:
         except OverflowError:  # a crash loop long enough to overflow a float
             return self.cap
         return min(self.cap, raw)
+
+    def jittered(self, failures: int, jitter: float) -> float:
+        """`delay(failures)` d spread by `jitter` (in [0, 1]) over [d / 2, d]."""
+        if not 0.0 <= jitter <= 1.0:
+            raise ValueError(f"need 0 <= jitter <= 1: {jitter}")
+        full = self.delay(failures)
+        return full / 2 + jitter * full / 2
+
+    def delays(self, count: int) -> tuple[float, ...]:
+        """The first `count` waits, `delay(1)` to `delay(count)`: a fixed number of tries."""
+        return tuple(self.delay(n) for n in range(1, count + 1))
 
     def forgives(self, ran: float) -> bool:
         """Whether a run of `ran` seconds was long enough to forget the crashes before it."""

@@ -26,12 +26,12 @@ import ipaddress
 import os
 import socket
 import threading
-import time
 from collections.abc import Callable, Collection
 
 import httpx
 
 from supervisor.contract.background import spawn
+from supervisor.contract.clock import SYSTEM, Clock
 from supervisor.contract.delivery_targets import DeliveryTarget
 from supervisor.deliveries import rules
 
@@ -58,10 +58,14 @@ class Poster:
     reload changed, `aclose` ends them all."""
 
     def __init__(
-        self, transport: httpx.AsyncBaseTransport | None = None, lookup: Resolve = resolve
+        self,
+        transport: httpx.AsyncBaseTransport | None = None,
+        lookup: Resolve = resolve,
+        clock: Clock = SYSTEM,
     ) -> None:
         self.transport = transport  # tests: an httpx.MockTransport for every target
         self.lookup = lookup
+        self.clock = clock  # the signatures' timestamps and the looked-up addresses' ages
         self._clients: dict[tuple[str, int], httpx.AsyncClient] = {}
         self._using: dict[httpx.AsyncClient, int] = {}  # attempts in flight, by client
         self._retired: set[httpx.AsyncClient] = set()  # a reload's: closed once not in use
@@ -79,7 +83,7 @@ class Poster:
             return url, {}, {}  # an address already: nothing to look up
         except ValueError:
             pass
-        key, now = (host, port), time.monotonic()
+        key, now = (host, port), self.clock.monotonic()
         cached = self._resolved.get(key)
         if cached is not None and cached[1] > now:
             address = cached[0]
@@ -112,7 +116,7 @@ class Poster:
         secret = os.environ.get(target.secret_env, "")
         if not secret:  # checked at start; unset since: nothing is sent unsigned
             return None, f"{target.secret_env} is not set: nothing sent"
-        stamp = int(time.time())
+        stamp = int(self.clock.time())
         headers = {
             "Content-Type": "application/json",
             "Idempotency-Key": key,

@@ -14,10 +14,10 @@ here; the daemon only carries them out.
   5xx, 1xx, 3xx, no answer (network, time)  RETRY        again after the backoff, or DEAD
                                                          once `max_attempts` were made
 
-The backoff after the n-th failed attempt is `min(cap, base * 2 ** (n - 1))`, with full
-jitter on its upper half (so that deliveries held back by one outage do not all come
-back at the same instant): a wait in [d / 2, d]. The jitter is a number in [0, 1] the
-caller passes in.
+The backoff after the n-th failed attempt is the shared one (`supervisor.core.backoff`)
+doubling from `base`: `min(cap, base * 2 ** (n - 1))`, with full jitter on its upper half
+(so that deliveries held back by one outage do not all come back at the same instant): a
+wait in [d / 2, d]. The jitter is a number in [0, 1] the caller passes in.
 
 The signature is `sha256=` and the HMAC-SHA256, hex, of `<timestamp>.<body>` with the
 target's secret: the receiver recomputes it from the timestamp header and the raw body,
@@ -34,6 +34,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from supervisor.core.backoff import Backoff
 from supervisor.core.vocabulary import DeliveryKind, EventType
 
 SIGNATURE_HEADER = "X-Turnkeeper-Signature"
@@ -117,11 +118,7 @@ class Policy:
         in [0, 1]: a wait in [d / 2, d] for the doubling, capped, delay d."""
         if failed < 1 or not 0.0 <= jitter <= 1.0:
             raise ValueError(f"need failed >= 1 and 0 <= jitter <= 1: {failed}, {jitter}")
-        try:
-            full = min(self.cap, self.base * 2.0 ** (failed - 1))
-        except OverflowError:
-            full = self.cap
-        return full / 2 + jitter * full / 2
+        return Backoff(initial=self.base, factor=2.0, cap=self.cap).jittered(failed, jitter)
 
     def after(self, attempts: int, answer: Verdict) -> Verdict:
         """The delivery's verdict after `attempts` attempts, the last answered `answer`:

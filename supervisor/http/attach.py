@@ -20,7 +20,6 @@ the client draining them before it asks for the next page.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
@@ -214,7 +213,7 @@ async def stream(
     try:
         await response.prepare(request)
         last, behind = await _replay(response, session_id, after, read, hub)
-        quiet_since = time.monotonic()
+        quiet_since = SYSTEM.monotonic()
         while True:
             try:
                 wait = IDLE_CHECK if behind else CLIENT_CHECK
@@ -225,17 +224,17 @@ async def stream(
                 if behind:  # the last read failed: no signal will come for what it missed
                     sent, behind = await _replay(response, session_id, last, read, hub)
                     if sent != last:
-                        last, quiet_since = sent, time.monotonic()
-                if time.monotonic() - quiet_since >= KEEPALIVE:
+                        last, quiet_since = sent, SYSTEM.monotonic()
+                if SYSTEM.monotonic() - quiet_since >= KEEPALIVE:
                     await response.write(b": keep-alive\n\n")
-                    quiet_since = time.monotonic()
+                    quiet_since = SYSTEM.monotonic()
                 continue
             if event is _CLOSE or sub.dropped:
                 break
             if int(event["seq"]) <= last:
                 continue  # already read with an earlier signal
             last, behind = await _replay(response, session_id, last, read, hub)
-            quiet_since = time.monotonic()
+            quiet_since = SYSTEM.monotonic()
     except (ConnectionResetError, asyncio.CancelledError):
         pass
     finally:

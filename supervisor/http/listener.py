@@ -29,6 +29,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
+from supervisor.contract.clock import SYSTEM
 from supervisor.contract.config import HttpConfig
 from supervisor.contract.logs import log
 
@@ -86,7 +87,7 @@ class _Handler(RequestHandler):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
-        now = asyncio.get_running_loop().time()
+        now = SYSTEM.monotonic()
         self._heard_at = now
         manager = self._manager
         if manager is None or len(manager.connections) <= self._limits.max_connections:
@@ -120,7 +121,7 @@ class _Handler(RequestHandler):
         return not self._request_in_progress and self.transport is not None
 
     def data_received(self, data: bytes) -> None:
-        self._heard_at = asyncio.get_running_loop().time()
+        self._heard_at = SYSTEM.monotonic()
         super().data_received(data)
 
     def pause_writing(self) -> None:
@@ -146,7 +147,7 @@ class _Handler(RequestHandler):
         self._limits.refused(
             f"disconnected a client that read nothing for http.write_timeout "
             f"({self._limits.write_timeout:g} s)",
-            asyncio.get_running_loop().time(),
+            SYSTEM.monotonic(),
         )
         if self.transport is not None:
             self.transport.abort()  # its buffer would never drain: no graceful close
@@ -157,7 +158,7 @@ class _Handler(RequestHandler):
         text = " ".join(str(exc or (args[0] if args else "")).split())[:200]
         self._limits.refused(
             f"a connection failed: {type(exc).__name__ if exc else 'error'}: {text}",
-            asyncio.get_running_loop().time(),
+            SYSTEM.monotonic(),
         )
 
     def handle_error(
@@ -177,7 +178,7 @@ class _Handler(RequestHandler):
             reason = " ".join((message or HTTPStatus(status).phrase).split())[:200]
             self._limits.refused(
                 f"refused a malformed request ({status}): {reason}",
-                asyncio.get_running_loop().time(),
+                SYSTEM.monotonic(),
             )
             code, text = "bad_request", f"the request cannot be read: {reason}"
         body = json.dumps({"error": {"code": code, "message": text}})

@@ -24,10 +24,10 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
+from supervisor.contract.clock import SYSTEM
 from supervisor.store.reading import EventRow
 
 # Pages read and encoded at once, across every stream and request. One: the work holds
@@ -86,7 +86,7 @@ def paced(batches: Iterable[list[EventRow]]) -> Iterator[list[EventRow]]:
     """`batches`, with a pause (`PAUSE_S`, the GIL released) before each one but the first."""
     for i, rows in enumerate(batches):
         if i:
-            time.sleep(PAUSE_S)
+            SYSTEM.sleep_blocking(PAUSE_S)
         yield rows
 
 

@@ -16,13 +16,13 @@ The route only carries the request to the daemon's reloader (`supervisor.reloadi
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable
 from typing import Any, Literal, Protocol
 
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
+from supervisor.contract.clock import SYSTEM
 from supervisor.contract.config import Config, config_version
 from supervisor.http.answers import PRINCIPAL, RETRY_AFTER, ApiError, answer, read_body
 from supervisor.http.auth import ADMIN
@@ -115,7 +115,7 @@ class ReloadRefused(BaseModel):
 
 REQUESTS: tuple[type[BaseModel], ...] = (ReloadBody,)
 ANSWERS: tuple[type[BaseModel], ...] = (ChangeOut, ReloadOut, ReloadRefused)
-STARTED = time.time()  # this process's start: when its configuration was loaded, at the latest
+STARTED = SYSTEM.time()  # this process's start: when its configuration was loaded, at the latest
 
 
 def config_state(reloader: ReloaderView | None, config: Config) -> ConfigState:

@@ -14,12 +14,12 @@ name that is not configured is a 422 on `deliver_to`. No URL ever comes from a r
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
 from aiohttp import web
 
+from supervisor.contract.clock import SYSTEM
 from supervisor.contract.config import Config
 from supervisor.contract.delivery_targets import DeliveryTarget
 from supervisor.core import autonomy
@@ -96,7 +96,7 @@ class SessionRoutes:
             deliver = (target.name, " ".join(sorted(target.events)))
         first: list[tuple[str, dict[str, Any]]] = []
         if body.run is not None:
-            now = time.time()
+            now = SYSTEM.time()
             r = body.run
             deadline = None if r.deadline_seconds is None else now + r.deadline_seconds
             run = autonomy.Run(r.goal, r.prompt, r.max_turns, r.max_tokens, deadline)

@@ -7,11 +7,11 @@ a probe write at most every `STORAGE_PROBE` seconds from readiness checks, clear
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable
 
 import peewee
 
+from supervisor.contract.clock import SYSTEM, Clock
 from supervisor.contract.logs import log
 from supervisor.core.vocabulary import Rejection
 from supervisor.metrics import Metrics
@@ -23,9 +23,12 @@ STORAGE_PROBE = 5.0  # seconds between write probes while the store takes no wri
 class StorageHealth:
     """The last write failure intake saw, until a write works again."""
 
-    def __init__(self, probe_write: Callable[[], None], metrics: Metrics) -> None:
+    def __init__(
+        self, probe_write: Callable[[], None], metrics: Metrics, clock: Clock = SYSTEM
+    ) -> None:
         self._probe_write = probe_write
         self._metrics = metrics
+        self._clock = clock
         self.error: str | None = None  # why the last write failed, until one works
         self._failed_at = 0.0
         self.log = log("intake")
@@ -36,7 +39,7 @@ class StorageHealth:
         if self.error is None:
             self.log.error("the database takes no writes: {}; intake answers 503", exc)
         self.error = str(exc)
-        self._failed_at = time.monotonic()
+        self._failed_at = self._clock.monotonic()
 
     def worked(self) -> None:
         """A write worked."""
@@ -48,13 +51,13 @@ class StorageHealth:
         """Whether the store takes writes; after a failure, probed every STORAGE_PROBE s."""
         if self.error is None:
             return True
-        if time.monotonic() - self._failed_at < STORAGE_PROBE:
+        if self._clock.monotonic() - self._failed_at < STORAGE_PROBE:
             return False
         try:
             await asyncio.to_thread(self._probe_write)
         except (StorageUnavailable, peewee.DatabaseError) as exc:
             self.error = str(exc)
-            self._failed_at = time.monotonic()
+            self._failed_at = self._clock.monotonic()
             return False
         self.worked()
         return True

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
-import time
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -129,7 +128,9 @@ class Membership(Service):
         except (HostTaken, SingleHost) as exc:
             if not self._here_and_dead(exc.holder):
                 raise
-            time.sleep(max(0.0, 2 * RENEW - (exc.holder.now - exc.holder.last_seen)) + 0.1)
+            SYSTEM.sleep_blocking(
+                max(0.0, 2 * RENEW - (exc.holder.now - exc.holder.last_seen)) + 0.1
+            )
             before = self.store.hosts.register(self.me, self.ttl, self._gone, single=single)
         if before is not None and before.live:
             self.log.warning(

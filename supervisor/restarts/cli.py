@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import shutil
 import sys
-import time
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -30,6 +29,7 @@ from supervisor.cli.common import (
     when,
 )
 from supervisor.cli.session_commands import clip
+from supervisor.contract.clock import SYSTEM
 from supervisor.contract.config import Config, resolve_paths
 from supervisor.core.vocabulary import RestartOutcome, RestartState
 
@@ -141,7 +141,7 @@ def restart(
         # The drain is the request's own (the one in progress may have another): on top.
         drained = asked.get("drain")
         timeout += float(cfg.shutdown.drain_budget if drained is None else drained)
-        deadline = time.monotonic() + timeout
+        deadline = SYSTEM.monotonic() + timeout
         if sys.stderr.isatty() and not as_json:
             click.echo(f"waiting for the restart (up to {timeout:g} s)", err=True)
         settled, status = _wait(client, asked, deadline, timeout)
@@ -192,12 +192,12 @@ def _wait(
                 seen = f"boot {boot['id']} is {'stopping' if boot['stopping'] else 'starting'}"
         except DaemonUnavailable as exc:
             seen = f"the daemon is unreachable: {exc.reason}"
-        if time.monotonic() > deadline:
+        if SYSTEM.monotonic() > deadline:
             fail(
                 f"restart {restart_id} has not finished after {timeout:g} s ({seen}); "
                 "see `turnkeeper restarts` and the daemon's log"
             )
-        time.sleep(POLL)
+        SYSTEM.sleep_blocking(POLL)
 
 
 def _pid_now(cfg: Config, status: dict[str, Any]) -> int | None:

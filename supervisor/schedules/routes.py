@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import time
 from collections.abc import Callable
 from typing import Literal
 
@@ -29,6 +28,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
+from supervisor.contract.clock import SYSTEM
 from supervisor.contract.config import Config
 from supervisor.contract.cron import MAX_CRON, MAX_TIMEZONE, Cron, CronError, zone
 from supervisor.core.vocabulary import FireOutcome, Misfire, Permission, ScheduleStatus
@@ -190,7 +190,7 @@ class ScheduleRoutes:
             raise ApiError(409, exc.code, str(exc)) from None
         except SessionNotFound:
             raise self._unknown_session(body.session) from None
-        out = schedule_out(info, None, time.time())
+        out = schedule_out(info, None, SYSTEM.time())
         return answer(out, 201, {"Location": f"/v1/schedules/{info.id}"})
 
     async def list(self, request: web.Request) -> web.Response:
@@ -199,14 +199,14 @@ class ScheduleRoutes:
         reader = None if principal == ADMIN else principal
         found = await asyncio.to_thread(self.store.schedules.visible, reader, limit)
         newest = await asyncio.to_thread(self.store.schedules.newest, [s.id for s in found])
-        now = time.time()
+        now = SYSTEM.time()
         listed = [schedule_out(info, newest.get(info.id), now) for info in found]
         return answer(ScheduleList(schedules=listed))
 
     async def get(self, request: web.Request) -> web.Response:
         info = await self._schedule(request, Permission.READ)
         newest = await asyncio.to_thread(self.store.schedules.newest, [info.id])
-        return answer(schedule_out(info, newest.get(info.id), time.time()))
+        return answer(schedule_out(info, newest.get(info.id), SYSTEM.time()))
 
     async def delete(self, request: web.Request) -> web.Response:
         self.refuse()
@@ -221,7 +221,7 @@ class ScheduleRoutes:
         least = self.config.schedules.min_interval
         if least <= 0:
             return
-        upcoming = Cron(body.cron, body.timezone).upcoming(time.time(), GAP_SAMPLE)
+        upcoming = Cron(body.cron, body.timezone).upcoming(SYSTEM.time(), GAP_SAMPLE)
         gap = shortest_gap(upcoming)
         if gap is not None and gap < least:
             raise ApiError(

@@ -15,13 +15,13 @@ Two ways to take a session's seqs:
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import Sequence
 from typing import Any
 
 import peewee
 
+from supervisor.contract.clock import SYSTEM
 from supervisor.core.vocabulary import INPUT_EVENTS, DeliveryStatus, EventType, SessionStatus
 from supervisor.store.db import DRIVER_ERRORS
 from supervisor.store.errors import (
@@ -61,7 +61,7 @@ def write_batch(
     Returns the outcomes and the rows as this transaction leaves them, for `known` once
     it committed. A known row found stale is dropped from `known` at once.
     """
-    now = time.time()
+    now = SYSTEM.time()
     if known and len(requests) == 1:  # the lone append: its own short way
         req = requests[0]
         row = known.get(req.session_id)

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
 import peewee
 
+from supervisor.contract.clock import SYSTEM
 from supervisor.core.vocabulary import BootOutcome
 from supervisor.store.db import db_now, run_write
 from supervisor.store.models import AgentBootLog, ChildProcess
@@ -199,7 +199,7 @@ class Children:
                 kind=kind,
                 worker=worker,
                 name=name,
-                started_at=time.time(),
+                started_at=SYSTEM.time(),
             ).execute(),
         )
         return row_id

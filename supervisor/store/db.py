@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -19,6 +18,8 @@ from urllib.parse import urlsplit
 import peewee
 from playhouse import db_url
 
+from supervisor.contract.clock import SYSTEM
+from supervisor.core.backoff import Backoff
 from supervisor.store.errors import BadStoreURL, StoreBusy
 
 T = TypeVar("T")
@@ -31,6 +32,8 @@ DRIVER_ERRORS = peewee.__exception_wrapper__  # type: ignore[attr-defined]
 BUSY_TIMEOUT_S = 5.0
 # How long a write keeps retrying transient failures (locks, deadlocks, lost connections).
 WRITE_DEADLINE_S = 60.0
+# The waits between those retries: 5 ms, doubling, at most half a second.
+BUSY_BACKOFF = Backoff(initial=0.005, factor=2.0, cap=0.5)
 
 SYNCHRONOUS = {"full": "FULL", "normal": "NORMAL"}
 
@@ -164,8 +167,8 @@ def run_write(
     work: Callable[[], T],
     *,
     deadline: float = WRITE_DEADLINE_S,
-    sleep: Callable[[float], None] = time.sleep,
-    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = SYSTEM.sleep_blocking,
+    clock: Callable[[], float] = SYSTEM.monotonic,
 ) -> T:
     """Run `work` in one write transaction, retrying transient failures until `deadline`.
 
@@ -188,8 +191,8 @@ def run_append(
     work: Callable[[Any], T],
     *,
     deadline: float = WRITE_DEADLINE_S,
-    sleep: Callable[[float], None] = time.sleep,
-    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = SYSTEM.sleep_blocking,
+    clock: Callable[[], float] = SYSTEM.monotonic,
 ) -> T:
     """`run_write` for the event log: `work` gets this thread's DB-API cursor.
 
@@ -224,7 +227,7 @@ def _retrying(
     clock: Callable[[], float],
 ) -> T:
     give_up = clock() + deadline
-    delay = 0.005
+    busy = 0  # transient failures so far
     integrity_retries = 2
     while True:
         try:
@@ -242,5 +245,5 @@ def _retrying(
             if backend(db) != "sqlite":
                 # A broken server connection is dropped so the retry opens a new one.
                 db.close()
-            sleep(delay)
-            delay = min(delay * 2, 0.5)
+            busy += 1
+            sleep(BUSY_BACKOFF.delay(busy))

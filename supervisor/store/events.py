@@ -7,11 +7,11 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from supervisor.contract.clock import SYSTEM
 from supervisor.core.vocabulary import INPUT_EVENTS, TURN_EVENTS, EventType, SessionStatus, Writer
 from supervisor.deliveries.rules import kind_of
 
@@ -195,7 +195,7 @@ def make_request(
         writer=writer,
         idempotency_key=idempotency_key,
         idempotency_digest=idempotency_digest,
-        created_at=time.time() if created_at is None else created_at,
+        created_at=SYSTEM.time() if created_at is None else created_at,
         read_to=_read_to(type, payload),
         kind=kind_of(type, payload),
     )

@@ -12,7 +12,6 @@ n (with `playhouse.migrate`), and bump `LATEST`.
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -20,6 +19,7 @@ import peewee
 from playhouse.migrate import SchemaMigrator
 from playhouse.migrate import migrate as run_migrations
 
+from supervisor.contract.clock import SYSTEM
 from supervisor.store.db import backend
 from supervisor.store.errors import SchemaMissing, SchemaTooNew
 from supervisor.store.events import scoped_key
@@ -228,7 +228,7 @@ def migrate(db: peewee.Database) -> tuple[int, int]:
                 STEPS[version](db)
         if before != LATEST:
             SchemaVersion.delete().execute()
-            SchemaVersion.insert(id=1, version=LATEST, updated_at=time.time()).execute()
+            SchemaVersion.insert(id=1, version=LATEST, updated_at=SYSTEM.time()).execute()
         return before, LATEST
 
 

@@ -18,7 +18,6 @@ thread): the scheduler of this process looks again at once.
 from __future__ import annotations
 
 import random
-import time
 import uuid
 from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass, replace
@@ -26,6 +25,7 @@ from typing import Any
 
 import peewee
 
+from supervisor.contract.clock import SYSTEM
 from supervisor.core.vocabulary import (
     ADMIN_PRINCIPAL,
     EventType,
@@ -138,7 +138,7 @@ class Schedules:
         schedules are off) or `per_owner` made by `owner`, SessionNotFound or
         SessionClosed for its session."""
         schedule_id = "s" + uuid.uuid4().hex
-        now = time.time()
+        now = SYSTEM.time()
 
         def work() -> None:
             if limit <= 0:
@@ -217,7 +217,7 @@ class Schedules:
             return 0
         changes: dict[Any, Any] = {Schedule.status: status}
         if status is ScheduleStatus.ACTIVE:
-            changes[Schedule.armed_from] = time.time()
+            changes[Schedule.armed_from] = SYSTEM.time()
         query = Schedule.update(changes).where(
             Schedule.owner.in_(list(principals)) & (Schedule.status == was)
         )
@@ -417,7 +417,7 @@ class Schedules:
                 ScheduleFire.update(reason=reason).where(ScheduleFire.id == fire_id).execute()
                 return None
             session_id = uuid.uuid4().hex
-            now = time.time()
+            now = SYSTEM.time()
             Session.insert(
                 id=session_id,
                 kind=SessionKind.SCHEDULED,

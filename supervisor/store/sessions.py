@@ -5,13 +5,13 @@ Their access control lists are in `acl.py`, their leases in `leases.py`.
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import Collection
 from typing import Any
 
 import peewee
 
+from supervisor.contract.clock import SYSTEM
 from supervisor.core.vocabulary import (
     EventType,
     Permission,
@@ -70,7 +70,7 @@ class Sessions:
         if not principal:
             raise ValueError("a session needs a principal to own it")
         session_id = uuid.uuid4().hex
-        now = time.time()
+        now = SYSTEM.time()
 
         def work() -> None:
             if max_open and self.open_of(principal) >= max_open:
@@ -237,11 +237,11 @@ class Sessions:
                     )
                 )
             lifecycle.append_all(self._db, events)
-            changes = lifecycle.revoked() | {Session.resend_requested_at: time.time()}
+            changes = lifecycle.revoked() | {Session.resend_requested_at: SYSTEM.time()}
             if quarantine:
                 changes |= {
                     Session.status: SessionStatus.QUARANTINED,
-                    Session.quarantined_at: time.time(),
+                    Session.quarantined_at: SYSTEM.time(),
                     Session.quarantine_reason: reason,
                 }
             Session.update(changes).where(Session.id == session_id).execute()

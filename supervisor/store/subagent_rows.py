@@ -9,12 +9,12 @@ parent session first, then registry row, then child session, everywhere.
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass
 from typing import Any
 
 import peewee
 
+from supervisor.contract.clock import SYSTEM
 from supervisor.core.vocabulary import (
     EventType,
     SessionStatus,
@@ -133,7 +133,7 @@ def finish(
         Session.update(pending=parent.pending).where(Session.id == row.parent).execute()
     Subagent.update(
         status=status,
-        ended_at=time.time(),
+        ended_at=SYSTEM.time(),
         summary=" ".join(text.replace("\x00", "").split())[: rules.SUMMARY_MAX],
         result_seq=seq,
         claimed_by=None,

@@ -13,11 +13,11 @@ so that two daemons (or a report and a cancel) take turns instead of deadlocking
 
 from __future__ import annotations
 
-import time
 import uuid
 
 import peewee
 
+from supervisor.contract.clock import SYSTEM
 from supervisor.core.vocabulary import (
     EventType,
     SessionKind,
@@ -109,7 +109,7 @@ class Subagents:
             if why is not None:
                 raise rules.Refused(why)
             child_id = uuid.uuid4().hex
-            now = time.time()
+            now = SYSTEM.time()
             child_agent = parent.agent if agent is None else agent
             Session.insert(
                 id=child_id,

@@ -18,12 +18,12 @@ outcome had no session to go to (it was closed or deleted).
 from __future__ import annotations
 
 import json
-import time
 import uuid
 from typing import Any
 
 import peewee
 
+from supervisor.contract.clock import SYSTEM
 from supervisor.core.vocabulary import EventType, SessionStatus, TaskStatus, Writer
 from supervisor.store import lifecycle
 from supervisor.store.db import db_now, run_write
@@ -119,7 +119,7 @@ class Tasks(Reading):
                 call_id=key,
                 turn_id=turn_id,
                 started_seq=seq,
-                created_at=time.time(),
+                created_at=SYSTEM.time(),
             ).execute()
             return Started(info_of(Task.get(Task.id == task_id)), seq, True, waits)
 
@@ -239,7 +239,7 @@ class Tasks(Reading):
                         duration=duration,
                         output_tail=rules.tail(output_tail),
                         reason=reason[:2000],
-                        ended_at=time.time(),
+                        ended_at=SYSTEM.time(),
                         claimed_by=None,
                     )
                     .where(self._this_run(task_id, attempt))
@@ -364,7 +364,7 @@ class Tasks(Reading):
                 return TaskReported(row.id, row.session, TaskStatus.PENDING, 0, notice_seq)
             status = TaskStatus.CANCELLED if row.cancel_requested else TaskStatus.LOST
             reason = "" if row.cancel_requested else rules.LOST_REASON
-            Task.update(status=status, reason=reason, ended_at=time.time()).where(
+            Task.update(status=status, reason=reason, ended_at=SYSTEM.time()).where(
                 Task.id == task_id
             ).execute()
             row = Task.get(Task.id == task_id)
@@ -397,7 +397,7 @@ class Tasks(Reading):
                 return None
             if row.status == TaskStatus.PENDING:
                 Task.update(
-                    status=TaskStatus.CANCELLED, cancel_requested=True, ended_at=time.time()
+                    status=TaskStatus.CANCELLED, cancel_requested=True, ended_at=SYSTEM.time()
                 ).where(Task.id == task_id).execute()
             elif row.status == TaskStatus.RUNNING:
                 Task.update(cancel_requested=True).where(Task.id == task_id).execute()

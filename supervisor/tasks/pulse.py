@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from supervisor.contract import reaper
+from supervisor.contract.clock import SYSTEM, Clock
 from supervisor.store import Store
 from supervisor.tasks.spec import RunnerSpec
 
@@ -23,7 +24,6 @@ STOPPING = (signal.SIGTERM, signal.SIGINT)
 CAUGHT = (*STOPPING, signal.SIGUSR1, signal.SIGCHLD)
 
 Say = Callable[[str], None]
-Clock = Callable[[], float]
 T = TypeVar("T")
 
 
@@ -31,13 +31,19 @@ def logger(task: str) -> Say:
     """Lines to stderr (the runner's log file), each naming the task."""
 
     def say(message: str) -> None:
-        stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(SYSTEM.time()))
         print(f"{stamp} task_runner[{os.getpid()}] task {task}: {message}", file=sys.stderr)
 
     return say
 
 
-def retrying(work: Callable[[], T], backoff: tuple[float, ...], say: Say, what: str) -> T | None:
+def retrying(
+    work: Callable[[], T],
+    backoff: tuple[float, ...],
+    say: Say,
+    what: str,
+    clock: Clock = SYSTEM,
+) -> T | None:
     """`work()`, tried again after each delay of `backoff` while it raises; None if the
     last try raised too (whatever the database driver raises: each is logged)."""
     for delay in (*backoff, None):
@@ -47,7 +53,7 @@ def retrying(work: Callable[[], T], backoff: tuple[float, ...], say: Say, what: 
             then = "giving up" if delay is None else f"again in {delay:g} s"
             say(f"{what} failed ({then}): {exc}")
             if delay is not None:
-                time.sleep(delay)
+                clock.sleep_blocking(delay)
     return None
 
 
@@ -65,7 +71,7 @@ class Pulse:
         self.child_row: int | None = None
         self._store, self._spec, self._say = store, spec, say
         self._asked, self._closing = threading.Event(), False
-        self.last_ok = clock()  # the last heartbeat that went through
+        self.last_ok = clock.monotonic()  # the last heartbeat that went through
         self._thread: threading.Thread | None = None
 
     def start(self, pid: int) -> None:
@@ -101,7 +107,7 @@ class Pulse:
             self._asked.clear()
             if self._closing:
                 return
-            before = self._clock()  # the row's heartbeat_at is no older than this
+            before = self._clock.monotonic()  # the row's heartbeat_at is no older than this
             try:
                 verdict = self._store.tasks.heartbeat(spec.task, spec.attempt)
             except Exception as exc:

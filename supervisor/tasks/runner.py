@@ -38,20 +38,20 @@ import selectors
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
 
 from supervisor.contract import reaper
+from supervisor.contract.clock import SYSTEM, Clock
 from supervisor.contract.mcp_env import child_environment
 from supervisor.contract.paths import make_private_dir
+from supervisor.core.backoff import Backoff
 from supervisor.core.vocabulary import TaskStatus
 from supervisor.store import Store
 from supervisor.tasks import rules
 from supervisor.tasks.pulse import (
     STOPPING,
-    Clock,
     Pulse,
     catch_signals,
     logger,
@@ -66,7 +66,8 @@ IDLE = 1.0  # seconds between two looks while the command runs (SIGCHLD wakes it
 POLL = 0.05  # while stopping: members of the group that die send us no SIGCHLD
 DRAIN = 1.0  # seconds the pipe is still read once every process is gone
 REAP_BUDGET = 2.0  # seconds after SIGKILL before survivors are given up on
-BACKOFF = (0.5, 1.0, 2.0, 4.0)  # seconds between tries to open the database, to record
+# Seconds between tries to open the database, to record: 0.5, 1, 2, 4.
+BACKOFF = Backoff(initial=0.5, factor=2.0, cap=4.0).delays(4)
 
 
 class Stop(enum.Enum):
@@ -82,7 +83,7 @@ class Stop(enum.Enum):
 class Runner:
     """One run of one task: the table in the module docstring."""
 
-    def __init__(self, spec: RunnerSpec, store: Store, signals: int, clock: Clock) -> None:
+    def __init__(self, spec: RunnerSpec, store: Store, signals: int, clock: Clock = SYSTEM) -> None:
         self.spec, self.store, self.signals, self.clock = spec, store, signals, clock
         self.say = logger(spec.task)
         self.pulse = Pulse(store, spec, self.say, clock)
@@ -127,15 +128,18 @@ class Runner:
         run's, or if no heartbeat went through before the fence (any daemon may judge the
         task lost by now); else whether a cancel was asked."""
         while True:
-            before = self.clock()
+            before = self.clock.monotonic()
             try:
                 verdict = self.store.tasks.heartbeat(self.spec.task, self.spec.attempt)
             except Exception as exc:
-                if self.fence is not None and self.clock() - self.pulse.last_ok > self.fence:
+                if (
+                    self.fence is not None
+                    and self.clock.monotonic() - self.pulse.last_ok > self.fence
+                ):
                     self.say(f"no heartbeat went through ({exc}): the command is not started")
                     return None
                 self.say(f"the first heartbeat failed (again in {self.spec.heartbeat:g} s): {exc}")
-                time.sleep(self.spec.heartbeat)
+                self.clock.sleep_blocking(self.spec.heartbeat)
                 continue
             self.pulse.last_ok = before
             return verdict
@@ -199,7 +203,7 @@ class Runner:
             env=child_environment(self.spec.env),
             process_group=0,
         )
-        self.pgid, self.started, self.proc = proc.pid, self.clock(), proc
+        self.pgid, self.started, self.proc = proc.pid, self.clock.monotonic(), proc
         self.deadline = self.started + self.spec.timeout
         return proc
 
@@ -212,7 +216,9 @@ class Runner:
                 output_tail=tail, reason=reason,
             )  # fmt: skip
 
-        recorded = retrying(record, BACKOFF, self.say, f"recording the outcome {status}")
+        recorded = retrying(
+            record, BACKOFF, self.say, f"recording the outcome {status}", self.clock
+        )
         if recorded is None:
             return 1
         done = "recorded" if recorded else "not recorded: the row is no longer this run's"
@@ -259,10 +265,10 @@ class Runner:
 
     def _poll(self) -> None:
         if self.exit_code is None and self.proc is not None and self.proc.poll() is not None:
-            self.exit_code, self.ended = self.proc.returncode, self.clock()
+            self.exit_code, self.ended = self.proc.returncode, self.clock.monotonic()
 
     def _advance(self) -> None:
-        now = self.clock()
+        now = self.clock.monotonic()
         fenced = self.fence is not None and now - self.pulse.last_ok > self.fence
         if fenced and self.stop is None and self.exit_code is None:
             self.say(f"no heartbeat went through for {self.fence:g} s: SIGKILL, no outcome")
@@ -279,7 +285,7 @@ class Runner:
             self.give_up_at = now + REAP_BUDGET
 
     def _begin_stop(self, reason: Stop) -> None:
-        now = self.clock()
+        now = self.clock.monotonic()
         if self.stop is not None:
             if reason is Stop.SIGNAL and self.kill_at is not None:
                 self.kill_at = min(self.kill_at, now)  # told to stop while stopping: no grace
@@ -294,7 +300,7 @@ class Runner:
     def _finished(self, reading: bool) -> bool:
         if self.exit_code is None:
             return False
-        now = self.clock()
+        now = self.clock.monotonic()
         if self._alive():
             if self.give_up_at is None or now < self.give_up_at:
                 return False
@@ -307,7 +313,7 @@ class Runner:
 
     def _wait(self) -> float:
         if self.exit_code is None and self.stop is None:
-            return max(0.0, min(self.deadline - self.clock(), IDLE))
+            return max(0.0, min(self.deadline - self.clock.monotonic(), IDLE))
         return POLL
 
     def _alive(self) -> bool:
@@ -345,7 +351,7 @@ def main() -> int:
         say("the database cannot be opened: the command is not started")
         return 1
     try:
-        return Runner(spec, store, signals, time.monotonic).run()
+        return Runner(spec, store, signals).run()
     finally:
         store.close()
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from supervisor.contract.clock import SYSTEM, FakeClock
+from supervisor.contract.clock import SYSTEM
+from tests.clock import FakeClock
 
 
 def test_sleepers_wake_in_deadline_order_and_only_when_their_time_comes() -> None:

@@ -17,13 +17,14 @@ from typing import Any
 import httpx
 import pytest
 
-from supervisor.contract.clock import SYSTEM, Clock, FakeClock
+from supervisor.contract.clock import SYSTEM, Clock
 from supervisor.contract.config import Config
 from supervisor.core.vocabulary import AttemptOutcome
 from supervisor.deliveries.rules import SIGNATURE_HEADER, TIMESTAMP_HEADER, verify
 from supervisor.deliveries.service import Courier
 from supervisor.metrics import Metrics
 from supervisor.store import DeliveryInfo, Outgoing, Store
+from tests.clock import FakeClock
 from tests.conftest import BACKENDS
 
 OWNER = "host-t/boot0001"

@@ -32,7 +32,6 @@ from aiohttp.test_utils import TestClient, TestServer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from supervisor.contract.clock import FakeClock
 from supervisor.http import attach
 from supervisor.http.attach import Hub
 from supervisor.http.auth import digest
@@ -40,6 +39,7 @@ from supervisor.http.follow import Follow
 from supervisor.http.pages import sse_body
 from supervisor.store import Store
 from supervisor.store.reading import EventRow
+from tests.clock import FakeClock
 from tests.conftest import CLUSTER_WAIT
 from tests.daemon import Daemon, daemons, events, turn_ended, wait_until
 from tests.http.test_replay_gate import sse_events

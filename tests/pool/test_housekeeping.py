@@ -7,8 +7,8 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from supervisor.contract.clock import FakeClock
 from supervisor.pool.housekeeping import PASS_GAP, RETRY, SLACK, Housekeeper
+from tests.clock import FakeClock
 
 FULL = 5.0  # the stand-in ownership's seconds between full passes
 

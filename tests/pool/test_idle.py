@@ -27,7 +27,6 @@ import pytest
 
 import supervisor.pool.pool
 from supervisor.contract import control
-from supervisor.contract.clock import FakeClock
 from supervisor.contract.config import Config
 from supervisor.contract.reaper import own_children, reap_orphans
 from supervisor.core.slots import SlotState
@@ -37,6 +36,7 @@ from supervisor.pool.pool import Pool
 from supervisor.pool.recoverer import Recoverer
 from supervisor.store import Store
 from tests.agents import ChaosAgent
+from tests.clock import FakeClock
 from tests.conftest import this_host_id
 from tests.daemon import Daemon, daemons, wait_until
 from workers.agent import Turn

@@ -17,7 +17,6 @@ from typing import Any
 
 import pytest
 
-from supervisor.contract.clock import FakeClock
 from supervisor.contract.config import Config
 from supervisor.contract.logs import log
 from supervisor.core.engine import HEARTBEATS_MISSED, takes_sessions
@@ -26,6 +25,7 @@ from supervisor.pool import resizing, rolling
 from supervisor.pool.handle import WorkerHandle
 from supervisor.pool.processes import check_hangs
 from supervisor.pool.resizing import Resizing
+from tests.clock import FakeClock
 
 
 class Process:

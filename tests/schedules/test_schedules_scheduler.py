@@ -13,13 +13,13 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from supervisor.contract.clock import FakeClock
 from supervisor.contract.config import Config
 from supervisor.metrics import Metrics
 from supervisor.schedules.rules import NOT_CONTINUED, OWED_AGE, idempotency_key
 from supervisor.schedules.service import OWED_EVERY, Scheduler
 from supervisor.store import FireInfo, Me, Store
 from supervisor.store.models import Host, ScheduleFire
+from tests.clock import FakeClock
 from tests.conftest import BACKENDS
 from tests.schedules.test_schedules_store import W, armed, make, messages
 

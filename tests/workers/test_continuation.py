@@ -12,7 +12,6 @@ from typing import Any
 
 import pytest
 
-from supervisor.contract.clock import FakeClock
 from supervisor.contract.config import RecoveryConfig
 from supervisor.core import recovery
 from supervisor.core.continuation import cause_of, charged_after_note, goes_on
@@ -20,6 +19,7 @@ from supervisor.core.recovery import Action, Trigger
 from supervisor.core.tail import Resume, TailClass
 from supervisor.core.vocabulary import Cause
 from supervisor.store import EventRecord, Store
+from tests.clock import FakeClock
 from tests.conftest import BACKENDS
 from tests.daemon import outcome_of
 from workers.agents.tool_loop import ToolLoopAgent

@@ -34,7 +34,6 @@ messages' and the JSON of the tools on offer).
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import math
@@ -42,6 +41,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from supervisor.contract.clock import SYSTEM
 from workers.models.base import (
     FinishReason,
     Message,
@@ -82,7 +82,7 @@ class EchoModel:
     async def complete(self, messages: list[Message], tools: list[ToolSpec]) -> ModelResponse:
         """Answer the most recent user message by the rules in the module docstring."""
         if self.delay > 0:
-            await asyncio.sleep(self.delay)
+            await SYSTEM.sleep(self.delay)
         prompt = self._prompt_tokens(messages) + _tools_words(tools)
         if self.window and prompt + self.max_tokens > self.window:
             raise ModelError(
@@ -94,7 +94,7 @@ class EchoModel:
             )
         answer = _plan(messages)
         if answer.sleep > 0:
-            await asyncio.sleep(answer.sleep)
+            await SYSTEM.sleep(answer.sleep)
         text, finish = answer.text, answer.finish_reason
         if finish == "stop":
             text, finish = _cut(text, self.max_tokens)

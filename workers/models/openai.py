@@ -17,13 +17,13 @@ import asyncio
 import email.utils
 import json
 import re
-import time
 import uuid
 from typing import Any
 from urllib.parse import unquote
 
 import httpx
 
+from supervisor.contract.clock import SYSTEM
 from workers.models.base import (
     FinishReason,
     Message,
@@ -217,7 +217,7 @@ def retry_after(value: str | None) -> float | None:
         return None
     if when.tzinfo is None:
         return None
-    return max(0.0, when.timestamp() - time.time())
+    return max(0.0, when.timestamp() - SYSTEM.time())
 
 
 def without_userinfo(url: str) -> tuple[str, tuple[str, str] | None]:
