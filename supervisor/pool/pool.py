@@ -429,6 +429,7 @@ class Pool(Service):
                 worker.slot.ready(self.clock())
                 self.log.info("worker {} is ready", worker.identity)
                 self.held = []  # the first is up: the rest of the pool starts
+                self.tending.stir()  # ... now, and its hang limit is the ready one's
                 self.ownership.want()  # sessions may have waited for a worker
             case control.Heartbeat():
                 worker.turns, worker.turns_served = message.turns, message.turns_served

@@ -138,7 +138,7 @@ def store(tmp_path: Path) -> Iterator[Store]:
 def pool_config() -> Config:
     return Config.model_validate(
         {
-            "pool": {"workers": 1, "spare": 0, "heartbeat_interval": 0.05, "hang_timeout": 600},
+            "pool": {"workers": 2, "spare": 0, "heartbeat_interval": 0.05, "hang_timeout": 600},
             "agent": {"class": "tests.agents:ChaosAgent"},
         }
     )
@@ -196,6 +196,12 @@ def test_an_idle_pool_runs_no_round_and_reaps_on_sigchld_with_no_scan(
         running = asyncio.gather(*(s.run() for s in (plane, ownership, pool)))  # their loops
         try:
             worker = next(iter(pool.current.values()))
+            # The first worker starts alone; its readiness starts the rest at once, though
+            # time stands still (no deadline of the pool's comes).
+            await until(
+                lambda: len(pool.current) == 2 and all(w.ready for w in pool.current.values()),
+                "the second worker, started once the first was ready",
+            )
             # Ready asked for a pass; the loop is resting once that pass has run.
             await until(
                 lambda: (
