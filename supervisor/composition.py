@@ -13,7 +13,9 @@ In start order (what each needs, in brackets):
     host            [store]                host row and boot row: taken first, left last
     recovery        [store, host]          the breaker; the judge of interrupted turns
     signals         [store]                PostgreSQL's wakes between daemons
-    pool            [store, recovery]      the worker processes and who owns what
+    plane                                  the socket the workers talk to
+    ownership       [store, recovery, plane]  who owns which session: the dispatch passes
+    pool            [store, recovery, plane, ownership]  the worker processes and slots
     subagents       [store, recovery, pool]
     tasks           [store] after pool     background tasks and their runners
     schedules       [store, pool]
@@ -41,6 +43,8 @@ from supervisor.http.auth import Tokens
 from supervisor.http.service import HttpService
 from supervisor.metrics import Metrics
 from supervisor.pool.membership import Membership
+from supervisor.pool.ownership import HostView, Ownership
+from supervisor.pool.plane import ControlPlane
 from supervisor.pool.pool import Pool
 from supervisor.pool.recoverer import Recoverer, RecoveryPasses
 from supervisor.pool.signals import Signals
@@ -97,6 +101,49 @@ class Tree:
     restarter: Restarter
 
 
+def workers(
+    config: Config,
+    store: Store,
+    boot_id: str,
+    address: str,
+    recovery: Recoverer,
+    metrics: Metrics,
+    bus: Bus,
+    *,
+    hosts: HostView | None = None,
+    announce: Callable[[str], None] | None = None,
+    reaped_elsewhere: dict[str, int] | None = None,
+    clock: Clock = SYSTEM,
+) -> tuple[ControlPlane, Ownership, Pool]:
+    """The three services of the worker processes: the control plane they talk to (bound
+    at `address`), ownership of their sessions, and the pool that runs them."""
+    plane = ControlPlane(address, bus, clock)
+    ownership = Ownership(
+        config,
+        store,
+        recovery,
+        plane.live(),
+        plane.send,
+        clock,
+        hosts=hosts,
+        announce=announce,
+        bus=bus,
+    )
+    pool = Pool(
+        config,
+        store,
+        boot_id,
+        recovery,
+        plane,
+        ownership,
+        metrics,
+        bus=bus,
+        reaped_elsewhere=reaped_elsewhere,
+        clock=clock,
+    )
+    return plane, ownership, pool
+
+
 def build(
     config: Config,
     config_path: str | None,
@@ -121,14 +168,14 @@ def build(
     socket_path = runtime_dir / CONTROL_SOCKET
     socket_path.unlink(missing_ok=True)  # stale; the daemon holds its lock
     runners: dict[str, int] = {}  # the task keeper's runners: the pool reaps them not
-    pool = Pool(
+    plane, ownership, pool = workers(
         config,
         store,
         boot_id,
         f"ipc://{socket_path}",
         recovery,
         metrics,
-        bus=bus,
+        bus,
         hosts=membership,
         announce=signals.announce if signals.enabled else None,
         reaped_elsewhere=runners,
@@ -203,6 +250,8 @@ def build(
         membership,
         recovery,
         signals,
+        plane,
+        ownership,
         pool,
         subagents,
         keeper,

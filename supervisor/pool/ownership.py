@@ -7,24 +7,32 @@ the facts up, asks the engine, and carries the commands out: it charges a contin
 before the lease (a worker that dies at once has still used up the attempt), leases,
 sends and logs.
 
-The pool holds one `Ownership` and hands it the workers it runs.
+A service of its own (docs/architecture.md), between the control plane and the pool:
+it reads the live workers as the plane knows them and sends them their sessions over it;
+the pool tells it of a worker's death, a release and what requests ask. Its loop runs the
+dispatch passes (`housekeeping.Dispatching`: when wanted, or when time asks).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, Protocol
 
 from supervisor.contract.background import spawn
+from supervisor.contract.clock import SYSTEM, Clock
 from supervisor.contract.config import Config
 from supervisor.contract.logs import log
 from supervisor.core import adoption, engine
 from supervisor.core.engine import Assign, Budget, Granted, Judge, Move, Next, Wake
 from supervisor.core.vocabulary import AssignReason
 from supervisor.pool.handle import WorkerHandle
+from supervisor.pool.housekeeping import Dispatching
 from supervisor.pool.recoverer import Judged, Recoverer
+from supervisor.runtime.bus import Bus, HostsLost, Woken
+from supervisor.runtime.service import Service
 from supervisor.store import Grant, SessionInfo, Store
 
 Send = Callable[..., bool]  # (worker, type, **fields) -> sent
@@ -58,28 +66,34 @@ class _Alone:
     adopting = True
 
 
-class Ownership:
-    """Carries out the engine's plans for the workers it is handed."""
+class Ownership(Service):
+    """Carries out the engine's plans for the live workers it is shown."""
+
+    name = "ownership"
+    needs = ("store", "recovery", "plane")
+    takes = ("pool", "lease")
 
     def __init__(
         self,
         config: Config,
         store: Store,
         recovery: Recoverer,
-        workers: dict[str, WorkerHandle],
+        workers: Mapping[str, WorkerHandle],
         send: Send,
-        clock: Callable[[], float],
+        clock: Clock = SYSTEM,
         budget: Budget | None = None,
         *,
         hosts: HostView | None = None,
         announce: Callable[[str], None] | None = None,
+        bus: Bus | None = None,
     ) -> None:
         self.config = config
         self.store = store
         self.recovery = recovery
-        self.workers = workers  # the pool's, by name
+        self.workers = workers  # the live workers, by name (the control plane's)
         self.send = send
-        self.clock = clock  # monotonic: heartbeats
+        self.timer = clock
+        self.clock = clock.monotonic  # heartbeats, pass deadlines
         self.budget = budget or Budget()
         self.owner_prefix = recovery.owner_prefix  # "<host>/<boot>": this boot's owners
         self.host = recovery.host
@@ -95,6 +109,33 @@ class Ownership:
         self.wanted = recovery.wanted  # set: dispatch now rather than at the next poll
         self.full_due = 0.0  # monotonic time of the next full pass
         self.probe_due = 0.0  # ... and of the next pass of any kind
+        self.dispatching = Dispatching(self.dispatch, self.next_pass_in, self.wanted, clock)
+        if bus is not None:
+            bus.subscribe(HostsLost, self._hosts_lost)
+            bus.subscribe(Woken, self._woken)
+
+    # --- as a service ---------------------------------------------------------------
+
+    def loops(self) -> dict[str, Coroutine[Any, Any, None]]:
+        return {"ownership-dispatch": self.dispatching.run()}
+
+    def reconfigure(self, config: Config) -> None:
+        self.config = config
+
+    def held(self) -> Mapping[str, WorkerHandle]:
+        """Which live worker of this daemon owns which session (a read-only view)."""
+        return MappingProxyType(self.assigned)
+
+    def want(self) -> None:
+        """Run a pass now rather than when time asks (a worker became ready, or was heard
+        from again after a silence)."""
+        self.wanted.set()
+
+    def hold(self) -> None:
+        """No session is assigned from now on (a stop: only the turns in flight may end)."""
+        self.stopping = True
+
+    # --- what the pool and the requests tell it -------------------------------------
 
     def wake(self, session_id: str) -> None:
         """New input was committed for the session: wake its owner, or find it one now."""
@@ -111,6 +152,12 @@ class Ownership:
         """Daemons stopped renewing: a full pass now, their expired leases are adoptable."""
         self.full_due = 0.0
         self.wanted.set()
+
+    def _hosts_lost(self, _: HostsLost) -> None:
+        self.hosts_lost()
+
+    def _woken(self, event: Woken) -> None:
+        self.woken_elsewhere(event.session)  # another daemon's: ours if we own it
 
     def woken_elsewhere(self, session_id: str) -> bool:
         """Input was committed for the session (by another daemon, or this one): wake its

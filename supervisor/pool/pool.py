@@ -1,10 +1,12 @@
 """The worker pool: the worker processes, their slots, and what they say.
 
-Who owns which session is `Ownership`'s (ownership.py), which carries out the plans of
-`supervisor.core.engine`; the socket the workers talk to is the `ControlPlane`'s
-(plane.py). The pool is one service among its peers (docs/architecture.md): what it
-hears from the workers it publishes on the bus (`Committed`, `WorkerExited`), and it
-wakes a session's owner when any service commits input.
+Who owns which session is the `Ownership` service's (ownership.py), which carries out the
+plans of `supervisor.core.engine`; the socket the workers talk to is the `ControlPlane`
+service's (plane.py). The pool is one service among its peers (docs/architecture.md):
+it hears the workers from the plane on the bus (`Said`, `Misbehaved`), publishes what
+they commit (`Committed`, `Published`) and their deaths (`WorkerExited`), tells
+ownership of a dead worker's sessions and of a release, and wakes a session's owner when
+any service commits input.
 
 When a worker dies (its process sentinel fires at once, even for SIGKILL or an OOM kill)
 its sessions go to the hot spare first, and a replacement is started in the dead worker's
@@ -13,6 +15,26 @@ hung: it gets SIGABRT (its traceback goes to the log) and, a second later, SIGKI
 
 Nothing runs on a tick (housekeeping.py). Children are reaped on SIGCHLD: the workers by
 `_bury`, once their sentinels fire; orphans adopted as the subreaper by `reap_orphans`.
+
+A reload resizes the pool (`pool.workers`, `pool.spare`): slots added or retired, no
+session lost. Growing adds slots at the end and starts their workers at once. Shrinking
+retires the slots that serve least first (`retire_order`): one that gave up (FATAL), then
+one waiting to start its worker again, then one whose worker is starting, then an idle
+spare, then an idle worker, then the least busy; the highest index first among equals. A
+retired slot's worker lets go as in the rolling restart (`let_go`), and its slot goes.
+Which live workers are spares follows `pool.spare`: spares beyond it become ordinary
+workers, and idle workers become spares while there are too few. A reload that replaces
+the workers also starts again the slots that gave up (`revive`): what kept their workers
+from starting may be fixed.
+
+The rolling restart (a reload that changed a key the workers read, `reload --workers`)
+replaces every worker, slot after slot, none of their sessions lost: a new worker is
+started in the slot and given `timeout` to be ready; then the old one lets go (`let_go`):
+it releases its sessions at their next event boundary (`timeout` at most), is asked to
+stop, and has `shutdown.kill_grace` to exit before SIGKILL. A new worker that dies before
+it is ready, or is not ready in time, stops the roll: the old worker goes on in its slot,
+the slots after it keep theirs, and the roll says why (a configuration the workers cannot
+start with replaces no one else).
 """
 
 from __future__ import annotations
@@ -23,7 +45,7 @@ import os
 import secrets
 import signal
 from collections import Counter
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Collection, Coroutine, Iterator, Mapping
 from typing import Any
 
 import multiprocess
@@ -38,13 +60,13 @@ from supervisor.contract.reaper import descendants, reap_orphans, terminate
 from supervisor.contract.spawn import WorkerSpec
 from supervisor.core.engine import HEARTBEATS_MISSED
 from supervisor.core.slots import Slot, SlotState, all_fatal
-from supervisor.core.vocabulary import AssignReason
+from supervisor.core.vocabulary import INPUT_EVENTS, AssignReason
 from supervisor.pool import drain
 from supervisor.pool.counting import Counts
 from supervisor.pool.handle import WorkerHandle
-from supervisor.pool.housekeeping import Housekeeper
-from supervisor.pool.ownership import HostView, Ownership
-from supervisor.pool.plane import ControlPlane
+from supervisor.pool.housekeeping import Tending
+from supervisor.pool.ownership import Ownership
+from supervisor.pool.plane import ControlPlane, Misbehaved, Said
 from supervisor.pool.processes import (
     REAP_BOUND,
     check_hangs,
@@ -56,19 +78,35 @@ from supervisor.pool.processes import (
     stop_resource_tracker,
 )
 from supervisor.pool.recoverer import Recoverer
-from supervisor.pool.requests import Requests
-from supervisor.pool.resizing import Resizing
-from supervisor.runtime.bus import Bus, Committed, HostsLost, TurnEnded, Woken, WorkerExited
+from supervisor.runtime.bus import Bus, Committed, Published, TurnEnded, WorkerExited
 from supervisor.runtime.service import Service, Steps
 from supervisor.store import Store
 from workers.entry import run_worker
 
+POLL = 0.05  # seconds between looks at a worker being replaced or retired
 
-class Pool(Requests, Resizing, Service):
-    """The worker processes; who owns what (`ownership`) and how they talk (`plane`)."""
+
+def retire_order(slot: Slot, worker: WorkerHandle | None) -> tuple[int, int, int]:
+    """Sorts the slots a shrink retires first first (the module's docstring)."""
+    if slot.state is SlotState.FATAL:
+        rank = 0
+    elif worker is None or not worker.alive:
+        rank = 1  # waiting to start its worker again (or held at boot)
+    elif not worker.ready:
+        rank = 2
+    elif not worker.sessions:
+        rank = 3 if worker.spare else 4
+    else:
+        rank = 5
+    return rank, len(worker.sessions) if worker is not None else 0, -slot.index
+
+
+class Pool(Service):
+    """The worker processes and their slots; they talk over the `plane`, and `ownership`
+    decides who owns what."""
 
     name = "pool"
-    needs = ("store", "recovery")
+    needs = ("store", "recovery", "plane", "ownership")
     takes = ("pool", "lease", "agent", "model", "mcp", "tools", "budget")
     drains = True
 
@@ -77,23 +115,22 @@ class Pool(Requests, Resizing, Service):
         config: Config,
         store: Store,
         boot_id: str,
-        address: str,
         recovery: Recoverer,
+        plane: ControlPlane,
+        ownership: Ownership,
         metrics: Counts,
         *,
-        bus: Bus | None = None,
-        hosts: HostView | None = None,
-        announce: Callable[[str], None] | None = None,
+        bus: Bus,
         reaped_elsewhere: dict[str, int] | None = None,
         clock: Clock = SYSTEM,
     ) -> None:
         self.config = config
-        self.bus = bus if bus is not None else Bus()
+        self.bus = bus
         # Children whose exit status another service reads (the task keeper's runners).
         self.reaped_elsewhere = reaped_elsewhere if reaped_elsewhere is not None else {}
         self.store = store
         self.boot_id = boot_id
-        self.address = address
+        self.address = plane.address
         self.owner_prefix = recovery.owner_prefix  # "<host>/<boot>": this boot's lease owners
         self.timer = clock
         self.clock = clock.monotonic
@@ -106,37 +143,24 @@ class Pool(Requests, Resizing, Service):
         self.retired: dict[int, int] = {}  # slots a reload retired: their last generation
         self.burying: set[int] = set()  # pids of exited workers whose status `_bury` reads
         self.holding = 0  # `orphans_held` calls under way: SIGCHLD reaps no orphan
-        self.plane = ControlPlane(address, self.workers, self._handle, self._replace, self.clock)
-        self.ownership = Ownership(
-            config,
-            store,
-            recovery,
-            self.workers,
-            self.plane.send,
-            self.clock,
-            hosts=hosts,
-            announce=announce,
-        )
+        self.plane = plane
+        self.ownership = ownership
         self.stopping = False
         self.fatal = asyncio.Event()
         self.restarts = 0
         self.log = log("pool")
         self._spawn_context = multiprocess.get_context("spawn")
         self.background = Background("pool")  # handoffs, exit statuses; awaited by stop
-        self._wanted = self.ownership.wanted
+        self.bus.subscribe(Said, self._said)
+        self.bus.subscribe(Misbehaved, self._misbehaved)
         self.bus.subscribe(Committed, self._committed)
         self.bus.subscribe(TurnEnded, self._turn_ended)
-        self.bus.subscribe(Woken, self._woken)
-        self.bus.subscribe(HostsLost, self._hosts_lost)
-        self.housekeeper = Housekeeper(
-            self._tend, self.ownership.dispatch, self.ownership.next_pass_in, self._wanted, clock
-        )
+        self.tending = Tending(self._tend, clock)
 
     # --- lifecycle ------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Bind the control plane and start every worker."""
-        self.plane.bind()
+        """Start the first worker (the others once it is ready)."""
         asyncio.get_running_loop().add_signal_handler(signal.SIGCHLD, self._on_child_exit)
         # One worker first, alone: it takes the interrupted turns without sharing the CPUs
         # with the whole pool's start. The others, the spare among them, follow once it is
@@ -146,24 +170,24 @@ class Pool(Requests, Resizing, Service):
         self._spawn(first, spare=not self.held)
 
     def loops(self) -> dict[str, Coroutine[Any, Any, None]]:
-        return {"pool-receive": self.plane.receive(), "pool-housekeeping": self.housekeeper.run()}
+        return {"pool-tending": self.tending.run()}
 
     async def drain(self, deadline: float) -> None:
         """Let the turns in flight on this daemon's workers finish (the root caps it)."""
         await drain.drain(self, deadline - SYSTEM.monotonic())
 
     def reconfigure(self, config: Config) -> None:
-        super().reconfigure(config)  # the slots' (Resizing)
-        self.ownership.config = config
+        """A reload: `config` is in force. A worker started with its heartbeat interval is
+        judged by its hang timeout from now on; the others keep the pair they were started
+        with until they are replaced."""
+        self.config = config
+        for worker in self.workers.values():
+            if worker.heartbeat_interval == config.pool.heartbeat_interval:
+                worker.hang_timeout = config.pool.hang_timeout
+        self.tending.stir()  # a hang check may be due sooner
 
     def _turn_ended(self, event: TurnEnded) -> None:
         self.interrupt(event.session)  # its lease was revoked with what ended it
-
-    def _hosts_lost(self, _: HostsLost) -> None:
-        self.ownership.hosts_lost()
-
-    def _woken(self, event: Woken) -> None:
-        self.ownership.woken_elsewhere(event.session)  # another daemon's: ours if we own it
 
     def is_stopping(self) -> bool:
         """Its stop began: no slot is added, retired or restarted any more."""
@@ -174,7 +198,7 @@ class Pool(Requests, Resizing, Service):
 
     def hold_assignments(self) -> None:
         """No session is assigned from now on: only the turns in flight may end."""
-        self.ownership.stopping = True
+        self.ownership.hold()
 
     async def stop(self, steps: Steps) -> None:
         grace = self.config.shutdown.kill_grace
@@ -187,7 +211,8 @@ class Pool(Requests, Resizing, Service):
         including processes that left their process group (this process is a subreaper,
         so orphans come to it) and members of the groups recorded for MCP servers.
         """
-        self.stopping = self.ownership.stopping = True
+        self.stopping = True
+        self.ownership.hold()
         for slot in self.slots:
             slot.stop_requested()
         # From here on `terminate` reaps every child itself.
@@ -210,7 +235,6 @@ class Pool(Requests, Resizing, Service):
             len(report.killed),
             f", {len(report.survivors)} SURVIVED" if report.survivors else "",
         )
-        self.plane.close()
 
     def mcp_states(self) -> dict[str, int]:
         """MCP servers of the live workers by state, as their last heartbeats said."""
@@ -225,9 +249,9 @@ class Pool(Requests, Resizing, Service):
         return {"state": "unavailable", "since": min(down)}
 
     @property
-    def assigned(self) -> dict[str, WorkerHandle]:
+    def assigned(self) -> Mapping[str, WorkerHandle]:
         """Which worker owns which session."""
-        return self.ownership.assigned
+        return self.ownership.held()
 
     def breaker(self) -> dict[str, Any]:
         """The breaker as recovery judged it last, for /v1/status."""
@@ -280,7 +304,7 @@ class Pool(Requests, Resizing, Service):
         self.workers[worker.identity] = worker
         self.plane.admit(worker)
         asyncio.get_running_loop().add_reader(process.sentinel, self._on_exit, worker)
-        self.housekeeper.stir()  # its start timeout is a deadline of the loop
+        self.tending.stir()  # its start timeout is a deadline of the loop
         self.log.info(
             "started worker {} (pid {}{})",
             worker.identity,
@@ -341,7 +365,7 @@ class Pool(Requests, Resizing, Service):
                     "slot {} is fatal: its worker cannot start (see above)", worker.slot.index
                 )
         self.held = []  # the first worker is gone: the others start all the same
-        self.housekeeper.stir()  # the slot's restart is a deadline of the loop
+        self.tending.stir()  # the slot's restart is a deadline of the loop
         if all_fatal(self.slots):
             self.fatal.set()
 
@@ -380,7 +404,8 @@ class Pool(Requests, Resizing, Service):
 
     # --- what workers say -----------------------------------------------------------
 
-    def _replace(self, worker: WorkerHandle, cause: str) -> None:
+    def _misbehaved(self, event: Misbehaved) -> None:
+        worker, cause = event.worker, event.cause
         worker.replacing = True
         self.log.error(
             "worker {} (pid {}) sent a malformed message ({}); replacing it",
@@ -390,10 +415,11 @@ class Pool(Requests, Resizing, Service):
         )
         send_signal(worker.pid, signal.SIGKILL)  # its sessions are adopted as after a crash
 
-    def _handle(self, worker: WorkerHandle, message: control.FromWorker) -> None:
+    def _said(self, said: Said) -> None:
+        worker, message = said.worker, said.message
         now = self.clock()
         if now - worker.last_heartbeat > HEARTBEATS_MISSED * worker.heartbeat_interval:
-            self._wanted.set()  # silent so long it was given nothing: it takes sessions again
+            self.ownership.want()  # silent so long it was given nothing: it takes sessions again
         worker.last_heartbeat = now
         match message:
             case control.Hello():
@@ -403,7 +429,8 @@ class Pool(Requests, Resizing, Service):
                 worker.slot.ready(self.clock())
                 self.log.info("worker {} is ready", worker.identity)
                 self.held = []  # the first is up: the rest of the pool starts
-                self._wanted.set()  # sessions may have waited for a worker
+                self.tending.stir()  # ... now, and its hang limit is the ready one's
+                self.ownership.want()  # sessions may have waited for a worker
             case control.Heartbeat():
                 worker.turns, worker.turns_served = message.turns, message.turns_served
                 worker.mcp = dict(message.mcp)
@@ -420,4 +447,209 @@ class Pool(Requests, Resizing, Service):
                     handoff = self.ownership.adopt([message.session], AssignReason.HANDOFF)
                     self.background.start(handoff)
                 elif owned:
-                    self._wanted.set()  # fenced out: the session may need another owner
+                    self.ownership.want()  # fenced out: the session may need another owner
+
+    # --- what requests and the other services tell it about sessions ----------------
+
+    def wake(self, session_id: str) -> None:
+        """New input was committed for the session: wake its owner, or find it one."""
+        self.ownership.wake(session_id)
+
+    def _committed(self, event: Committed) -> None:
+        """An event was committed (only a signal: readers read it from the database); its
+        readers hear of it, and new input (a subagent's task, or its result) wakes its
+        session's owner."""
+        self.bus.publish(Published(event.session, {"seq": event.seq, "type": event.event_type}))
+        if event.wake and event.event_type in INPUT_EVENTS:
+            self.wake(event.session)
+
+    def touch(self, session_id: str) -> None:
+        """A request touched the session: an interrupted turn of it may go on."""
+        self.ownership.touch(session_id)
+
+    def interrupt(self, session_id: str) -> None:
+        """The session's turn was ended in the database (interrupt, close): stop it now."""
+        self.ownership.interrupt(session_id)
+
+    # --- a reload: resized, revived, rolled (see the module's docstring) ------------
+
+    def grow(self) -> list[int]:
+        """Add the slots `pool.workers + pool.spare` asks for beyond those there are and
+        start their workers (spares first, while there are too few); returns their
+        indexes."""
+        wanted = self.config.pool.workers + self.config.pool.spare
+        added = []
+        while len(self.slots) < wanted and not self.stopping:
+            index = max((s.index for s in self.slots), default=-1) + 1
+            # A slot added again goes on counting: no two workers of a boot share a name.
+            slot = Slot(index, generation=self.retired.pop(index, 0))
+            self.slots.append(slot)
+            self._spawn(slot)
+            added.append(slot.index)
+        if added:
+            self.log.info("slot {} added: the pool has {} now", added, len(self.slots))
+        self.settle_spares()
+        return added
+
+    async def shrink(self, timeout: float = 60.0) -> list[int]:
+        """Retire the slots beyond `pool.workers + pool.spare`, those that serve least
+        first, one after another; returns their indexes, in that order."""
+        wanted = self.config.pool.workers + self.config.pool.spare
+        ordered = sorted(self.slots, key=lambda s: retire_order(s, self.current.get(s.index)))
+        extra = ordered[: max(0, len(self.slots) - wanted)]
+        for slot in extra:
+            await self._retire(slot, timeout)
+        if extra:
+            retired = [s.index for s in extra]
+            self.log.info("slot {} retired: the pool has {} now", retired, len(self.slots))
+        self.settle_spares()
+        return [s.index for s in extra]
+
+    async def _retire(self, slot: Slot, timeout: float) -> None:
+        slot.stop_requested()  # its worker's exit is final: the slot is not started again
+        worker = self.current.get(slot.index)
+        if worker is not None and worker.alive:
+            await self.let_go(worker, timeout)
+        if slot in self.held:
+            self.held.remove(slot)
+        self.slots.remove(slot)
+        self.retired[slot.index] = slot.generation
+        self.tending.stir()
+
+    def revive(self) -> list[int]:
+        """Start the workers of the slots that gave up (FATAL) again, each slot afresh;
+        returns their indexes."""
+        revived = []
+        for position, slot in enumerate(self.slots):
+            if slot.state is SlotState.FATAL and not self.stopping:
+                fresh = Slot(slot.index, slot.policy, generation=slot.generation)
+                self.slots[position] = fresh
+                self._spawn(fresh)
+                revived.append(slot.index)
+        if revived:
+            self.log.info("slot {} gave up before: its worker is started again", revived)
+            self.settle_spares()
+        return revived
+
+    def settle_spares(self) -> None:
+        """Mark as many live workers spare as `pool.spare` says: extras first become
+        ordinary workers (highest slot first), then idle workers become spares."""
+        live = sorted(
+            (w for w in self.current.values() if w.alive and not (w.retiring or w.stop_requested)),
+            key=lambda w: w.slot.index,
+        )
+        spares = [w for w in live if w.spare]
+        wanted = self.config.pool.spare
+        for worker in spares[wanted:]:
+            worker.spare = False
+        idle = [w for w in live if not w.spare and not w.sessions]
+        for worker in idle[: max(0, wanted - len(spares))]:
+            worker.spare = True
+
+    async def settled(self, indexes: list[int], timeout: float = 60.0) -> bool:
+        """Wait until the workers of these slots are ready (or their slots gave up); True
+        if they all are ready in time."""
+        deadline = self.clock() + timeout
+        while self.clock() < deadline and not self.stopping:
+            slots = [s for s in self.slots if s.index in indexes]
+            ready = [(w := self.current.get(s.index)) is not None and w.ready for s in slots]
+            if all(ready):
+                return True
+            if all(r or s.state is SlotState.FATAL for r, s in zip(ready, slots, strict=True)):
+                return False
+            await self.timer.sleep(POLL)
+        return False
+
+    async def wait_ready(self, timeout: float) -> bool:
+        """Wait until every slot has a ready worker or is fatal; True if any is ready."""
+        deadline = self.clock() + timeout
+        while self.clock() < deadline:
+            settled = [
+                s.state is SlotState.FATAL
+                or ((w := self.current.get(s.index)) is not None and w.ready)
+                for s in self.slots
+            ]
+            if all(settled):
+                return not self.fatal.is_set()
+            await self.timer.sleep(POLL)
+        return False
+
+    async def rolling_restart(
+        self, timeout: float = 60.0, only: Collection[int] | None = None
+    ) -> str | None:
+        """Replace every worker (of the slots `only` names): new one first, sessions
+        handed over at event boundaries. None when done; else why it stopped part way."""
+        slots = [s for s in self.slots if only is None or s.index in only]
+        self.log.info("rolling restart of {} workers", len(slots))
+        for slot in slots:
+            old = self.current.get(slot.index)
+            if old is None or self.stopping:
+                continue
+            old.retiring = True
+            slot.exited(self.clock(), requested=True)
+            self._spawn(slot)
+            new = self.current[slot.index]
+            deadline = self.clock() + timeout
+            while not new.ready and new.alive and self.clock() < deadline:
+                await self.timer.sleep(POLL)
+            if not new.ready:
+                why = "died before it was ready" if not new.alive else f"not ready in {timeout:g} s"
+                if not self._put_back(slot, old, new):
+                    await self.let_go(old, timeout)  # its slot started another meanwhile
+                reason = (
+                    f"worker {new.identity}, replacing {old.identity}, {why}: the rolling "
+                    f"restart stopped there, the workers not yet replaced go on (see the log)"
+                )
+                self.log.error("{}", reason)
+                return reason
+            await self.let_go(old, timeout)
+        self.log.info("rolling restart done")
+        return None
+
+    async def let_go(self, worker: WorkerHandle, timeout: float) -> None:
+        """Hand the worker's sessions over at their event boundaries (`timeout` at most),
+        then ask it to stop; SIGKILL if it has not exited `shutdown.kill_grace` later."""
+        worker.retiring = True  # takes no session from now on
+        deadline = self.clock() + timeout
+        for session_id in list(worker.sessions):
+            self.plane.send(worker, "release", session=session_id)
+        while worker.sessions and worker.alive and self.clock() < deadline:
+            await self.timer.sleep(POLL)
+        worker.stop_requested = True
+        if not self.plane.send(worker, "stop"):  # not connected yet: it stops on SIGTERM
+            send_signal(worker.pid, signal.SIGTERM)
+        grace = self.config.shutdown.kill_grace
+        deadline = self.clock() + grace
+        while worker.alive and self.clock() < deadline:
+            await self.timer.sleep(POLL)
+        if worker.alive:
+            self.log.warning(
+                "worker {} did not stop within {:g} s (shutdown.kill_grace) of being asked "
+                "to; killing it",
+                worker.identity,
+                grace,
+            )
+            send_signal(worker.pid, signal.SIGKILL)
+
+    def _put_back(self, slot: Slot, old: WorkerHandle, new: WorkerHandle) -> bool:
+        """`new` did not start: `old` goes on serving its slot, as if it had never been
+        replaced (a slot record of its own, running). False if the slot has moved on (it
+        started another worker meanwhile): `old` is to let go all the same."""
+        if new.alive:
+            new.stop_requested = True
+            send_signal(new.pid, signal.SIGKILL)
+        if not old.alive:
+            return True  # gone too: its slot starts a worker again, as after any crash
+        if self.current.get(slot.index) not in (new, None) or slot not in self.slots:
+            return False
+        kept = Slot(
+            slot.index,
+            slot.policy,
+            state=SlotState.RUNNING,
+            ready_at=self.clock(),
+            generation=slot.generation,
+        )
+        self.slots[self.slots.index(slot)] = kept
+        old.slot, old.retiring = kept, False
+        self.current[slot.index] = old
+        return True

@@ -1,5 +1,6 @@
-"""The housekeeping loop on a fake clock: it runs at deadlines and on request, never on a
-tick, so an idle pool does nothing at all while time stands still."""
+"""The housekeeping loops on a fake clock, the pool's tending and ownership's dispatching:
+they run at deadlines and on request, never on a tick, so an idle pool does nothing at
+all while time stands still."""
 
 from __future__ import annotations
 
@@ -7,14 +8,14 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from supervisor.pool.housekeeping import PASS_GAP, RETRY, SLACK, Housekeeper
+from supervisor.pool.housekeeping import PASS_GAP, RETRY, SLACK, Dispatching, Tending
 from tests.clock import FakeClock
 
 FULL = 5.0  # the stand-in ownership's seconds between full passes
 
 
 class Stage:
-    """A housekeeper over stand-ins that count what it calls."""
+    """Both loops over stand-ins that count what they call."""
 
     def __init__(self, clock: FakeClock, *, tend_in: float = 30.0) -> None:
         self.clock = clock
@@ -25,7 +26,8 @@ class Stage:
         self.full_due = 0.0
         self.always_due = False  # time asks for a pass at every moment
         self.wanted = asyncio.Event()
-        self.keeper = Housekeeper(self.tend, self.dispatch, self.next_pass_in, self.wanted, clock)
+        self.tending = Tending(self.tend, clock)
+        self.dispatching = Dispatching(self.dispatch, self.next_pass_in, self.wanted, clock)
 
     def tend(self, now: float) -> float:
         self.tends.append(now)
@@ -55,25 +57,29 @@ def staged(test: Callable[[Stage, FakeClock], Awaitable[None]], **kwargs: Any) -
     async def main() -> None:
         clock = FakeClock()
         stage = Stage(clock, **kwargs)
-        task = asyncio.create_task(stage.keeper.run())
+        tasks = [
+            asyncio.create_task(stage.tending.run()),
+            asyncio.create_task(stage.dispatching.run()),
+        ]
         await settle()
         try:
             await test(stage, clock)
-            assert not task.done()  # nothing ended the loop
+            assert not any(task.done() for task in tasks)  # nothing ended a loop
         finally:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     asyncio.run(main())
 
 
 def test_an_idle_loop_waits_while_time_stands_still() -> None:
     async def test(stage: Stage, clock: FakeClock) -> None:
-        assert len(stage.passes) == 1 and len(stage.tends) == 2  # the first pass, then rest
+        assert len(stage.passes) == 1 and len(stage.tends) == 1  # the first of each, then rest
         for _ in range(100):
             await asyncio.sleep(0)
-        assert len(stage.passes) == 1 and len(stage.tends) == 2
-        assert clock.sleepers == 1
+        assert len(stage.passes) == 1 and len(stage.tends) == 1
+        assert clock.sleepers == 2  # one a loop
 
     staged(test)
 
@@ -128,7 +134,7 @@ def test_tend_runs_at_the_deadline_it_returned() -> None:
 def test_a_stir_makes_it_tend_again_without_a_pass() -> None:
     async def test(stage: Stage, clock: FakeClock) -> None:
         tended, passes = len(stage.tends), len(stage.passes)
-        stage.keeper.stir()
+        stage.tending.stir()
         await settle()
         assert (len(stage.tends), len(stage.passes)) == (tended + 1, passes)
 
@@ -147,6 +153,19 @@ def test_a_failed_pass_is_tried_again_after_the_retry_delay() -> None:
         await clock.advance(0.1 + 2 * SLACK)
         await settle()
         assert len(stage.passes) == 3
+
+    staged(test)
+
+
+def test_a_pass_asks_for_no_tend_and_a_tend_for_no_pass() -> None:
+    async def test(stage: Stage, clock: FakeClock) -> None:
+        tended, passes = len(stage.tends), len(stage.passes)
+        stage.wanted.set()
+        await settle()
+        assert (len(stage.tends), len(stage.passes)) == (tended, passes + 1)
+        stage.tending.stir()
+        await settle()
+        assert (len(stage.tends), len(stage.passes)) == (tended + 1, passes + 1)
 
     staged(test)
 

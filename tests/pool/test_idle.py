@@ -26,14 +26,16 @@ import psutil
 import pytest
 
 import supervisor.pool.pool
+from supervisor.composition import workers
 from supervisor.contract import control
 from supervisor.contract.config import Config
 from supervisor.contract.reaper import own_children, reap_orphans
 from supervisor.core.slots import SlotState
 from supervisor.metrics import Metrics
 from supervisor.pool.ownership import FULL_PASS
-from supervisor.pool.pool import Pool
+from supervisor.pool.plane import Said
 from supervisor.pool.recoverer import Recoverer
+from supervisor.runtime.bus import Bus
 from supervisor.store import Store
 from tests.agents import ChaosAgent
 from tests.clock import FakeClock
@@ -136,7 +138,7 @@ def store(tmp_path: Path) -> Iterator[Store]:
 def pool_config() -> Config:
     return Config.model_validate(
         {
-            "pool": {"workers": 1, "spare": 0, "heartbeat_interval": 0.05, "hang_timeout": 600},
+            "pool": {"workers": 2, "spare": 0, "heartbeat_interval": 0.05, "hang_timeout": 600},
             "agent": {"class": "tests.agents:ChaosAgent"},
         }
     )
@@ -158,13 +160,14 @@ def test_an_idle_pool_runs_no_round_and_reaps_on_sigchld_with_no_scan(
     clock = FakeClock()
     boot = store.boots.begin(this_host_id(), os.getpid(), "test")
     recovery = Recoverer(config, store, boot, this_host_id(), Metrics(), clock=clock)
-    pool = Pool(
-        config, store, boot, f"ipc://{tmp_path}/control.sock", recovery, Metrics(), clock=clock
+    bus = Bus()
+    plane, ownership, pool = workers(
+        config, store, boot, f"ipc://{tmp_path}/control.sock", recovery, Metrics(), bus, clock=clock
     )
     rounds: list[float] = []
     passes: list[float] = []
     heartbeats: list[str] = []
-    tend, dispatch, handle = pool.housekeeper.tend, pool.housekeeper.dispatch, pool.plane.handle
+    tend, dispatch = pool.tending.tend, ownership.dispatching.dispatch
 
     def counted_tend(now: float) -> float:
         rounds.append(now)
@@ -174,13 +177,12 @@ def test_an_idle_pool_runs_no_round_and_reaps_on_sigchld_with_no_scan(
         passes.append(clock.monotonic())
         return await dispatch()
 
-    def counted_handle(worker: Any, message: control.FromWorker) -> None:
-        if isinstance(message, control.Heartbeat):
-            heartbeats.append(worker.identity)
-        handle(worker, message)
+    def counted(said: Said) -> None:
+        if isinstance(said.message, control.Heartbeat):
+            heartbeats.append(said.worker.identity)
 
-    pool.housekeeper.tend, pool.housekeeper.dispatch = counted_tend, counted_dispatch
-    pool.plane.handle = counted_handle
+    pool.tending.tend, ownership.dispatching.dispatch = counted_tend, counted_dispatch
+    bus.subscribe(Said, counted)
     # The stop signals this pool's workers only, not whatever else this process started.
     monkeypatch.setattr(
         supervisor.pool.pool,
@@ -189,17 +191,24 @@ def test_an_idle_pool_runs_no_round_and_reaps_on_sigchld_with_no_scan(
     )
 
     async def main() -> None:
-        await pool.start()
-        running = asyncio.ensure_future(pool.run())  # its loops: the control plane, housekeeping
+        for service in (plane, ownership, pool):
+            await service.start()
+        running = asyncio.gather(*(s.run() for s in (plane, ownership, pool)))  # their loops
         try:
             worker = next(iter(pool.current.values()))
+            # The first worker starts alone; its readiness starts the rest at once, though
+            # time stands still (no deadline of the pool's comes).
+            await until(
+                lambda: len(pool.current) == 2 and all(w.ready for w in pool.current.values()),
+                "the second worker, started once the first was ready",
+            )
             # Ready asked for a pass; the loop is resting once that pass has run.
             await until(
                 lambda: (
                     worker.ready
-                    and not pool.ownership.wanted.is_set()
-                    and not pool.housekeeper.stirred.is_set()
-                    and clock.sleepers >= 1  # the housekeeper's wait between passes
+                    and not ownership.wanted.is_set()
+                    and not pool.tending.stirred.is_set()
+                    and clock.sleepers >= 2  # the waits of tending and of dispatching
                 ),
                 "the worker, and the pass its readiness asked for",
             )
@@ -224,6 +233,7 @@ def test_an_idle_pool_runs_no_round_and_reaps_on_sigchld_with_no_scan(
             running.cancel()
             await asyncio.gather(running, return_exceptions=True)
             await pool.stop_descendants(2.0)
+            plane.close()
 
     asyncio.run(main())
 

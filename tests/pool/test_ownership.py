@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from supervisor.contract.clock import SYSTEM
 from supervisor.contract.config import Config
 from supervisor.core.engine import Budget
 from supervisor.core.slots import Slot
@@ -77,7 +78,7 @@ def ownership(store: Store, *workers: WorkerHandle, budget: Budget | None = None
         recoverer,
         {w.identity: w for w in workers},
         sent,
-        time.monotonic,
+        SYSTEM,
         budget,
     )
     return pool, sent

@@ -21,10 +21,9 @@ from supervisor.contract.config import Config
 from supervisor.contract.logs import log
 from supervisor.core.engine import HEARTBEATS_MISSED, takes_sessions
 from supervisor.core.slots import Slot, SlotState, all_fatal
-from supervisor.pool import resizing, rolling
+from supervisor.pool import pool as pools
 from supervisor.pool.handle import WorkerHandle
 from supervisor.pool.processes import check_hangs
-from supervisor.pool.resizing import Resizing
 from tests.clock import FakeClock
 
 
@@ -75,13 +74,16 @@ class Plane:
         return True
 
 
-class Housekeeper:
+class Tending:
     def stir(self) -> None:
         pass
 
 
-class Pool(Resizing):
-    def __init__(self, clock: FakeClock, workers: int, spare: int) -> None:
+class Pool(pools.Pool):
+    """The real pool's resizing and rolling restart, over workers that never run: its
+    own state is set up here, and `_spawn` makes a stand-in."""
+
+    def __init__(self, clock: FakeClock, workers: int, spare: int) -> None:  # no super()
         self.config = Config.model_validate({"pool": {"workers": workers, "spare": spare}})
         self.log = log("pool")
         self.slots = [Slot(i) for i in range(workers + spare)]
@@ -92,7 +94,7 @@ class Pool(Resizing):
         self.stopping = False
         self.timer, self.clock = clock, clock.monotonic
         self.plane: Any = Plane(clock)
-        self.housekeeper: Any = Housekeeper()
+        self.tending: Any = Tending()
         self.pids = iter(range(10_000, 20_000))
         self.starting: Callable[[WorkerHandle], None] = lambda worker: None  # a test's say
         for slot in self.slots:
@@ -145,8 +147,7 @@ def signals(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
     def sent_by(pid: int, sig: int) -> None:
         sent.append((pid, sig))
 
-    for module in (rolling, resizing):  # whichever sends them
-        monkeypatch.setattr(module, "send_signal", sent_by, raising=False)
+    monkeypatch.setattr(pools, "send_signal", sent_by)
     return sent
 
 

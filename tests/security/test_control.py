@@ -73,17 +73,18 @@ class MisbehavingAgent(ToolLoopAgent):
 
 
 def _sabotage(marker: Path) -> None:
-    """In the daemon: the pool's housekeeping task dies once `marker` exists."""
-    from supervisor.pool.pool import Pool
+    """In the daemon: ownership's dispatch loop dies once `marker` exists (it asks when
+    the next pass is due at least every few tenths of a second)."""
+    from supervisor.pool.ownership import Ownership
 
-    tend = Pool._tend
+    next_pass_in = Ownership.next_pass_in
 
-    def sabotaged(pool: Pool, now: float) -> float:
+    def sabotaged(ownership: Ownership) -> float:
         if marker.exists():
             raise RuntimeError("sabotaged by the test")
-        return tend(pool, now)
+        return next_pass_in(ownership)
 
-    Pool._tend = sabotaged  # type: ignore[method-assign]
+    Ownership.next_pass_in = sabotaged  # type: ignore[method-assign]
 
 
 if os.environ.get(SABOTAGE) and multiprocess.current_process().name == "MainProcess":
@@ -289,7 +290,7 @@ def test_a_supervisor_task_that_dies_stops_the_daemon_with_a_non_zero_exit(
             return any(e["type"] == "turn_started" for e in found)
 
         wait_until(started, 30, "the turn to start")  # so that the drain waits for it
-        marker.touch()  # the pool's housekeeping task dies at its next round
+        marker.touch()  # ownership's dispatch loop dies at its next look
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline and 503 not in readiness:
             with contextlib.suppress(httpx.TransportError):
@@ -299,7 +300,7 @@ def test_a_supervisor_task_that_dies_stops_the_daemon_with_a_non_zero_exit(
     assert daemon.wait(20) == 1
     log = daemon.log()
     assert re.search(
-        r"CRITICAL.*task pool-housekeeping died: RuntimeError\('sabotaged by the test'\)", log
+        r"CRITICAL.*task ownership-dispatch died: RuntimeError\('sabotaged by the test'\)", log
     ), log
     with Store(daemon.url, migrate=False) as store:
         assert store.boots.recent(1)[0].outcome == "unclean"
