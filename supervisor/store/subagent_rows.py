@@ -22,11 +22,13 @@ from supervisor.core.vocabulary import (
     Writer,
 )
 from supervisor.store import lifecycle
+from supervisor.store.claims import Claims
 from supervisor.store.eventlog import EventRecord, make_request
 from supervisor.store.models import Event, Session, Subagent
 from supervisor.subagents import rules
 
 OUTCOME_EVENTS = 50  # a child's latest events read for its outcome: its last turn's end
+CLAIMS = Claims(Subagent)
 
 
 @dataclass(frozen=True)
@@ -132,12 +134,11 @@ def finish(
     if not wake:  # a cancellation is history for the parent's next turn, not a turn
         Session.update(pending=parent.pending).where(Session.id == row.parent).execute()
     Subagent.update(
+        CLAIMS.cleared(),
         status=status,
         ended_at=time.time(),
         summary=" ".join(text.replace("\x00", "").split())[: rules.SUMMARY_MAX],
         result_seq=seq,
-        claimed_by=None,
-        claim_expires_at=None,
     ).where(Subagent.id == row.id).execute()
     if child is not None:
         changes = lifecycle.revoked() | {

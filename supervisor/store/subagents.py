@@ -27,12 +27,13 @@ from supervisor.core.vocabulary import (
     Writer,
 )
 from supervisor.store import lifecycle
-from supervisor.store.db import chunks, db_now, run_write
+from supervisor.store.db import db_now, run_write
 from supervisor.store.errors import LeaseLost
 from supervisor.store.eventlog import make_request
 from supervisor.store.events import call_key
 from supervisor.store.models import Session, SessionACL, Subagent
 from supervisor.store.subagent_rows import (
+    CLAIMS,
     Reported,
     Spawned,
     SubagentInfo,
@@ -243,33 +244,20 @@ class Subagents:
         def work() -> list[SubagentInfo]:
             now = db_now(self._db)
             running = Subagent.status == SubagentStatus.RUNNING
-            mine_now = Subagent.select(Subagent.id).where(running & (Subagent.claimed_by == owner))
+            mine_now = Subagent.select(Subagent.id).where(running & CLAIMS.held_by(owner))
             if self._db.for_update:  # a row being finished is locked: it needs no renewal
                 mine_now = mine_now.order_by(Subagent.id).for_update(skip_locked=True)
-            renew = [row.id for row in mine_now]
-            for part in chunks(renew):
-                Subagent.update(claim_expires_at=now + ttl).where(Subagent.id.in_(part)).execute()
-            free = Subagent.claimed_by.is_null() | (Subagent.claim_expires_at < now)
-            if mine:
-                free |= peewee.fn.SUBSTR(Subagent.claimed_by, 1, len(mine)) == mine
+            CLAIMS.renew([row.id for row in mine_now], owner, now + ttl)
             query = (
                 Subagent.select(Subagent.id)
-                .where(
-                    running
-                    & free
-                    & (Subagent.claimed_by.is_null() | (Subagent.claimed_by != owner))
-                )
+                .where(running & CLAIMS.free(now, owner, mine) & CLAIMS.not_held_by(owner))
                 .order_by(Subagent.created_at, Subagent.id)
                 .limit(limit)
             )
             if self._db.for_update:
                 query = query.for_update(skip_locked=True)
-            taken = [row.id for row in query]
-            if taken:
-                Subagent.update(claimed_by=owner, claim_expires_at=now + ttl).where(
-                    Subagent.id.in_(taken)
-                ).execute()
-            held = Subagent.select().where(running & (Subagent.claimed_by == owner))
+            CLAIMS.take([row.id for row in query], owner, now + ttl, now, mine)
+            held = Subagent.select().where(running & CLAIMS.held_by(owner))
             return [info_of(row) for row in held.order_by(Subagent.created_at, Subagent.id)]
 
         result: list[SubagentInfo] = run_write(self._db, work)
@@ -280,11 +268,7 @@ class Subagents:
         return int(
             run_write(
                 self._db,
-                lambda: (
-                    Subagent.update(claimed_by=None, claim_expires_at=None)
-                    .where(Subagent.claimed_by == owner)
-                    .execute()
-                ),
+                lambda: CLAIMS.release(owner),
             )
         )
 

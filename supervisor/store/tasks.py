@@ -26,6 +26,7 @@ import peewee
 
 from supervisor.core.vocabulary import EventType, SessionStatus, TaskStatus, Writer
 from supervisor.store import lifecycle
+from supervisor.store.claims import Claims
 from supervisor.store.db import db_now, run_write
 from supervisor.store.errors import LeaseLost
 from supervisor.store.eventlog import make_request
@@ -43,6 +44,8 @@ from supervisor.store.task_rows import (
 from supervisor.tasks import rules
 
 __all__ = ["Started", "TaskInfo", "TaskReported", "Tasks"]
+
+CLAIMS = Claims(Task)  # no expiry: a running task's runner is judged by its heartbeat
 
 
 class Tasks(Reading):
@@ -170,9 +173,9 @@ class Tasks(Reading):
             now = db_now(self._db)
             taken = (
                 Task.update(
+                    CLAIMS.claimed(owner, None),
                     status=TaskStatus.RUNNING,
                     host=host,
-                    claimed_by=owner,
                     started_at=now,
                     heartbeat_at=now,
                     runner_pid=None,
@@ -234,13 +237,13 @@ class Tasks(Reading):
                 self._db,
                 lambda: (
                     Task.update(
+                        CLAIMS.cleared(),
                         status=status,
                         exit_code=exit_code,
                         duration=duration,
                         output_tail=rules.tail(output_tail),
                         reason=reason[:2000],
                         ended_at=time.time(),
-                        claimed_by=None,
                     )
                     .where(self._this_run(task_id, attempt))
                     .execute()
@@ -311,7 +314,7 @@ class Tasks(Reading):
                 )
             seqs = lifecycle.append_all(self._db, requests)
             seq, notice_seq = seqs[0], (seqs[1] if notice is not None else None)
-        Task.update(result_seq=seq, claimed_by=None).where(Task.id == row.id).execute()
+        Task.update(CLAIMS.cleared(), result_seq=seq).where(Task.id == row.id).execute()
         return TaskReported(row.id, row.session, row.status, seq, notice_seq)
 
     # --- a runner gone --------------------------------------------------------------
@@ -339,13 +342,13 @@ class Tasks(Reading):
             notes = {"task": row.id, "kind": row.kind}
             if retry and not row.cancel_requested:
                 Task.update(
+                    CLAIMS.cleared(),
                     status=TaskStatus.PENDING,
                     attempt=row.attempt + 1,
                     host=None,
                     runner_pid=None,
                     runner_started=None,
                     heartbeat_at=None,
-                    claimed_by=None,
                 ).where(Task.id == task_id).execute()
                 notice_seq = None
                 if session is not None and session.status != SessionStatus.CLOSED:
