@@ -18,6 +18,7 @@ from typing import Any
 import peewee
 
 from supervisor.core.vocabulary import DeliveryStatus
+from supervisor.store.claims import Claims
 from supervisor.store.db import db_now, run_write
 from supervisor.store.errors import SessionNotFound
 from supervisor.store.models import Delivery, Event, Session
@@ -25,6 +26,7 @@ from supervisor.store.session_info import SessionInfo, info_of
 
 LIST_MAX = 1000
 ERROR_CHARS = 500  # of a failed attempt's error, kept
+CLAIMS = Claims(Delivery)
 
 
 @dataclass(frozen=True)
@@ -131,11 +133,7 @@ class Deliveries:
         def work() -> list[DeliveryInfo]:
             now = db_now(self._db)
             pending = Delivery.status == DeliveryStatus.PENDING
-            free = Delivery.claimed_by.is_null() | (Delivery.claim_expires_at < now)
-            if mine:
-                free |= (peewee.fn.SUBSTR(Delivery.claimed_by, 1, len(mine)) == mine) & (
-                    Delivery.claimed_by != owner
-                )
+            free = CLAIMS.free(now, owner, mine)
             earlier = Delivery.alias("earlier")
             before = earlier.select(earlier.id).where(
                 (earlier.session == Delivery.session)
@@ -157,14 +155,13 @@ class Deliveries:
             )
             if self._db.for_update:
                 query = query.for_update(skip_locked=True)
-            rows = list(query)
-            for row in rows:
+            taken = []
+            for row in list(query):
                 expires = now + targets[row.target]
-                Delivery.update(claimed_by=owner, claim_expires_at=expires).where(
-                    Delivery.id == row.id
-                ).execute()
-                row.claimed_by, row.claim_expires_at = owner, expires
-            return [_info(row) for row in rows]
+                if CLAIMS.take([row.id], owner, expires, now, mine):
+                    row.claimed_by, row.claim_expires_at = owner, expires
+                    taken.append(row)
+            return [_info(row) for row in taken]
 
         claimed: list[DeliveryInfo] = run_write(self._db, work)
         return [Outgoing(d, self._payload(d.session, d.seq)) for d in claimed]
@@ -200,8 +197,7 @@ class Deliveries:
             changes: dict[Any, Any] = {
                 Delivery.status: status,
                 Delivery.attempts: Delivery.attempts + 1,
-                Delivery.claimed_by: None,
-                Delivery.claim_expires_at: None,
+                **CLAIMS.cleared(),
                 Delivery.last_code: code,
                 Delivery.last_error: error[:ERROR_CHARS],
                 Delivery.updated_at: now,
@@ -214,7 +210,7 @@ class Deliveries:
                 Delivery.update(changes)
                 .where(
                     (Delivery.id == delivery_id)
-                    & (Delivery.claimed_by == owner)
+                    & CLAIMS.held_by(owner)
                     & (Delivery.status == DeliveryStatus.PENDING)
                 )
                 .execute()
@@ -229,13 +225,7 @@ class Deliveries:
             run_write(
                 self._db,
                 deadline=deadline,
-                work=lambda: (
-                    Delivery.update(claimed_by=None, claim_expires_at=None)
-                    .where(
-                        (Delivery.claimed_by == owner) & (Delivery.status == DeliveryStatus.PENDING)
-                    )
-                    .execute()
-                ),
+                work=lambda: CLAIMS.release(owner, Delivery.status == DeliveryStatus.PENDING),
             )
         )
 
@@ -271,15 +261,14 @@ class Deliveries:
             if row is None or row.status == DeliveryStatus.DELIVERED:
                 return None if row is None else _info(row)
             now = db_now(self._db)
-            if row.claimed_by is not None and (row.claim_expires_at or 0.0) >= now:
+            if CLAIMS.holds(row, now):
                 return _info(row)
             changes: dict[Any, Any] = {Delivery.next_at: 0.0, Delivery.updated_at: now}
             if row.status == DeliveryStatus.DEAD:
                 changes |= {
                     Delivery.status: DeliveryStatus.PENDING,
                     Delivery.attempts: 0,
-                    Delivery.claimed_by: None,
-                    Delivery.claim_expires_at: None,
+                    **CLAIMS.cleared(),
                 }
             Delivery.update(changes).where(Delivery.id == delivery_id).execute()
             return _info(Delivery.get(Delivery.id == delivery_id))

@@ -275,6 +275,12 @@ def _resolve_all(items: list[tuple[Any, Outcome]]) -> None:
 def _row_record(session_id: str, row: tuple[Any, ...]) -> EventRecord:
     seq, kind, turn_id, payload, created_at, writer, token = row
     return EventRecord(
-        session_id, int(seq), kind, turn_id, json.loads(payload), float(created_at), writer,
+        session_id,
+        int(seq),
+        kind,
+        turn_id,
+        json.loads(payload),
+        float(created_at),
+        writer,
         None if token is None else int(token),
-    )  # fmt: skip
+    )

@@ -109,10 +109,13 @@ class Leases:
                 row.id: row
                 for part in chunks(ids)
                 for row in Session.select(
-                    Session.id, Session.status, Session.active_turn_id,
-                    Session.attempt_turn_id, Session.attempt_count,
+                    Session.id,
+                    Session.status,
+                    Session.active_turn_id,
+                    Session.attempt_turn_id,
+                    Session.attempt_count,
                 ).where(Session.id.in_(part))
-            }  # fmt: skip
+            }
             taken: dict[str, int | None] = {}  # leased: the attempt count charged, if any
             moved_on: set[str] = set()
             raced: set[str] = set()

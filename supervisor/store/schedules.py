@@ -306,9 +306,16 @@ class Schedules:
                     continue
                 newest = scheduled_for
                 row = FireInfo(
-                    0, schedule_id, scheduled_for, outcome, None, None, now, by,
+                    0,
+                    schedule_id,
+                    scheduled_for,
+                    outcome,
+                    None,
+                    None,
+                    now,
+                    by,
                     reason if outcome == FireOutcome.SKIPPED else "",
-                )  # fmt: skip
+                )
                 fire_id = ScheduleFire.insert(
                     schedule=schedule_id,
                     scheduled_for=scheduled_for,

@@ -22,7 +22,7 @@ from supervisor.core.vocabulary import (
     TurnOutcome,
     Writer,
 )
-from supervisor.store import lifecycle, subagent_rows
+from supervisor.store import lifecycle, subagents
 from supervisor.store.db import chunks, run_write
 from supervisor.store.errors import SessionClosed, SessionNotFound, TooManySessions
 from supervisor.store.eventlog import make_request, write_events
@@ -302,7 +302,7 @@ class Sessions:
 
         def work() -> int | None:
             seq = lifecycle.interrupt(self._db, session_id, by)
-            subagent_rows.cancel_within(self._db, session_id, by, why)
+            subagents.cancel_within(self._db, session_id, by, why)
             return seq
 
         return run_write(self._db, work)
@@ -319,7 +319,7 @@ class Sessions:
         def work() -> list[lifecycle.Written]:
             written = lifecycle.close(self._db, session_id, by)
             if written:
-                subagent_rows.cancel_within(self._db, session_id, by, why)
+                subagents.cancel_within(self._db, session_id, by, why)
                 # Its schedules end with it: they fire no more and count against no limit.
                 Schedule.update(status=ScheduleStatus.ENDED).where(
                     Schedule.session == session_id
