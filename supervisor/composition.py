@@ -298,9 +298,16 @@ def main() -> None:
         with Store(f"sqlite:///{where / 'structure.db'}") as store:
             hooks = Hooks(lambda: None, lambda _: None, lambda: False, lambda _: None)
             tree = build(
-                Config(), None, store, Tokens({}), hooks, boot_id="0" * 32, host="host",
-                runtime_dir=where, state_dir=where,
-            )  # fmt: skip
+                Config(),
+                None,
+                store,
+                Tokens({}),
+                hooks,
+                boot_id="0" * 32,
+                host="host",
+                runtime_dir=where,
+                state_dir=where,
+            )
             print(draw(tree), end="")
 
 

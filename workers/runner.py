@@ -411,9 +411,14 @@ class SessionRunner:
         now = self._clock.time()
         started = self._clock.perf_counter()
         seq = await self._store.events.append_async(
-            self.session_id, type, payload, token=self._turn_token, turn_id=turn_id,
-            created_at=now, idempotency_key=key,
-        )  # fmt: skip
+            self.session_id,
+            type,
+            payload,
+            token=self._turn_token,
+            turn_id=turn_id,
+            created_at=now,
+            idempotency_key=key,
+        )
         self._observe(self._clock.perf_counter() - started)
         # A signal only: whoever reads the event reads it from the database.
         await self._notify("committed", session=self.session_id, seq=seq, event_type=type)

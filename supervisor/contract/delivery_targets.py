@@ -48,9 +48,10 @@ class DeliveryTarget(_Section):
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise PydanticCustomError(
-                "target_url", "must be an http:// or https:// URL with a host, not {url!r}",
+                "target_url",
+                "must be an http:// or https:// URL with a host, not {url!r}",
                 {"url": url},
-            )  # fmt: skip
+            )
         if parts.username or parts.password or parts.fragment:
             raise PydanticCustomError(
                 "target_url",

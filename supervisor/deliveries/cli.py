@@ -67,10 +67,16 @@ def deliveries() -> None:
     default=None,
     help="Only deliveries in this status (default: all).",
 )
-@click.option("--session", "session_id", default=None, metavar="ID", help=(
-    "Only this session's deliveries. Required unless the token is the admin's: "
-    "another principal sees the deliveries of a session it may read."
-))  # fmt: skip
+@click.option(
+    "--session",
+    "session_id",
+    default=None,
+    metavar="ID",
+    help=(
+        "Only this session's deliveries. Required unless the token is the admin's: "
+        "another principal sees the deliveries of a session it may read."
+    ),
+)
 @click.option(
     "--limit",
     default=100,

@@ -93,8 +93,12 @@ class _Drain(click.FloatRange):
     " or 15 if that is 0; without it: shutdown.drain_budget). Intake refuses from the"
     " first moment.",
 )
-@click.option("--reason", default="", metavar="TEXT", help="Why (at most 500 characters); "
-              "kept with the request and shown by `turnkeeper restarts`.")  # fmt: skip
+@click.option(
+    "--reason",
+    default="",
+    metavar="TEXT",
+    help="Why (at most 500 characters); kept with the request and shown by `turnkeeper restarts`.",
+)
 @click.option("--no-wait", is_flag=True, help="Only ask; do not wait for the daemon to come back.")
 @click.option(
     "--timeout",
@@ -149,10 +153,15 @@ def restart(
     same = None if pid is None else pid == settled["pid"]
     ok = settled["outcome"] == RestartOutcome.OK
     if as_json:
-        emit_json({
-            "restart": settled, "in_progress": in_progress, "done": True,
-            "pid": pid, "same_process": same,
-        })  # fmt: skip
+        emit_json(
+            {
+                "restart": settled,
+                "in_progress": in_progress,
+                "done": True,
+                "pid": pid,
+                "same_process": same,
+            }
+        )
     else:
         click.echo("\n".join(_report(settled, pid)))
     if not ok:
@@ -236,8 +245,12 @@ def _report(info: dict[str, Any], pid: int | None) -> list[str]:
 
 
 @click.command("restarts")
-@click.option("--all", "every", is_flag=True, help="Of every host on the database, not only "
-              "this daemon's (adds a HOST column).")  # fmt: skip
+@click.option(
+    "--all",
+    "every",
+    is_flag=True,
+    help="Of every host on the database, not only this daemon's (adds a HOST column).",
+)
 @click.option(
     "--limit",
     default=20,

@@ -166,10 +166,14 @@ class Restarter(Service):
         A look that fails (a database gone for a while) is tried again after POLL."""
         return {
             "restarts": reconcile(
-                "restarts", self._pass, interval=lambda: POLL, wake=self._due, clock=self.clock,
+                "restarts",
+                self._pass,
+                interval=lambda: POLL,
+                wake=self._due,
+                clock=self.clock,
                 retry=POLL,
             )
-        }  # fmt: skip
+        }
 
     async def _pass(self) -> float:
         if self.begun is not None:

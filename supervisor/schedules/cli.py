@@ -84,9 +84,13 @@ def list_command(ctx: click.Context, as_json: bool) -> None:
 @schedules.command("add")
 @click.argument("cron")
 @click.argument("text")
-@click.option("--session", "session_id", default=None, metavar="SESSION", help=(
-    "The session each run goes to (write access needed); default: a new session each run."
-))  # fmt: skip
+@click.option(
+    "--session",
+    "session_id",
+    default=None,
+    metavar="SESSION",
+    help=("The session each run goes to (write access needed); default: a new session each run."),
+)
 @click.option("--timezone", default="UTC", show_default=True, help="An IANA time zone.")
 @click.option(
     "--misfire",

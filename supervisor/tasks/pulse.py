@@ -97,9 +97,14 @@ class Pulse:
         try:
             if create_time is not None:
                 self.child_row = children.record(
-                    spec.boot, pid, create_time, "task", pgid=pid, name=f"task {spec.task}",
+                    spec.boot,
+                    pid,
+                    create_time,
+                    "task",
+                    pgid=pid,
+                    name=f"task {spec.task}",
                     host=spec.host,
-                )  # fmt: skip
+                )
         except Exception as exc:  # whatever the driver raises: the run goes on
             self._say(f"the command could not be recorded in the child registry: {exc}")
         while True:

@@ -115,9 +115,14 @@ class Runner:
             return None
         try:
             row: int = self.store.children.record(
-                self.spec.boot, me.pid, me.create_time, "task", pgid=os.getpgid(0),
-                name=f"runner {self.spec.task}", host=self.spec.host,
-            )  # fmt: skip
+                self.spec.boot,
+                me.pid,
+                me.create_time,
+                "task",
+                pgid=os.getpgid(0),
+                name=f"runner {self.spec.task}",
+                host=self.spec.host,
+            )
         except Exception as exc:  # whatever the driver raises: the run goes on
             self.say(f"the runner could not be recorded in the child registry: {exc}")
             return None
@@ -212,9 +217,14 @@ class Runner:
     ) -> int:
         def record() -> bool:
             return self.store.tasks.record(
-                self.spec.task, self.spec.attempt, status, exit_code=code, duration=duration,
-                output_tail=tail, reason=reason,
-            )  # fmt: skip
+                self.spec.task,
+                self.spec.attempt,
+                status,
+                exit_code=code,
+                duration=duration,
+                output_tail=tail,
+                reason=reason,
+            )
 
         recorded = retrying(
             record, BACKOFF, self.say, f"recording the outcome {status}", self.clock
