@@ -128,6 +128,7 @@ def workers(
         hosts=hosts,
         announce=announce,
         bus=bus,
+        observer=metrics,
     )
     pool = Pool(
         config,

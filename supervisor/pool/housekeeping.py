@@ -1,11 +1,13 @@
 """When the pool and ownership look again: at deadlines and on request, never on a tick.
 
-Two loops, each run when its work is due and not before:
+Two loops, each the shared reconcile loop (`supervisor.runtime.loops.reconcile`: its
+error policy and its count of passes), each pass run when it is due and not before:
 
 - `Tending`, the pool's: tend the slots and workers (`tend`: start the workers of slots
   due for a restart, abort hung workers). It returns the time it needs to look again (a
   slot's restart, a worker's heartbeat timeout); `stir()` says that the slots changed (a
-  worker started or exited), so that the loop takes the new deadlines.
+  worker started or exited, the first became ready), so that the loop takes the new
+  deadlines at once.
 - `Dispatching`, ownership's: dispatch passes (who owns which session). One runs at once
   when something asks for it (`wanted`: new input, a touch, an interrupt, a dead worker's
   sessions, a ready worker, recovery) and again at once while its budget runs out
@@ -21,39 +23,45 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 
-from supervisor.contract.clock import Clock, sleep_unless
-from supervisor.contract.logs import log
+from supervisor.contract.clock import Clock
+from supervisor.runtime.loops import QUIET, PassObserver, Wake, reconcile
 
-SLACK = 0.01  # seconds a loop wakes past a deadline: never early, so never a spin
+SLACK = 0.01  # seconds a loop wakes past a deadline (the reconcile loop's): never early
 MAX_REST = 60.0  # seconds a loop sleeps at most when nothing is due
 PASS_GAP = 0.25  # seconds between the passes that time alone asks for
-RETRY = 1.0  # seconds before a failed dispatch pass is tried again
-
-
-def rest_for(seconds: float) -> float:
-    """How long a loop sleeps for a deadline `seconds` away."""
-    return min(MAX_REST, max(0.0, seconds)) + SLACK
+RETRY = 1.0  # seconds before a failed pass is tried again
 
 
 class Tending:
     """Runs `tend` when it is due (see the module's docstring)."""
 
-    def __init__(self, tend: Callable[[float], float], clock: Clock) -> None:
+    def __init__(
+        self, tend: Callable[[float], float], clock: Clock, observer: PassObserver = QUIET
+    ) -> None:
         self.tend = tend  # (now) -> when to tend again
         self.clock = clock
-        self.stirred = asyncio.Event()
+        self.observer = observer
+        self.stirred = Wake()
 
     def stir(self) -> None:
         """The slots changed: look at their deadlines again."""
-        self.stirred.set()
+        self.stirred.wake()
 
     async def run(self) -> None:
         """Tend until cancelled."""
-        while True:
-            now = self.clock.monotonic()
-            deadline = self.tend(now)
-            self.stirred.clear()
-            await sleep_unless(self.clock, rest_for(deadline - now), self.stirred)
+        await reconcile(
+            "pool-tending",
+            self._pass,
+            interval=lambda: MAX_REST,
+            wake=self.stirred,
+            clock=self.clock,
+            retry=RETRY,
+            observer=self.observer,
+        )
+
+    async def _pass(self) -> float:
+        now = self.clock.monotonic()
+        return min(MAX_REST, self.tend(now) - now)
 
 
 class Dispatching:
@@ -65,30 +73,51 @@ class Dispatching:
         next_pass_in: Callable[[], float],
         wanted: asyncio.Event,
         clock: Clock,
+        observer: PassObserver = QUIET,
     ) -> None:
         self.dispatch = dispatch  # one pass; True when its budget ran out
         self.next_pass_in = next_pass_in  # seconds until time alone asks for a pass
         self.wanted = wanted
         self.clock = clock
-        self.log = log("pool")
+        self.observer = observer
+        self.woken = Wake()  # the loop's own: `wanted` is the one that asks
+        self._timed_at = float("-inf")  # when time alone last asked for a pass
+        self._retry_at = float("inf")  # when a failed pass is tried again
 
     async def run(self) -> None:
         """Dispatch until cancelled."""
-        timed_at = float("-inf")  # when time alone last asked for a pass
-        retry_at = float("inf")
-        while True:
-            now = self.clock.monotonic()
-            timed = min(max(now + self.next_pass_in(), timed_at + PASS_GAP), retry_at)
-            if not self.wanted.is_set() and now < timed:
-                await sleep_unless(self.clock, rest_for(timed - now), self.wanted)
-                continue
-            if not self.wanted.is_set():
-                timed_at = now
-            self.wanted.clear()
-            retry_at = float("inf")
-            try:
-                if await self.dispatch():
-                    self.wanted.set()  # the pass's budget ran out: more is waiting
-            except Exception:
-                self.log.exception("dispatch failed; trying again in {:.0f} s", RETRY)
-                retry_at = self.clock.monotonic() + RETRY
+        await reconcile(
+            "ownership-dispatch",
+            self._pass,
+            interval=lambda: MAX_REST,
+            wake=self.woken,
+            clock=self.clock,
+            retry=RETRY,
+            observer=self.observer,
+            wakes=(self.wanted,),
+        )
+
+    def _due_in(self, now: float) -> float:
+        """Seconds until time asks for a pass (none sooner than `PASS_GAP` after the last
+        it asked for; a failed one's retry at its time)."""
+        timed = max(now + self.next_pass_in(), self._timed_at + PASS_GAP)
+        return min(timed, self._retry_at) - now
+
+    async def _pass(self) -> float:
+        now = self.clock.monotonic()
+        if not self.wanted.is_set():
+            due = self._due_in(now)
+            if due > 0:
+                return min(MAX_REST, due)  # woken early: rest on
+            self._timed_at = now
+        self.wanted.clear()
+        self._retry_at = float("inf")
+        try:
+            spent = await self.dispatch()
+        except Exception:
+            self._retry_at = self.clock.monotonic() + RETRY
+            raise  # logged once per streak by the loop, which rests RETRY
+        if spent:
+            self.wanted.set()  # the pass's budget ran out: more is waiting
+            return 0.0
+        return min(MAX_REST, max(0.0, self._due_in(self.clock.monotonic())))

@@ -32,6 +32,7 @@ from supervisor.pool.handle import WorkerHandle
 from supervisor.pool.housekeeping import Dispatching
 from supervisor.pool.recoverer import Judged, Recoverer
 from supervisor.runtime.bus import Bus, HostsLost, Woken
+from supervisor.runtime.loops import QUIET, PassObserver
 from supervisor.runtime.service import Service
 from supervisor.store import Grant, SessionInfo, Store
 
@@ -86,6 +87,7 @@ class Ownership(Service):
         hosts: HostView | None = None,
         announce: Callable[[str], None] | None = None,
         bus: Bus | None = None,
+        observer: PassObserver = QUIET,
     ) -> None:
         self.config = config
         self.store = store
@@ -109,7 +111,9 @@ class Ownership(Service):
         self.wanted = recovery.wanted  # set: dispatch now rather than at the next poll
         self.full_due = 0.0  # monotonic time of the next full pass
         self.probe_due = 0.0  # ... and of the next pass of any kind
-        self.dispatching = Dispatching(self.dispatch, self.next_pass_in, self.wanted, clock)
+        self.dispatching = Dispatching(
+            self.dispatch, self.next_pass_in, self.wanted, clock, observer
+        )
         if bus is not None:
             bus.subscribe(HostsLost, self._hosts_lost)
             bus.subscribe(Woken, self._woken)

@@ -155,7 +155,7 @@ class Pool(Service):
         self.bus.subscribe(Misbehaved, self._misbehaved)
         self.bus.subscribe(Committed, self._committed)
         self.bus.subscribe(TurnEnded, self._turn_ended)
-        self.tending = Tending(self._tend, clock)
+        self.tending = Tending(self._tend, clock, metrics)
 
     # --- lifecycle ------------------------------------------------------------------
 

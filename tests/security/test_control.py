@@ -73,18 +73,21 @@ class MisbehavingAgent(ToolLoopAgent):
 
 
 def _sabotage(marker: Path) -> None:
-    """In the daemon: ownership's dispatch loop dies once `marker` exists (it asks when
-    the next pass is due at least every few tenths of a second)."""
-    from supervisor.pool.ownership import Ownership
+    """In the daemon: the control plane's receive loop dies once `marker` exists."""
+    from supervisor.pool.plane import ControlPlane
 
-    next_pass_in = Ownership.next_pass_in
+    receive = ControlPlane.receive
 
-    def sabotaged(ownership: Ownership) -> float:
-        if marker.exists():
+    async def sabotaged(plane: ControlPlane) -> None:
+        served = asyncio.ensure_future(receive(plane))
+        try:
+            while not marker.exists():
+                await asyncio.sleep(0.05)
             raise RuntimeError("sabotaged by the test")
-        return next_pass_in(ownership)
+        finally:
+            served.cancel()
 
-    Ownership.next_pass_in = sabotaged  # type: ignore[method-assign]
+    ControlPlane.receive = sabotaged  # type: ignore[method-assign]
 
 
 if os.environ.get(SABOTAGE) and multiprocess.current_process().name == "MainProcess":
@@ -290,7 +293,7 @@ def test_a_supervisor_task_that_dies_stops_the_daemon_with_a_non_zero_exit(
             return any(e["type"] == "turn_started" for e in found)
 
         wait_until(started, 30, "the turn to start")  # so that the drain waits for it
-        marker.touch()  # ownership's dispatch loop dies at its next look
+        marker.touch()  # the control plane's receive loop dies at once
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline and 503 not in readiness:
             with contextlib.suppress(httpx.TransportError):
@@ -300,7 +303,7 @@ def test_a_supervisor_task_that_dies_stops_the_daemon_with_a_non_zero_exit(
     assert daemon.wait(20) == 1
     log = daemon.log()
     assert re.search(
-        r"CRITICAL.*task ownership-dispatch died: RuntimeError\('sabotaged by the test'\)", log
+        r"CRITICAL.*task plane-receive died: RuntimeError\('sabotaged by the test'\)", log
     ), log
     with Store(daemon.url, migrate=False) as store:
         assert store.boots.recent(1)[0].outcome == "unclean"
