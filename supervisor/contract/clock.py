@@ -8,9 +8,11 @@ reads the time or waits on its own.
 
 from __future__ import annotations
 
-import asyncio
 import time
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import asyncio
 
 
 class Clock(Protocol):
@@ -50,6 +52,8 @@ class SystemClock:
         return time.perf_counter()
 
     async def sleep(self, seconds: float) -> None:
+        import asyncio  # here, not at import: the command line's start stays light
+
         await asyncio.sleep(seconds)
 
     def sleep_blocking(self, seconds: float) -> None:
@@ -61,6 +65,8 @@ SYSTEM = SystemClock()
 
 async def sleep_unless(clock: Clock, seconds: float, *events: asyncio.Event) -> bool:
     """Sleep `seconds` on `clock`, or less if one of `events` is set; True if cut short."""
+    import asyncio  # (see SystemClock.sleep)
+
     sleep = asyncio.ensure_future(clock.sleep(seconds))
     waits = {sleep, *(asyncio.ensure_future(event.wait()) for event in events)}
     try:
