@@ -207,27 +207,16 @@ def mark_daemon_tests(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.daemon)
 
 
-def start_order(item: pytest.Item) -> int:
-    """The long tests first, then the other tests that start processes, the in-process ones
-    last (a stable sort): the xdist workers start the longest work first, and the short
-    tests fill the end of the run instead of a long one running on alone."""
-    if item.get_closest_marker("slow") is not None:
-        return 0
-    return 1 if item.get_closest_marker("daemon") is not None else 2
-
-
 @pytest.hookimpl(wrapper=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> Any:
-    """Mark the tests that start processes (`daemon`), put the long ones first
-    (`start_order`), and make `--dist loadgroup` keep an `xdist_group` on one xdist worker
-    again.
+    """Mark the tests that start processes (`daemon`), and make `--dist loadgroup` keep an
+    `xdist_group` on one xdist worker again.
 
     pytest-xdist names a test's group by appending `@group` to `item._nodeid`, which
     pytest 9.2 no longer reads (the node id comes from `item._id`); the scheduler then
     sees no groups. Set the id it reads, on the workers where xdist would have.
     """
     mark_daemon_tests(items)
-    items.sort(key=start_order)
     result = yield
     if getattr(config.option, "loadgroup", False):
         try:

@@ -47,7 +47,6 @@ def metric(text: str, name: str, **labels: str) -> float:
     return float(found.group(1)) if found else 0.0
 
 
-@pytest.mark.slow
 def test_three_sigkills_trip_the_breaker_and_a_reset_lets_the_boot_scan_run(
     daemons: Daemons, tmp_path: Path
 ) -> None:
@@ -236,7 +235,6 @@ def test_with_auto_continue_off_a_turn_waits_for_the_users_next_message(
         assert replies == ["echo: second"]
 
 
-@pytest.mark.slow
 def test_the_boot_scan_is_bounded_and_old_interruptions_are_finalized(
     daemons: Daemons, tmp_path: Path
 ) -> None:

@@ -52,7 +52,6 @@ def slots(daemon: Daemon) -> list[dict[str, Any]]:
     return found
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_reload_resizes_the_pool_and_replaces_workers_for_a_new_mcp_command(
     daemons: Daemons, tmp_path: Path

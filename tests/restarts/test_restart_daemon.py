@@ -47,7 +47,6 @@ class NotifyListener:
         self.sock.close()
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_five_agent_restarts_in_the_foreground(
     daemons: Callable[..., Daemon], tmp_path: Path
