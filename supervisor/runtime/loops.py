@@ -5,9 +5,10 @@ or when its interval has passed, until it is cancelled. One helper gives every l
 same policy:
 
 - The pass returns how long to rest before the next (None: the loop's interval).
-- A pass that raises is logged once per streak of failures (a database gone fails every
-  pass: one line, not one a second), the next pass comes after `retry` seconds, and the
-  first pass that works again says so. A loop never dies of its pass's error.
+- A pass that raises is logged once per streak of failures (a database gone fails
+  every pass: one line, not one a second; its traceback at DEBUG), the next pass comes
+  after `retry` seconds, and the first pass that works again says so. A loop never dies
+  of its pass's error.
 - Every pass is counted by the observer the service was given (the metrics), by loop and
   by outcome.
 - A wake that comes during a pass is kept: the next rest is cut short at once.
@@ -92,10 +93,13 @@ async def reconcile(
             rest = await step()
         except fatal:
             raise
-        except Exception:
+        except Exception as exc:
             wait = retry if retry is not None else interval()
             if not failing:
-                say.exception("{}: a pass failed; trying again every {:g} s", name, wait)
+                # One line an operator reads (a full disk, a database gone); the traceback
+                # for whoever debugs.
+                say.error("{}: a pass failed ({}); trying again every {:g} s", name, exc, wait)
+                say.opt(exception=exc).debug("{}: the pass that failed", name)
             failing, ok, rest = True, False, wait
         else:
             if failing:

@@ -351,6 +351,7 @@ def test_the_reconcile_loop_survives_failing_passes_logging_once_per_streak(
     assert clock.slept[:4] == [1.01, 1.01, 7.01, 30.01]  # retry, retry, asked, interval
     failures = [line for line in caplog_lines if "a pass failed" in line]
     assert len(failures) == 1 and any("passes work again" in line for line in caplog_lines)
+    assert not any("Traceback" in line for line in caplog_lines)  # at DEBUG only
 
 
 @pytest.fixture
