@@ -138,7 +138,7 @@ class Pool(Service):
         self.metrics = metrics
         self.slots = [Slot(i) for i in range(config.pool.workers + config.pool.spare)]
         self.current: dict[int, WorkerHandle] = {}
-        self.workers: dict[str, WorkerHandle] = {}  # by name
+        self.workers = plane.live()  # the live workers by name: the plane admits and buries
         self.held: list[Slot] = []  # at boot: slots that start once the first worker is up
         self.retired: dict[int, int] = {}  # slots a reload retired: their last generation
         self.burying: set[int] = set()  # pids of exited workers whose status `_bury` reads
@@ -301,7 +301,6 @@ class Pool(Service):
             hang_timeout=self.config.pool.hang_timeout,
         )
         self.current[slot.index] = worker
-        self.workers[worker.identity] = worker
         self.plane.admit(worker)
         asyncio.get_running_loop().add_reader(process.sentinel, self._on_exit, worker)
         self.tending.stir()  # its start timeout is a deadline of the loop
@@ -334,7 +333,6 @@ class Pool(Service):
         # comes a moment later; `_bury` reads it in a thread, and no one else may reap it.
         asyncio.get_running_loop().remove_reader(worker.process.sentinel)
         worker.exited = True
-        self.workers.pop(worker.identity, None)
         self.burying.add(worker.pid)
         self.plane.bury(worker)
         self.ownership.orphaned(worker)
