@@ -130,7 +130,7 @@ class Daemon:
                 READY_TIMEOUT,
                 "the daemon to be ready",
             )
-            assert self.proc.poll() is None, self.log()
+            assert self.proc.poll() is None, f"exited {self.proc.returncode}\n{self.log()}"
         return self
 
     @property
