@@ -20,7 +20,7 @@ import tomli_w
 
 from supervisor.store import EventRecord, Store
 from tests.conftest import PYTHON, REPO, python_env
-from tests.support import cli_env, run_turnkeeper
+from tests.support import cli_env, plain, run_turnkeeper
 
 READY_TIMEOUT = 45.0
 
@@ -143,7 +143,7 @@ class Daemon:
         listen = self.listen
         if listen.startswith("unix:"):
             return httpx.Client(
-                transport=httpx.HTTPTransport(uds=listen.removeprefix("unix:")),
+                transport=plain(listen.removeprefix("unix:")),
                 base_url="http://turnkeeper",
                 headers=headers,
                 timeout=timeout,
@@ -153,7 +153,11 @@ class Daemon:
         host = host.strip("[]")
         host = f"[{host}]" if ":" in host else host
         return httpx.Client(
-            base_url=f"http://{host}:{port}", headers=headers, timeout=timeout, trust_env=False
+            base_url=f"http://{host}:{port}",
+            transport=plain(),
+            headers=headers,
+            timeout=timeout,
+            trust_env=False,
         )
 
     def client(self) -> httpx.Client:

@@ -26,7 +26,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support import free_port
+from tests.support import free_port, plain
 
 REQUIRED = "TURNKEEPER_TEST_REQUIRE_MODEL_SERVER"
 MISSING = (
@@ -136,8 +136,8 @@ class ModelServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, self.log.read_text()[-2000:]
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.base_url}/models", timeout=2).is_success:
+            with contextlib.suppress(httpx.HTTPError), httpx.Client(transport=plain()) as http:
+                if http.get(f"{self.base_url}/models", timeout=2).is_success:
                     return self
             time.sleep(0.2)
         raise AssertionError(f"the model server did not start: {self.log.read_text()[-2000:]}")

@@ -19,6 +19,7 @@ from supervisor.http.auth import digest
 from supervisor.store import Store
 from tests.conftest import PYTHON, REPO, python_env
 from tests.daemon import Daemon, daemons, turn_ended, wait_until
+from tests.support import plain
 
 __all__ = ["daemons"]  # the fixture
 
@@ -100,7 +101,7 @@ def test_a_full_run_never_writes_a_token_or_an_api_key(
     daemon.env = {"TK_KEY": API_KEY}
     daemon.start()
     admin = (daemon.state / "admin.token").read_text().strip()
-    transport = httpx.HTTPTransport(uds=str(tmp_path / "api.sock"))
+    transport = plain(str(tmp_path / "api.sock"))
     with httpx.Client(transport=transport, base_url="http://turnkeeper", timeout=10) as http:
         as_alice = {"Authorization": f"Bearer {USER_TOKEN}"}
         sid = http.post("/v1/sessions", json={}, headers=as_alice).json()["id"]

@@ -13,6 +13,7 @@ import psutil
 import pytest
 
 from tests.daemon import Daemon, daemons
+from tests.support import plain
 
 __all__ = ["daemons"]
 
@@ -28,7 +29,7 @@ def test_ready_watchdog_stopping_and_no_socket_for_children(
     api = tmp_path / "api.sock"
     daemon = daemons(http={"listen": f"unix:{api}"})
     daemon.env = {"NOTIFY_SOCKET": address, "WATCHDOG_USEC": "1000000"}
-    client = httpx.Client(transport=httpx.HTTPTransport(uds=str(api)), base_url="http://tk")
+    client = httpx.Client(transport=plain(str(api)), base_url="http://tk")
     received: list[tuple[float, str, int | None]] = []
 
     def drain_socket(until: Callable[[], bool], timeout: float) -> None:

@@ -29,7 +29,7 @@ from supervisor.http.auth import digest
 from supervisor.store import EventRecord, Store
 from tests.conftest import PYTHON
 from tests.daemon import Daemon, daemons, events, turn_ended, wait_until
-from tests.support import free_port
+from tests.support import free_port, plain
 
 __all__ = ["daemons"]  # the fixture
 
@@ -58,6 +58,7 @@ class Api:
             headers["Authorization"] = f"Bearer {self.tokens[principal]}"
         client = httpx.Client(
             base_url=self.base_url,
+            transport=plain(),
             headers=headers,
             timeout=15,
             event_hooks={"response": [self.answers.append]},
@@ -356,7 +357,7 @@ def test_the_same_inject_with_one_idempotency_key_appends_once(
 
     # Five redeliveries at once, each on its own connection.
     def redeliver(_: int) -> httpx.Response:
-        with httpx.Client(base_url=api.base_url, timeout=15) as client:
+        with httpx.Client(base_url=api.base_url, transport=plain(), timeout=15) as client:
             return client.post(
                 f"/v1/sessions/{sid}/inject",
                 json={"text": "at once"},
@@ -909,7 +910,10 @@ def stop_while_injecting(start: Callable[..., Api]) -> Shutdown:
     answers: list[Answer] = []
     errors = 0
     with httpx.Client(
-        base_url=api.base_url, headers={"Authorization": f"Bearer {token}"}, timeout=5
+        base_url=api.base_url,
+        transport=plain(),
+        headers={"Authorization": f"Bearer {token}"},
+        timeout=5,
     ) as late:
         number = 0
         while errors < 5 and time.monotonic() < stopped_at + 20:

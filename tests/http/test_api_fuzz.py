@@ -36,6 +36,7 @@ from schemathesis.specs.openapi.checks import (
 from supervisor.http import openapi
 from tests.daemon import Daemon
 from tests.http.test_api import free_port
+from tests.support import plain
 
 CHECKS = [
     not_a_server_error,
@@ -98,7 +99,7 @@ def auth(daemon: Daemon) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def session_ids(base_url: str, auth: dict[str, str]) -> list[str]:
     """Real sessions, one of them with some history."""
-    with httpx.Client(base_url=base_url, headers=auth, timeout=15) as client:
+    with httpx.Client(base_url=base_url, transport=plain(), headers=auth, timeout=15) as client:
         ids = []
         for number in range(SEEDED_SESSIONS):
             answer = client.post("/v1/sessions", json={"title": f"seed {number}"})
@@ -132,7 +133,8 @@ def api_schema(base_url: str, session_ids: list[str]) -> schemathesis.BaseSchema
 
 
 def test_the_served_document_is_the_one_parametrized_here(base_url: str) -> None:
-    assert httpx.get(f"{base_url}/openapi.json", timeout=15).json() == DOCUMENT
+    with httpx.Client(transport=plain(), timeout=15) as client:
+        assert client.get(f"{base_url}/openapi.json").json() == DOCUMENT
 
 
 @pytest.mark.parametrize(("path", "method", "mode"), _cases())

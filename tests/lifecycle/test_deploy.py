@@ -26,7 +26,7 @@ from supervisor.contract.config import Config
 from supervisor.store import Store
 from tests.conftest import PYTHON, REPO, python_env
 from tests.daemon import wait_until
-from tests.support import free_port
+from tests.support import free_port, plain
 
 UNIT = REPO / "systemd" / "turnkeeper.service"
 SYSUSERS = REPO / "systemd" / "turnkeeper.sysusers"
@@ -242,14 +242,15 @@ class Supervisord:
         )
 
     def ready(self) -> bool:
-        with contextlib.suppress(httpx.HTTPError):
-            return httpx.get(f"http://127.0.0.1:{self.port}/readyz", timeout=2).status_code == 200
+        with contextlib.suppress(httpx.HTTPError), httpx.Client(transport=plain(), timeout=2) as c:
+            return c.get(f"http://127.0.0.1:{self.port}/readyz").status_code == 200
         return False
 
     def client(self) -> httpx.Client:
         token = (self.state / "admin.token").read_text().strip()
         return httpx.Client(
             base_url=f"http://127.0.0.1:{self.port}",
+            transport=plain(),
             headers={"Authorization": f"Bearer {token}"},
             timeout=10,
         )

@@ -43,6 +43,7 @@ from tests.clock import FakeClock
 from tests.conftest import CLUSTER_WAIT
 from tests.daemon import Daemon, daemons, events, turn_ended, wait_until
 from tests.http.test_replay_gate import sse_events
+from tests.support import plain
 
 __all__ = ["daemons"]  # the fixture
 
@@ -71,7 +72,7 @@ class Seen:
 def http(daemon: Daemon, token: str) -> httpx.Client:
     """A client of `daemon`'s API on its unix socket, sending `token`."""
     return httpx.Client(
-        transport=httpx.HTTPTransport(uds=daemon.listen.removeprefix("unix:")),
+        transport=plain(daemon.listen.removeprefix("unix:")),
         base_url="http://turnkeeper",
         headers={"Authorization": f"Bearer {token}"},
         timeout=15,
