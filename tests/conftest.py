@@ -89,6 +89,9 @@ def store(db_url: str) -> Iterator[object]:
 def python_env(**extra: str) -> dict[str, str]:
     """The environment for a child Python process that imports this checkout."""
     env = dict(os.environ)
+    # Hundreds of daemons, workers and commands start in a run: each would compile the
+    # checkout anew from source (about 0.2 s of CPU) if bytecode were never written.
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra)
