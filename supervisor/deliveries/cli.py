@@ -54,8 +54,10 @@ def deliveries() -> None:
     signed, once each, in order. Each such event is a delivery. STATUS is
       pending    written with its event; sent, or sent again after a backoff
       delivered  the target answered 2xx
-      dead       the target refused it (4xx but 408/429), or it failed
-                 delivery.max_attempts times; `retry` sends it again
+      dead       the target refused it (4xx but 408/429), or it was not
+                 delivered within delivery.max_age of its event (or in
+                 delivery.max_attempts attempts, if set); `retry` sends
+                 it again
     Needs the running daemon (exit 3 without it).
     """
 
@@ -121,7 +123,8 @@ def retry_command(ctx: click.Context, delivery_id: str, as_json: bool) -> None:
 
     A dead delivery is pending again, its attempts counted from 0; a pending
     one is due at once. A delivered one is refused (exit 1): it is not sent
-    twice.
+    twice. Its age still counts from its event: one older than
+    delivery.max_age is tried once, and is dead again if that fails.
     """
     with connect(ctx) as client:
         retried = retry_delivery(client, delivery_id)

@@ -50,7 +50,8 @@ class DeliveryOut(BaseModel):
     kind: DeliveryKind = Field(description="what it carries: an event type, or answer")
     status: DeliveryStatus = Field(
         description="pending (sent, or sent again after the backoff), delivered (2xx), "
-        "or dead (refused, or failed delivery.max_attempts times)"
+        "or dead (refused, or not delivered within delivery.max_age, or failed "
+        "delivery.max_attempts times if set)"
     )
     attempts: int = Field(ge=0, description="attempts made since it was written or retried")
     next_at: float = Field(description="when it is due next (database clock); 0: at once")
