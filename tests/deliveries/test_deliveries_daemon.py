@@ -2,7 +2,8 @@
 loopback (`tests.deliveries_receiver`): every final answer reaches its target once after
 the receiver's dedupe, signed, in seq order per session, whatever 5xx answers, a receiver
 that is down and SIGKILLs of the whole daemon do; a target that keeps failing ends `dead`
-after `max_attempts` (a 4xx at once) and an operator's retry sends it again; an answer
+after `max_attempts` (a 4xx at once) and an operator's retry sends it again (a target's
+every dead delivery in the order they were produced); an answer
 committed by a turn that was interrupted before its `turn_ended` is delivered once
 without the model being called again; a target that is down or hung holds back no other
 target's deliveries."""
@@ -239,6 +240,38 @@ def test_a_4xx_answer_is_dead_after_one_attempt(daemons: Daemons, receivers: Rec
         assert (rows(store, refused)[0].attempts, rows(store, refused)[0].last_code) == (1, 200)
         twice = turnkeeper(daemon, "deliveries", "retry", dead.id)
         assert twice.returncode == 1 and "already delivered" in twice.stderr, twice
+
+
+def test_retry_all_sends_a_target_s_dead_deliveries_in_the_order_they_were_produced(
+    daemons: Daemons, receivers: Receivers
+) -> None:
+    hook = receivers("hook")
+    hook.answer = 400  # each delivery dead at once
+    # One attempt at a time: the order the receiver sees is the order they were sent.
+    daemon = delivering(daemons, {"hook": hook}, delivery={"concurrency": 1}).start()
+    with Store(daemon.url, migrate=False) as store, explained(daemon, store, hook=hook):
+        sessions = [bound(daemon, "hook") for _ in range(3)]
+        for n in range(2):  # produced in turn: one session's answers among the others'
+            for sid in sessions:
+                seq = inject(store, sid, f"message {n}")
+                wait_until(lambda sid=sid, seq=seq: turn_ended(store, sid, seq), 30, "a turn")
+        wait_until(
+            lambda: (
+                all(len(rows(store, s)) == 2 for s in sessions) and settled(store, sessions, "dead")
+            ),
+            30,
+            "every delivery to be dead",
+        )
+        produced = sorted(
+            (d for s in sessions for d in rows(store, s)), key=lambda d: (d.created_at, d.seq)
+        )
+        refused = len(hook.records)
+        hook.answer = 200
+        retried = turnkeeper(daemon, "deliveries", "retry", "--all", "--target", "hook")
+        assert retried.returncode == 0, retried.stderr
+        assert "6 dead and 0 pending deliveries sent again now" in retried.stdout
+        wait_until(lambda: settled(store, sessions), 30, "the revived deliveries")
+        assert [r.key for r in hook.records[refused:]] == [d.id for d in produced]
 
 
 def test_an_answer_committed_before_a_crash_is_delivered_once_without_a_model_call(
