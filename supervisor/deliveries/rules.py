@@ -18,7 +18,9 @@ here; the daemon only carries them out.
 A delivery's give-up point is a time: one whose event was committed at `created_at` and
 that is not delivered by `created_at + max_age` is dead, however many attempts that took;
 `max_attempts` (0: no limit) may end it sooner. Its age is measured when an attempt ends,
-so a delivery is always tried at least once, however late its first attempt.
+so a delivery is always tried at least once, however late its first attempt. An
+operator's retry counts the attempts anew, not the age: a dead delivery retried past its
+`max_age` has one attempt.
 
 The backoff after the n-th failed attempt is the shared one (`supervisor.core.backoff`)
 doubling from `base`: `min(cap, base * 2 ** (n - 1))`, with full jitter on its upper half
@@ -145,10 +147,18 @@ class Policy:
         if answer is not Verdict.RETRY:
             return answer, ""
         if age >= self.max_age:
-            return Verdict.DEAD, f"not delivered within delivery.max_age ({self.max_age:g} s)"
+            return (
+                Verdict.DEAD,
+                f"not delivered within delivery.max_age ({_seconds(self.max_age)} s)",
+            )
         if self.max_attempts and attempts >= self.max_attempts:
             return Verdict.DEAD, f"failed delivery.max_attempts ({self.max_attempts}) times"
         return Verdict.RETRY, ""
+
+
+def _seconds(value: float) -> str:
+    """`value` in plain digits, as a configuration file would say it: 86400, 0.5."""
+    return f"{value:.3f}".rstrip("0").rstrip(".")
 
 
 def signature(secret: bytes, timestamp: int, body: bytes) -> str:

@@ -102,6 +102,9 @@ def test_a_delivery_is_dead_at_its_deadline_whatever_its_attempts() -> None:
     # An answer that decides by itself is not changed by the age.
     assert policy.after(1, Verdict.DELIVERED, late) == (Verdict.DELIVERED, "")
     assert policy.after(1, Verdict.DEAD, 0.0) == (Verdict.DEAD, "")
+    for max_age, said in [(30 * DAY, "2592000"), (0.25, "0.25"), (90.0, "90")]:
+        _, why = Policy(max_age=max_age).after(1, Verdict.RETRY, max_age)
+        assert why == f"not delivered within delivery.max_age ({said} s)"
 
 
 def test_the_last_wait_ends_at_the_deadline() -> None:
