@@ -75,7 +75,9 @@ class DeliveryTarget(_Section):
 
 
 class DeliveryConfig(_Section):
-    max_attempts: Annotated[int, Field(ge=1, le=100)] = 5
+    # Seconds after its event's commit a delivery not delivered yet is dead (4xx: at once).
+    max_age: Annotated[float, Field(gt=0)] = 86400.0
+    max_attempts: Annotated[int, Field(ge=0, le=100)] = 0  # dead sooner, after this many; 0: no
     backoff: Annotated[float, Field(gt=0)] = 5.0  # after the first failed attempt; doubling
     backoff_cap: Annotated[float, Field(gt=0)] = 600.0
     poll_interval: Annotated[float, Field(gt=0, le=60)] = 1.0

@@ -233,7 +233,8 @@ class DeliveryStatus(StrEnum):
 
     PENDING = "pending"  # written with its event; sent, or sent again after the backoff
     DELIVERED = "delivered"  # its target answered 2xx
-    DEAD = "dead"  # refused (4xx but 408/429) or failed `delivery.max_attempts` times
+    DEAD = "dead"  # refused (4xx but 408/429), or not delivered within `delivery.max_age`
+    # (or `delivery.max_attempts` attempts, if set)
 
 
 class DeliveryKind(StrEnum):

@@ -1,6 +1,8 @@
 """`turnkeeper deliveries list|retry`: the delivery outbox, through the daemon's API
 (`/v1/deliveries`), so a caller sees what its token may: the admin token every delivery,
-another token those of a session it may read (`--session`).
+another token those of a session it may read (`--session`). `retry --all --target T` is
+one request (`POST /v1/deliveries/retry`), so the target's deliveries come back to life in
+one transaction and go out in the order they were produced.
 """
 
 from __future__ import annotations
@@ -54,8 +56,10 @@ def deliveries() -> None:
     signed, once each, in order. Each such event is a delivery. STATUS is
       pending    written with its event; sent, or sent again after a backoff
       delivered  the target answered 2xx
-      dead       the target refused it (4xx but 408/429), or it failed
-                 delivery.max_attempts times; `retry` sends it again
+      dead       the target refused it (4xx but 408/429), or it was not
+                 delivered within delivery.max_age of its event (or in
+                 delivery.max_attempts attempts, if set); `retry` sends
+                 it again
     Needs the running daemon (exit 3 without it).
     """
 
@@ -111,18 +115,53 @@ def list_command(
         click.echo("\n".join(delivery_table(found, shutil.get_terminal_size((80, 24)).columns)))
 
 
+def retry_target(client: Client, target: str) -> dict[str, Any]:
+    """Send every dead and pending delivery of `target` again; the API's answer (`target`,
+    `revived`, `due`)."""
+    retried: dict[str, Any] = client._json("POST", "/v1/deliveries/retry", json={"target": target})
+    return retried
+
+
 @deliveries.command("retry")
-@click.argument("delivery_id", metavar="ID")
+@click.argument("delivery_id", metavar="[ID]", required=False)
+@click.option(
+    "--all",
+    "every",
+    is_flag=True,
+    help="Every dead and pending delivery of --target instead of one ID.",
+)
+@click.option("--target", default=None, metavar="NAME", help="The target of --all.")
 @json_option
 @click.pass_context
 @reports_errors
-def retry_command(ctx: click.Context, delivery_id: str, as_json: bool) -> None:
-    """Send delivery ID again now (admin token).
+def retry_command(
+    ctx: click.Context, delivery_id: str | None, every: bool, target: str | None, as_json: bool
+) -> None:
+    """Send delivery ID, or every delivery of a target, again now (admin token).
 
     A dead delivery is pending again, its attempts counted from 0; a pending
     one is due at once. A delivered one is refused (exit 1): it is not sent
-    twice.
+    twice. Its age still counts from its event: one older than
+    delivery.max_age is tried once, and is dead again if that fails.
+
+    \b
+    With --all --target NAME, every dead and pending delivery of target NAME
+    (but those being sent right now), at once: they go out in the order they
+    were produced, each session's in seq order, the oldest first.
     """
+    if every and target is not None and delivery_id is None:
+        with connect(ctx) as client:
+            done = retry_target(client, target)
+        if as_json:
+            emit_json(done)
+        else:
+            click.echo(
+                f"target {done['target']}: {done['revived']} dead and {done['due']} pending "
+                "deliveries sent again now, in the order they were produced"
+            )
+        return
+    if delivery_id is None or every or target is not None:
+        raise click.UsageError("give either ID, or --all --target NAME")
     with connect(ctx) as client:
         retried = retry_delivery(client, delivery_id)
     if as_json:

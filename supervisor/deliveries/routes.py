@@ -1,4 +1,4 @@
-"""The routes of the delivery outbox: list deliveries, read one, retry one.
+"""The routes of the delivery outbox: list deliveries, read one, retry one or a target's.
 
 - `GET /v1/deliveries?status=&session=&limit=`: newest first. The admin token sees every
   delivery; any other principal names a `session` it may read and sees its deliveries.
@@ -6,6 +6,10 @@
 - `POST /v1/deliveries/{id}/retry` (admin): a dead delivery is pending again with its
   attempts counted from 0, a pending one is due now; the sender looks again at once. A
   delivered one is a 409: it is not sent twice.
+- `POST /v1/deliveries/retry {"target": NAME}` (admin): what a retry of one does, for
+  every dead and pending delivery of the target at once (one transaction), but those being
+  sent right now. They go out in the order they were produced: each session's in seq
+  order, the oldest first across sessions.
 
 A delivery is seen through its session's ACL: one of a session the caller may not read is
 a 404, as if it did not exist. Which sessions are delivered where is bound by
@@ -21,11 +25,12 @@ from collections.abc import Callable
 from typing import Protocol
 
 from aiohttp import web
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from supervisor.contract.config import Config
+from supervisor.contract.delivery_targets import TARGET_NAME
 from supervisor.core.vocabulary import DeliveryKind, DeliveryStatus
-from supervisor.http.answers import PRINCIPAL, ApiError, answer, whole
+from supervisor.http.answers import PRINCIPAL, ApiError, answer, read_body, whole
 from supervisor.http.auth import ADMIN
 from supervisor.http.schemas import SESSION_ID_PATTERN
 from supervisor.store import DeliveryInfo, SessionNotFound, Store
@@ -50,7 +55,8 @@ class DeliveryOut(BaseModel):
     kind: DeliveryKind = Field(description="what it carries: an event type, or answer")
     status: DeliveryStatus = Field(
         description="pending (sent, or sent again after the backoff), delivered (2xx), "
-        "or dead (refused, or failed delivery.max_attempts times)"
+        "or dead (refused, or not delivered within delivery.max_age, or failed "
+        "delivery.max_attempts times if set)"
     )
     attempts: int = Field(ge=0, description="attempts made since it was written or retried")
     next_at: float = Field(description="when it is due next (database clock); 0: at once")
@@ -67,7 +73,24 @@ class DeliveryList(BaseModel):
     deliveries: list[DeliveryOut]
 
 
-ANSWERS: tuple[type[BaseModel], ...] = (DeliveryOut, DeliveryList)
+class RetryTarget(BaseModel):
+    """Send a target's dead and pending deliveries again now."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    target: str = Field(pattern=TARGET_NAME, description="a configured delivery target's name")
+
+
+class TargetRetried(BaseModel):
+    """What a retry of a target's deliveries did."""
+
+    target: str
+    revived: int = Field(ge=0, description="dead deliveries pending again, attempts from 0")
+    due: int = Field(ge=0, description="pending deliveries, in their backoff, due now")
+
+
+REQUESTS: tuple[type[BaseModel], ...] = (RetryTarget,)
+ANSWERS: tuple[type[BaseModel], ...] = (DeliveryOut, DeliveryList, TargetRetried)
 
 
 def delivery_out(delivery: DeliveryInfo) -> DeliveryOut:
@@ -95,6 +118,7 @@ class DeliveryRoutes:
         router.add_get("/v1/deliveries", self.list)
         router.add_get("/v1/deliveries/{id}", self.get)
         router.add_post("/v1/deliveries/{id}/retry", self.retry)
+        router.add_post("/v1/deliveries/retry", self.retry_target)
 
     async def list(self, request: web.Request) -> web.Response:
         limit = whole(request.query.get("limit"), "limit", LISTED, 1, MAX_LISTED)
@@ -155,6 +179,23 @@ class DeliveryRoutes:
         if self.courier is not None:
             self.courier.stir()
         return answer(delivery_out(retried))
+
+    async def retry_target(self, request: web.Request) -> web.Response:
+        self.refuse()
+        if request[PRINCIPAL] != ADMIN:
+            raise ApiError(403, "forbidden", "only the admin principal may retry deliveries")
+        body = await read_body(request, RetryTarget, self.config.http.read_timeout)
+        if self.config.delivery.target(body.target) is None:
+            raise ApiError(
+                409,
+                "unknown_target",
+                f"target {body.target!r} is not configured ([[delivery.targets]]); its "
+                "deliveries would never be sent",
+            )
+        revived, due = await asyncio.to_thread(self.store.deliveries.retry_all, body.target)
+        if self.courier is not None and (revived or due):
+            self.courier.stir()
+        return answer(TargetRetried(target=body.target, revived=revived, due=due))
 
     # --- who may ----------------------------------------------------------------------
 

@@ -12,12 +12,22 @@ here; the daemon only carries them out.
   other 4xx                                 DEAD         at once: sending it again will not
                                                          help (the operator may retry it)
   5xx, 1xx, 3xx, no answer (network, time)  RETRY        again after the backoff, or DEAD
-                                                         once `max_attempts` were made
+                                                         once it is `max_age` old, or (if
+                                                         set) `max_attempts` were made
+
+A delivery's give-up point is a time: one whose event was committed at `created_at` and
+that is not delivered by `created_at + max_age` is dead, however many attempts that took;
+`max_attempts` (0: no limit) may end it sooner. Its age is measured when an attempt ends,
+so a delivery is always tried at least once, however late its first attempt. An
+operator's retry counts the attempts anew, not the age: a dead delivery retried past its
+`max_age` has one attempt.
 
 The backoff after the n-th failed attempt is the shared one (`supervisor.core.backoff`)
 doubling from `base`: `min(cap, base * 2 ** (n - 1))`, with full jitter on its upper half
 (so that deliveries held back by one outage do not all come back at the same instant): a
-wait in [d / 2, d]. The jitter is a number in [0, 1] the caller passes in.
+wait in [d / 2, d]. The jitter is a number in [0, 1] the caller passes in. A wait that
+would end past the delivery's `max_age` ends there instead: its last attempt is made at
+its deadline, so a target that comes back just before it still gets it.
 
 The signature is `sha256=` and the HMAC-SHA256, hex, of `<timestamp>.<body>` with the
 target's secret: the receiver recomputes it from the timestamp header and the raw body,
@@ -103,15 +113,17 @@ def verdict(status: int | None) -> Verdict:
 
 @dataclass(frozen=True)
 class Policy:
-    """`delivery.max_attempts` and `delivery.backoff` (base and cap, in seconds)."""
+    """`delivery.max_attempts` (0: no limit), `delivery.backoff` (base) and
+    `delivery.backoff_cap` (cap), and `delivery.max_age`, in seconds."""
 
-    max_attempts: int = 5
+    max_attempts: int = 0
     base: float = 5.0
     cap: float = 600.0
+    max_age: float = 86400.0
 
     def __post_init__(self) -> None:
-        if not (self.max_attempts >= 1 and 0 < self.base <= self.cap):
-            raise ValueError(f"need max_attempts >= 1 and 0 < base <= cap: {self}")
+        if not (self.max_attempts >= 0 and 0 < self.base <= self.cap and self.max_age > 0):
+            raise ValueError(f"need max_attempts >= 0, 0 < base <= cap and max_age > 0: {self}")
 
     def delay(self, failed: int, jitter: float) -> float:
         """Seconds to wait after the `failed`-th failed attempt (at least 1), with `jitter`
@@ -120,12 +132,33 @@ class Policy:
             raise ValueError(f"need failed >= 1 and 0 <= jitter <= 1: {failed}, {jitter}")
         return Backoff(initial=self.base, factor=2.0, cap=self.cap).jittered(failed, jitter)
 
-    def after(self, attempts: int, answer: Verdict) -> Verdict:
-        """The delivery's verdict after `attempts` attempts, the last answered `answer`:
-        a RETRY past `max_attempts` is DEAD."""
-        if answer is Verdict.RETRY and attempts >= self.max_attempts:
-            return Verdict.DEAD
-        return answer
+    def next_in(self, failed: int, jitter: float, age: float) -> float:
+        """Seconds to wait after the `failed`-th failed attempt of a delivery `age` seconds
+        old (one not given up: `age` below `max_age`): the backoff, ending no later than
+        the delivery's deadline."""
+        if age >= self.max_age:
+            raise ValueError(f"need age < max_age: {age} >= {self.max_age}")
+        return min(self.delay(failed, jitter), self.max_age - age)
+
+    def after(self, attempts: int, answer: Verdict, age: float) -> tuple[Verdict, str]:
+        """The delivery's verdict after `attempts` attempts, the last answered `answer` when
+        the delivery was `age` seconds old (since its event's commit); with, for a RETRY
+        that is DEAD, why it was given up (else "")."""
+        if answer is not Verdict.RETRY:
+            return answer, ""
+        if age >= self.max_age:
+            return (
+                Verdict.DEAD,
+                f"not delivered within delivery.max_age ({_seconds(self.max_age)} s)",
+            )
+        if self.max_attempts and attempts >= self.max_attempts:
+            return Verdict.DEAD, f"failed delivery.max_attempts ({self.max_attempts}) times"
+        return Verdict.RETRY, ""
+
+
+def _seconds(value: float) -> str:
+    """`value` in plain digits, as a configuration file would say it: 86400, 0.5."""
+    return f"{value:.3f}".rstrip("0").rstrip(".")
 
 
 def signature(secret: bytes, timestamp: int, body: bytes) -> str:

@@ -246,16 +246,24 @@ class Courier(Service):
         )
         settings = self.config.delivery
         code, error = await self.poster.post(target, settings.concurrency, delivery.id, content)
-        policy = rules.Policy(settings.max_attempts, settings.backoff, settings.backoff_cap)
+        policy = rules.Policy(
+            max_attempts=settings.max_attempts,
+            base=settings.backoff,
+            cap=settings.backoff_cap,
+            max_age=settings.max_age,
+        )
         attempts = delivery.attempts + 1
-        verdict = policy.after(attempts, rules.verdict(code))
+        age = self.clock.time() - delivery.created_at  # the event's stamp: a wall clock's
+        verdict, given_up = policy.after(attempts, rules.verdict(code), age)
+        if given_up:
+            error = f"{error}; {given_up}"
         status, outcome, next_in = {
             rules.Verdict.DELIVERED: (DeliveryStatus.DELIVERED, AttemptOutcome.DELIVERED, 0.0),
             rules.Verdict.DEAD: (DeliveryStatus.DEAD, AttemptOutcome.DEAD, 0.0),
             rules.Verdict.RETRY: (DeliveryStatus.PENDING, AttemptOutcome.FAILED, None),
         }[verdict]
         if next_in is None:
-            next_in = policy.delay(attempts, min(1.0, max(0.0, self.jitter())))
+            next_in = policy.next_in(attempts, min(1.0, max(0.0, self.jitter())), age)
         finish = self.store.deliveries.finish
         writing = spawn(
             asyncio.to_thread(

@@ -18,7 +18,7 @@ from pydantic.json_schema import models_json_schema
 from supervisor import __version__
 from supervisor.core.vocabulary import TaskStatus
 from supervisor.deliveries import routes as deliveries
-from supervisor.deliveries.routes import DeliveryList, DeliveryOut
+from supervisor.deliveries.routes import DeliveryList, DeliveryOut, TargetRetried
 from supervisor.http import reload_route
 from supervisor.http.reload_route import ReloadOut, ReloadRefused
 from supervisor.http.schemas import (
@@ -224,6 +224,13 @@ PATHS: list[tuple[str, str, str, str, list[Any], str | None, dict[int, Answer], 
      "counted from 0, a pending one is due now. A delivered one is a 409.",
      [DELIVERY_ID], None, {200: (DeliveryOut, "The delivery, pending.")},
      "401 403 404 409 503", AUTH),
+    ("post", "/v1/deliveries/retry", "retryTargetDeliveries",
+     "Send a target's deliveries again (admin): every dead one is pending again with its "
+     "attempts counted from 0 and every pending one is due now (but those being sent), in "
+     "one transaction; they go out as they were produced (each session's in seq order, the "
+     "oldest first). A target not configured is a 409.",
+     [], "RetryTarget", {200: (TargetRetried, "How many were dead, and pending.")},
+     "400 401 403 409 413 422 503", AUTH),
     ("post", "/v1/restart", "restart",
      "Restart the daemon (admin): intake refuses (503), turns in flight finish within `drain` "
      "(null: shutdown.drain_budget), then it re-executes itself in place. A request while one "
@@ -279,7 +286,13 @@ def _content(answer: type[BaseModel] | str) -> dict[str, Any]:
 
 def _components() -> dict[str, Any]:
     """Every request and answer model's JSON schema, refs pointing into components."""
-    requests = (*REQUESTS, *schedules.REQUESTS, *restarts.REQUESTS, *reload_route.REQUESTS)
+    requests = (
+        *REQUESTS,
+        *schedules.REQUESTS,
+        *deliveries.REQUESTS,
+        *restarts.REQUESTS,
+        *reload_route.REQUESTS,
+    )
     answers = (
         *ANSWERS,
         *schedules.ANSWERS,

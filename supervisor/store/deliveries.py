@@ -276,6 +276,48 @@ class Deliveries:
         result: DeliveryInfo | None = run_write(self._db, work)
         return result
 
+    def retry_all(self, target: str) -> tuple[int, int]:
+        """Send every dead delivery of `target` again (pending, its attempts counted from
+        0) and make every pending one due at once, but those being sent right now (their
+        claim holds); how many were dead, and how many pending.
+
+        One statement each, in one transaction: a sender never sees some of a session's
+        dead rows pending again and not the others, so none is sent before an older one
+        of its session (`claim` takes each session's oldest pending row). They go out as
+        they were produced: each session's in seq order, the oldest first across them.
+        """
+
+        def work() -> tuple[int, int]:
+            now = db_now(self._db)
+            of_target = Delivery.target == target
+            revived = (
+                Delivery.update(
+                    {
+                        Delivery.status: DeliveryStatus.PENDING,
+                        Delivery.attempts: 0,
+                        Delivery.next_at: 0.0,
+                        Delivery.updated_at: now,
+                        **CLAIMS.cleared(),
+                    }
+                )
+                .where(of_target & (Delivery.status == DeliveryStatus.DEAD))
+                .execute()
+            )
+            due = (
+                Delivery.update({Delivery.next_at: 0.0, Delivery.updated_at: now})
+                .where(
+                    of_target
+                    & (Delivery.status == DeliveryStatus.PENDING)
+                    & (Delivery.next_at > 0.0)
+                    & CLAIMS.free(now)
+                )
+                .execute()
+            )
+            return int(revived), int(due)
+
+        result: tuple[int, int] = run_write(self._db, work)
+        return result
+
     def counts(self) -> dict[str, int]:
         """How many deliveries are in each status (every status, 0 if none)."""
         query = (

@@ -295,6 +295,10 @@ def test_variables_without_a_section_separator_are_ignored() -> None:
         ("[model]\nmax_tokens = 0\n", "model.max_tokens"),
         ('[agent]\nclass = "ToolLoopAgent"\n', "agent.class: expected 'package.module:Class'"),
         ("[recovery]\nfreshness = 0\n", "recovery.freshness"),
+        ("[delivery]\nmax_age = 0\n", "delivery.max_age: Input should be greater than 0"),
+        ("[delivery]\nmax_age = -86400\n", "delivery.max_age: Input should be greater than 0"),
+        ('[delivery]\nmax_age = "a day"\n', "delivery.max_age: Input should be a valid number"),
+        ("[delivery]\nmax_attempts = -1\n", "delivery.max_attempts"),
         ("[recovery]\nmax_per_boot = -1\n", "recovery.max_per_boot"),
         ("[recovery]\nbreaker_threshold = 0\n", "recovery.breaker_threshold"),
         ('[recovery]\nauto_continue = "perhaps"\n', "recovery.auto_continue"),
@@ -604,6 +608,12 @@ def test_cli_bad_file_via_environment(tmp_path: Path) -> None:
     path = write(tmp_path, "[shutdown]\nkill_grace = -1\n")
     result = run_cli("config", "show", env={"TURNKEEPER_CONFIG": path}, home=tmp_path)
     assert "shutdown.kill_grace" in one_error_line(result)
+
+
+def test_cli_bad_delivery_max_age(tmp_path: Path) -> None:
+    path = write(tmp_path, "[delivery]\nmax_age = 0\n")
+    line = one_error_line(run_cli("--config", path, "config", "show", home=tmp_path))
+    assert "delivery.max_age: Input should be greater than 0" in line
 
 
 def test_cli_bad_environment_variable(tmp_path: Path) -> None:

@@ -1,6 +1,6 @@
 """Deliveries as a client sees them: binding a session to a target (`deliver_to` at
 create, `PUT /v1/sessions/{id}`), the outbox (`GET /v1/deliveries`, one delivery, a
-retry), their ACL, and the start check of a target's secret.
+retry, a target's retry), their ACL, and the start check of a target's secret.
 
 A real daemon runs, with one target, `bridge`. Its URL is a loopback port nobody listens
 on, and `delivery.max_attempts` is 1: the first attempt at a delivery fails to connect
@@ -258,6 +258,45 @@ def test_the_outbox_lists_by_status_and_session_and_a_retry_is_sent_at_once(
     assert retry["operationId"] == "retryDelivery" and "409" in retry["responses"]
     shape = document["components"]["schemas"]["DeliveryOut"]
     assert set(shape["required"]) == set(shape["properties"]) == set(gone)
+
+
+def test_a_target_s_retry_revives_its_dead_deliveries_and_refuses_what_it_cannot(
+    start: Callable[..., Api], sink: Sink
+) -> None:
+    api = start(delivery=delivery_config(free_port(), sink=sink.port))
+    admin, alice = api.client("admin"), api.client("alice")
+    refused = [create_session(alice, deliver_to="bridge") for _ in range(2)]
+    for session in refused:
+        inject(alice, session, "hello")
+    gone = [dead(admin, session) for session in refused]
+    taken = create_session(alice, deliver_to="sink")
+    inject(alice, taken, "hello")
+    wait_until(lambda: deliveries(admin, status="delivered"), 30, "the sink's delivery")
+
+    path = "/v1/deliveries/retry"
+    assert_error(alice.post(path, json={"target": "bridge"}), 403, "forbidden")
+    error = assert_error(admin.post(path, json={"target": "nowhere"}), 409, "unknown_target")
+    assert "'nowhere'" in error["message"] and "[[delivery.targets]]" in error["message"]
+    for body in ({}, {"target": "Bridge!"}, {"target": "bridge", "all": True}):
+        assert_error(admin.post(path, json=body), 422, "invalid")
+    assert_error(admin.post(path, content=b"bridge"), 400, "malformed_json")
+
+    retried = admin.post(path, json={"target": "bridge"})
+    assert retried.status_code == 200, retried.text
+    assert retried.json() == {"target": "bridge", "revived": 2, "due": 0}
+    for before, session in zip(gone, refused, strict=True):
+        again = dead(admin, session)  # sent, and failed, once more (max_attempts 1)
+        assert again["attempts"] == 1 and again["updated_at"] > before["updated_at"]
+    nothing = admin.post(path, json={"target": "sink"})  # its one delivery was delivered
+    assert nothing.json() == {"target": "sink", "revived": 0, "due": 0}
+    assert sink.hits == 1  # never sent twice
+
+    document = api.client(None).get("/openapi.json").json()
+    operation = document["paths"][path]["post"]
+    assert operation["operationId"] == "retryTargetDeliveries"
+    assert {"200", "403", "409", "422"} <= set(operation["responses"])
+    shape = document["components"]["schemas"]["TargetRetried"]
+    assert set(shape["properties"]) == {"target", "revived", "due"}
 
 
 def test_deliveries_follow_their_sessions_acl(start: Callable[..., Api]) -> None:

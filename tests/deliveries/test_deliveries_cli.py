@@ -1,5 +1,6 @@
 """`turnkeeper deliveries list|retry` against a real daemon: the table, the filters, the JSON,
-the retry and its refusals, each answered as the API answers it.
+the retry (of one delivery, and of a target's) and its refusals, each answered as the API
+answers it.
 
 The daemon is tests/deliveries/test_deliveries_api.py's: target `bridge` refuses every connection
 and `delivery.max_attempts` is 1, so its delivery is dead after one attempt; target
@@ -126,6 +127,36 @@ def test_retry_sends_a_dead_delivery_again_and_refuses_what_it_cannot(
     assert as_json.returncode == 0, as_json.stderr
     assert json.loads(as_json.stdout)["status"] == "pending"
     assert json.loads(as_json.stdout)["attempts"] == 0
+
+
+def test_retry_all_sends_a_target_s_deliveries_again(start: Callable[..., Api], sink: Sink) -> None:
+    api = start(delivery=delivery_config(free_port(), sink=sink.port))
+    gone, _ = outbox(api, sink)
+    for wrong in ([], ["--all"], ["--target", "bridge"], [gone["id"], "--all", "--target", "x"]):
+        usage = turnkeeper(api.daemon, "deliveries", "retry", *wrong)
+        assert usage.returncode == 2 and "ID" in usage.stderr, (wrong, usage.stderr)
+
+    retried = turnkeeper(api.daemon, "deliveries", "retry", "--all", "--target", "bridge")
+    assert retried.returncode == 0, retried.stderr
+    assert retried.stdout.strip() == (
+        "target bridge: 1 dead and 0 pending deliveries sent again now, "
+        "in the order they were produced"
+    )
+    again = dead(api.client("admin"), gone["session"])  # sent, and failed, once more
+    assert again["attempts"] == 1 and again["updated_at"] > gone["updated_at"]
+    as_json = turnkeeper(api.daemon, "deliveries", "retry", "--all", "--target", "bridge", "--json")
+    assert as_json.returncode == 0, as_json.stderr
+    assert json.loads(as_json.stdout) == {"target": "bridge", "revived": 1, "due": 0}
+
+    unknown = turnkeeper(api.daemon, "deliveries", "retry", "--all", "--target", "nowhere")
+    assert unknown.returncode == 1 and "(HTTP 409)" in unknown.stderr
+    assert "'nowhere' is not configured" in unknown.stderr
+    alice = {"TURNKEEPER_TOKEN": api.tokens["alice"]}
+    not_admin = turnkeeper(
+        api.daemon, "deliveries", "retry", "--all", "--target", "bridge", **alice
+    )
+    assert not_admin.returncode == 1 and "(HTTP 403)" in not_admin.stderr
+    assert sink.hits == 1  # the delivered one was not sent again
 
 
 def test_without_a_daemon_the_commands_exit_3(daemons: Callable[..., Daemon]) -> None:

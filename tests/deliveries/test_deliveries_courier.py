@@ -1,8 +1,8 @@
 """The courier in-process, on a real store, against targets an `httpx.MockTransport` plays:
 a session's deliveries arrive in seq order whatever fails, a down target holds back only
 its own, what each answer means (4xx dead at once, 408/429/5xx/no answer retried, dead
-after `max_attempts`, retried by an operator), the signed request, the claims given back
-on a stop, the signals that wake it, and its metrics."""
+once `max_age` old or after a positive `max_attempts`, retried by an operator), the signed
+request, the claims given back on a stop, the signals that wake it, and its metrics."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from supervisor.contract.clock import SYSTEM, Clock
+from supervisor.contract.clock import SYSTEM, Clock, SystemClock
 from supervisor.contract.config import Config
 from supervisor.core.vocabulary import AttemptOutcome
 from supervisor.deliveries.rules import SIGNATURE_HEADER, TIMESTAMP_HEADER, verify
@@ -202,9 +202,10 @@ def test_a_target_that_fails_holds_back_only_its_own(store: Store) -> None:
         assert [(d.status, d.attempts) for d in rows(store, up)] == [("delivered", 1)] * 3
         one, two = rows(store, down)
         assert (one.status, one.attempts, one.last_code) == ("dead", 3, 500)
-        assert one.last_error == "HTTP 500 Internal Server Error"
+        given_up = "failed delivery.max_attempts (3) times"
+        assert one.last_error == f"HTTP 500 Internal Server Error; {given_up}"
         assert (two.status, two.attempts, two.last_code) == ("dead", 3, None)
-        assert two.last_error == f"no answer within {TIMEOUT} s"
+        assert two.last_error == f"no answer within {TIMEOUT} s; {given_up}"
 
     asyncio.run(main())
 
@@ -234,6 +235,61 @@ def test_what_each_answer_means(store: Store) -> None:
         assert (d.status, d.attempts, d.last_code) == ("delivered", 2, 200)
     [bad] = rows(store, sessions["bad"])
     assert (bad.status, bad.attempts, bad.last_error) == ("dead", 1, "HTTP 400 Bad Request")
+
+
+class Ahead(SystemClock):
+    """The system's clock, its wall moved on by hand: how old a delivery looks."""
+
+    def __init__(self) -> None:
+        self.ahead = 0.0
+
+    def time(self) -> float:
+        return super().time() + self.ahead
+
+
+def test_with_no_attempt_limit_a_delivery_is_tried_until_max_age_then_dead(
+    store: Store,
+) -> None:
+    target = Target(lambda request, body, n: 503)
+    sid = bound(store, answers=1)
+    clock = Ahead()
+
+    async def main() -> None:
+        courier, watch, metrics = make(store, target, clock, max_attempts=0, max_age=3600)
+        async with running(courier):
+            await watch.until(lambda: watch.count(AttemptOutcome.FAILED) >= 10)
+            [d] = rows(store, sid)
+            assert d.status == "pending"  # far past the 5 attempts of old
+            clock.ahead = 3600.0  # an hour after its event: the next failure is its last
+            await watch.until(lambda: watch.count(AttemptOutcome.DEAD) == 1)
+        assert attempts(metrics)["failed"] == len(target.requests) - 1
+
+    asyncio.run(main())
+    [d] = rows(store, sid)
+    assert (d.status, d.attempts, d.last_code) == ("dead", len(target.requests), 503)
+    assert d.last_error == (
+        "HTTP 503 Service Unavailable; not delivered within delivery.max_age (3600 s)"
+    )
+
+
+def test_the_last_attempt_is_made_at_the_deadline_not_a_backoff_later(store: Store) -> None:
+    target = Target(lambda request, body, n: 503)
+    sid = bound(store, answers=1)
+    clock = Ahead()
+    clock.ahead = 3599.0  # its first attempt a second before its deadline
+
+    async def main() -> None:
+        # A backoff past the test's patience: only the deadline brings the second attempt.
+        courier, watch, _ = make(
+            store, target, clock, max_attempts=0, max_age=3600, backoff=600, backoff_cap=600
+        )
+        async with running(courier):
+            await watch.until(lambda: watch.count(AttemptOutcome.DEAD) == 1)
+
+    asyncio.run(main())
+    [d] = rows(store, sid)
+    assert (d.status, d.attempts) == ("dead", 2)
+    assert d.last_error.endswith("not delivered within delivery.max_age (3600 s)")
 
 
 def test_dead_after_max_attempts_then_retried(store: Store) -> None:
@@ -294,7 +350,9 @@ def test_the_request_is_signed_and_carries_the_event(
     assert json.loads(request.content) == fields  # exactly these
     [never] = rows(store, unsigned)
     assert (never.status, never.attempts, never.last_code) == ("dead", 3, None)
-    assert never.last_error == f"{SECRETS['DOWN']} is not set: nothing sent"
+    assert never.last_error == (
+        f"{SECRETS['DOWN']} is not set: nothing sent; failed delivery.max_attempts (3) times"
+    )
 
 
 @pytest.mark.parametrize("db_url", BACKENDS, indirect=True)

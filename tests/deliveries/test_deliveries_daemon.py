@@ -1,15 +1,18 @@
 """Outbound deliveries with the daemon as a real process (issue 18) and real receivers on
 loopback (`tests.deliveries_receiver`): every final answer reaches its target once after
 the receiver's dedupe, signed, in seq order per session, whatever 5xx answers, a receiver
-that is down and SIGKILLs of the whole daemon do; a target that keeps failing ends `dead`
-after `max_attempts` (a 4xx at once) and an operator's retry sends it again; an answer
-committed by a turn that was interrupted before its `turn_ended` is delivered once
-without the model being called again; a target that is down or hung holds back no other
-target's deliveries."""
+that is down and SIGKILLs of the whole daemon do; a receiver down for a long while
+(refusing, then answering 503: 25 s, and 2 minutes in the slow run) gets every delivery
+once it is back; a target that keeps failing ends `dead` after `max_attempts` (a 4xx at
+once) and an operator's retry sends it again (a target's every dead delivery in the order
+they were produced); an answer committed by a turn that was interrupted before its
+`turn_ended` is delivered once without the model being called again; a target that is
+down or hung holds back no other target's deliveries."""
 
 from __future__ import annotations
 
 import itertools
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -161,6 +164,58 @@ def test_every_answer_is_delivered_once_in_order_through_failures_and_three_sigk
     )
 
 
+def outage(store: Store, seconds: float) -> None:
+    """Let `seconds` pass with the receiver down, failing at once if a delivery is given up
+    meanwhile."""
+    end = time.monotonic() + seconds
+
+    def over() -> bool:
+        assert store.deliveries.counts()["dead"] == 0, "a delivery was given up in the outage"
+        return time.monotonic() >= end
+
+    wait_until(over, seconds + 30, f"{seconds} s of outage", interval=0.5)
+
+
+@pytest.mark.parametrize(
+    "down", [25.0, pytest.param(120.0, marks=pytest.mark.slow)], ids=["25s", "2min"]
+)
+def test_a_receiver_down_for_a_long_while_gets_every_delivery_once_it_is_back(
+    daemons: Daemons, receivers: Receivers, down: float
+) -> None:
+    hook = receivers("hook")
+    # The defaults but for the backoff: no attempt limit, a day to deliver. Of old, five
+    # attempts 1 s doubling gave up within 15 s; a cap of 5 s keeps the wait after the
+    # receiver is back short.
+    daemon = delivering(daemons, {"hook": hook}, delivery={"backoff": 1, "backoff_cap": 5})
+    daemon.start()
+    with Store(daemon.url, migrate=False) as store, explained(daemon, store, hook=hook):
+        sessions = [bound(daemon, "hook") for _ in range(3)]
+        hook.stop()  # connections refused
+        for half, text in enumerate(["before", "during"]):
+            for sid in sessions:
+                seq = inject(store, sid, f"{text} the outage")
+                wait_until(lambda sid=sid, seq=seq: turn_ended(store, sid, seq), 30, "a turn")
+            outage(store, down / 2)
+            if half == 0:
+                hook.answer = 503  # up again, and failing
+                hook.start()
+        produced = [d for s in sessions for d in rows(store, s)]
+        assert len(produced) == 6 and {d.status for d in produced} == {"pending"}
+        firsts = [rows(store, s)[0] for s in sessions]
+        assert all(d.attempts >= 6 for d in firsts), [d.attempts for d in firsts]
+        assert hook.records and not hook.accepted  # attempts answered 503
+
+        hook.answer = 200
+        wait_until(lambda: settled(store, sessions), 30, "every delivery, once it is back")
+        assert store.deliveries.counts() == {"pending": 0, "delivered": 6, "dead": 0}
+        assert hook.accepted == {d.id: 1 for d in produced}  # each taken once
+        for sid in sessions:
+            first, second = rows(store, sid)
+            taken = hook.accepted_at(first.id)
+            assert taken is not None
+            assert all(r.at > taken for r in hook.records if r.key == second.id), sid
+
+
 def test_a_target_that_keeps_failing_is_dead_after_max_attempts_until_retried(
     daemons: Daemons, receivers: Receivers
 ) -> None:
@@ -239,6 +294,38 @@ def test_a_4xx_answer_is_dead_after_one_attempt(daemons: Daemons, receivers: Rec
         assert (rows(store, refused)[0].attempts, rows(store, refused)[0].last_code) == (1, 200)
         twice = turnkeeper(daemon, "deliveries", "retry", dead.id)
         assert twice.returncode == 1 and "already delivered" in twice.stderr, twice
+
+
+def test_retry_all_sends_a_target_s_dead_deliveries_in_the_order_they_were_produced(
+    daemons: Daemons, receivers: Receivers
+) -> None:
+    hook = receivers("hook")
+    hook.answer = 400  # each delivery dead at once
+    # One attempt at a time: the order the receiver sees is the order they were sent.
+    daemon = delivering(daemons, {"hook": hook}, delivery={"concurrency": 1}).start()
+    with Store(daemon.url, migrate=False) as store, explained(daemon, store, hook=hook):
+        sessions = [bound(daemon, "hook") for _ in range(3)]
+        for n in range(2):  # produced in turn: one session's answers among the others'
+            for sid in sessions:
+                seq = inject(store, sid, f"message {n}")
+                wait_until(lambda sid=sid, seq=seq: turn_ended(store, sid, seq), 30, "a turn")
+        wait_until(
+            lambda: (
+                all(len(rows(store, s)) == 2 for s in sessions) and settled(store, sessions, "dead")
+            ),
+            30,
+            "every delivery to be dead",
+        )
+        produced = sorted(
+            (d for s in sessions for d in rows(store, s)), key=lambda d: (d.created_at, d.seq)
+        )
+        refused = len(hook.records)
+        hook.answer = 200
+        retried = turnkeeper(daemon, "deliveries", "retry", "--all", "--target", "hook")
+        assert retried.returncode == 0, retried.stderr
+        assert "6 dead and 0 pending deliveries sent again now" in retried.stdout
+        wait_until(lambda: settled(store, sessions), 30, "the revived deliveries")
+        assert [r.key for r in hook.records[refused:]] == [d.id for d in produced]
 
 
 def test_an_answer_committed_before_a_crash_is_delivered_once_without_a_model_call(

@@ -1,5 +1,6 @@
 """The delivery rules without I/O: what an answer means, the backoff with its jitter, the
-end after `max_attempts`, and the signature a receiver checks."""
+end at `max_age` (the last wait ending at it) or after a positive `max_attempts`, and the
+signature a receiver checks. Time is a fake clock's, moved by hand."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from supervisor.deliveries.rules import Policy, Verdict, signature, verdict, verify
+from tests.clock import FakeClock
+
+DAY = 86400.0
 
 
 @pytest.mark.parametrize(
@@ -56,15 +60,103 @@ def test_a_bad_input_to_the_backoff_is_refused(failed: int, jitter: float) -> No
         Policy().delay(failed, jitter)
 
 
-def test_a_retry_past_max_attempts_is_dead() -> None:
-    policy = Policy(max_attempts=3)
-    assert policy.after(1, Verdict.RETRY) is Verdict.RETRY
-    assert policy.after(2, Verdict.RETRY) is Verdict.RETRY
-    assert policy.after(3, Verdict.RETRY) is Verdict.DEAD
-    assert policy.after(3, Verdict.DELIVERED) is Verdict.DELIVERED
-    assert policy.after(1, Verdict.DEAD) is Verdict.DEAD
+def failing_until_dead(policy: Policy, clock: FakeClock, jitter: float) -> tuple[int, str]:
+    """A delivery whose every attempt fails (taking no time), tried from `clock`'s now on
+    as the courier tries it: its attempts when it is given up, and why."""
+    created = clock.time()
+    attempts = 0
+    while True:
+        attempts += 1
+        age = clock.time() - created
+        answer, why = policy.after(attempts, Verdict.RETRY, age)
+        if answer is Verdict.DEAD:
+            return attempts, why
+        wait = policy.next_in(attempts, jitter, age)
+        assert 0 < wait <= policy.cap
+        clock.sleep_blocking(wait)
+
+
+def test_with_the_defaults_a_delivery_is_tried_for_a_day_not_a_count() -> None:
+    policy, clock = Policy(), FakeClock()
+    assert (policy.max_age, policy.max_attempts, policy.base, policy.cap) == (DAY, 0, 5.0, 600.0)
+    created = clock.time()
+    attempts, why = failing_until_dead(policy, clock, jitter=1.0)
+    assert clock.time() - created == pytest.approx(DAY, abs=1e-3)  # not a second sooner
+    # 5, 10, ... 320 s, then every 600 s: some 150 attempts, not 5.
+    assert 145 <= attempts <= 155
+    assert why == "not delivered within delivery.max_age (86400 s)"
+
+
+def test_a_delivery_is_dead_at_its_deadline_whatever_its_attempts() -> None:
+    policy, clock = Policy(max_age=DAY), FakeClock()
+    created = clock.time()
+    clock.sleep_blocking(DAY - 0.5)
+    assert policy.after(1, Verdict.RETRY, clock.time() - created) == (Verdict.RETRY, "")
+    assert policy.after(10**6, Verdict.RETRY, clock.time() - created) == (Verdict.RETRY, "")
+    clock.sleep_blocking(0.5)
+    late = clock.time() - created
+    assert policy.after(1, Verdict.RETRY, late) == (
+        Verdict.DEAD,
+        "not delivered within delivery.max_age (86400 s)",
+    )
+    # An answer that decides by itself is not changed by the age.
+    assert policy.after(1, Verdict.DELIVERED, late) == (Verdict.DELIVERED, "")
+    assert policy.after(1, Verdict.DEAD, 0.0) == (Verdict.DEAD, "")
+    for max_age, said in [(30 * DAY, "2592000"), (0.25, "0.25"), (90.0, "90")]:
+        _, why = Policy(max_age=max_age).after(1, Verdict.RETRY, max_age)
+        assert why == f"not delivered within delivery.max_age ({said} s)"
+
+
+def test_the_last_wait_ends_at_the_deadline() -> None:
+    policy = Policy(base=5.0, cap=600.0, max_age=1000.0)
+    assert policy.next_in(1, 1.0, 0.0) == 5.0
+    assert policy.next_in(8, 1.0, 100.0) == 600.0
+    assert policy.next_in(8, 1.0, 900.0) == 100.0  # not 600: the target may be back by then
+    assert policy.next_in(8, 0.0, 999.5) == 0.5
     with pytest.raises(ValueError):
-        Policy(max_attempts=0)
+        policy.next_in(1, 1.0, 1000.0)  # given up already: no next attempt
+
+
+def test_a_positive_max_attempts_ends_it_sooner() -> None:
+    policy = Policy(max_attempts=3)
+    assert policy.after(1, Verdict.RETRY, 0.0) == (Verdict.RETRY, "")
+    assert policy.after(2, Verdict.RETRY, 0.0) == (Verdict.RETRY, "")
+    assert policy.after(3, Verdict.RETRY, 0.0) == (
+        Verdict.DEAD,
+        "failed delivery.max_attempts (3) times",
+    )
+    assert policy.after(3, Verdict.DELIVERED, 0.0) == (Verdict.DELIVERED, "")
+    assert policy.after(1, Verdict.DEAD, 0.0) == (Verdict.DEAD, "")
+    assert failing_until_dead(Policy(max_attempts=5, max_age=DAY), FakeClock(), 1.0) == (
+        5,
+        "failed delivery.max_attempts (5) times",
+    )
+
+
+@given(
+    max_age=st.floats(min_value=0.001, max_value=10 * DAY),
+    waits=st.floats(min_value=0.001, max_value=500.0),  # max_age / cap: at most 500 waits
+    spread=st.floats(min_value=1.0, max_value=1e6),  # cap / base
+    jitter=st.floats(min_value=0.0, max_value=1.0),
+)
+def test_every_attempt_failing_a_delivery_is_dead_at_created_at_plus_max_age(
+    max_age: float, waits: float, spread: float, jitter: float
+) -> None:
+    cap = max_age / waits
+    policy, clock = Policy(base=cap / spread, cap=cap, max_age=max_age), FakeClock()
+    created = clock.time()
+    _, why = failing_until_dead(policy, clock, jitter)
+    assert clock.time() - created == pytest.approx(max_age, abs=1e-3)
+    assert "delivery.max_age" in why
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [{"max_attempts": -1}, {"max_age": 0.0}, {"max_age": -1.0}, {"base": 0.0}, {"cap": 1.0}],
+)
+def test_a_bad_policy_is_refused(settings: dict[str, float]) -> None:
+    with pytest.raises(ValueError):
+        Policy(**settings)  # type: ignore[arg-type]
 
 
 def test_the_signature_is_the_hmac_of_timestamp_and_body() -> None:

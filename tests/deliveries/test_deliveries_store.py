@@ -1,8 +1,9 @@
 """The delivery outbox on SQLite, PostgreSQL and MariaDB: a row written by the append of
 its event, in its transaction, only for a bound session and a kind its target wants; the
 claim of the oldest pending row of each (session, target), by one owner at a time, free
-again when it ran out or was an earlier boot's; attempts fenced by the claim; retry,
-counts, prune and the kinds of bound sessions."""
+again when it ran out or was an earlier boot's; attempts fenced by the claim; retry (of
+one row, and of a target's every row, in the order they were made), counts, prune and the
+kinds of bound sessions."""
 
 from __future__ import annotations
 
@@ -317,6 +318,54 @@ def test_retry_of_a_dead_a_pending_and_a_delivered_row(store: Store) -> None:
     assert (dead.last_code, dead.last_error) == (410, "gone")  # what happened, kept
     assert claim(store, B1) == [(sid, 2)]
     assert store.deliveries.retry("d" + "0" * 32) is None
+
+
+def test_retry_all_sends_a_target_s_rows_again_in_the_order_they_were_made(
+    store: Store,
+) -> None:
+    a, b, d, e = bound(store), bound(store), bound(store), bound(store)
+    c = bound(store, target=OTHER)
+    for sid, n in [(a, 1), (b, 1), (a, 2), (b, 2), (a, 3), (c, 1), (d, 1), (e, 1)]:
+        notice(store, sid, f"{n}")
+    ids = {(x.session, x.seq): x.id for x in store.deliveries.list()}
+    finish, both = store.deliveries.finish, {HOOK: 60.0, OTHER: 60.0}
+    # What an outage left: dead rows in an order of their own, a row delivered between
+    # two of them, one in its backoff, one in flight, and another target's dead row.
+    assert claim(store, A1, lease=both) == sorted([(a, 1), (b, 1), (c, 1), (d, 1), (e, 1)])
+    for key in [(b, 1), (c, 1), (a, 1)]:
+        assert finish(ids[key], A1, DeliveryStatus.DEAD, code=503, error="HTTP 503")
+    assert finish(ids[d, 1], A1, DeliveryStatus.PENDING, next_in=300, code=503)
+    assert finish(ids[e, 1], A1, DeliveryStatus.PENDING, next_in=-1, code=503)  # due
+    assert claim(store, B1) == sorted([(a, 2), (b, 2), (e, 1)])  # e's: B1's, in flight
+    assert finish(ids[b, 2], B1, DeliveryStatus.DEAD, code=404, error="HTTP 404")
+    assert finish(ids[a, 2], B1, DeliveryStatus.DELIVERED, code=200)
+    assert claim(store, A1) == [(a, 3)]
+    assert finish(ids[a, 3], A1, DeliveryStatus.DEAD, code=503, error="HTTP 503")
+
+    assert store.deliveries.retry_all(HOOK) == (4, 1)  # dead a1 b1 b2 a3; d1 due now
+    for key in [(a, 1), (b, 1), (b, 2), (a, 3), (d, 1)]:
+        row = store.deliveries.get(ids[key])
+        assert row is not None and (row.status, row.next_at, row.claimed_by) == (
+            "pending",
+            0.0,
+            None,
+        )
+        assert row.attempts == (1 if key == (d, 1) else 0) and row.last_code in (503, 404)
+    kept = [store.deliveries.get(ids[key]) for key in [(a, 2), (c, 1), (e, 1)]]
+    assert [(x.status, x.claimed_by) for x in kept if x] == [
+        ("delivered", None),  # never sent twice
+        ("dead", None),  # another target's
+        ("pending", B1),  # being sent: its attempt decides
+    ]
+    # One at a time, as a target with room for one takes them: as they were made.
+    order = []
+    while found := store.deliveries.claim(A1, LEASE, 1):
+        [taken] = found
+        order.append((taken.delivery.session, taken.delivery.seq))
+        assert finish(taken.delivery.id, A1, DeliveryStatus.DELIVERED, code=200)
+    assert order == [(a, 1), (b, 1), (b, 2), (a, 3), (d, 1)]
+    assert store.deliveries.retry_all(HOOK) == (0, 0)
+    assert store.deliveries.retry_all("nowhere") == (0, 0)
 
 
 def test_counts_listing_and_prune(store: Store) -> None:

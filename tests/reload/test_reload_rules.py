@@ -73,6 +73,7 @@ def test_the_same_configuration_changes_nothing() -> None:
         ("tasks", "max_running", 1, "workers"),
         ("schedules", "min_interval", 1.0, "live"),
         ("delivery", "max_attempts", 2, "live"),
+        ("delivery", "max_age", 3600.0, "live"),
         ("delivery", "concurrency", 2, "live"),
         ("restart", "turn_wait", 5.0, "live"),
         ("restart", "min_interval", 5.0, "workers"),
@@ -103,8 +104,9 @@ EXPECTED: dict[str, str] = {
         subagents.max_recoveries subagents.max_per_boot subagents.reconcile_interval
         tasks.keep tasks.max_output tasks.kill_grace tasks.reconcile_interval tasks.lost_grace
         schedules.misfire_grace schedules.max_schedules schedules.max_per_owner
-        schedules.min_interval delivery.max_attempts delivery.backoff delivery.backoff_cap
-        delivery.poll_interval delivery.concurrency delivery.keep delivery.targets.*.url
+        schedules.min_interval delivery.max_age delivery.max_attempts delivery.backoff
+        delivery.backoff_cap delivery.poll_interval delivery.concurrency delivery.keep
+        delivery.targets.*.url
         delivery.targets.*.timeout delivery.targets.*.events delivery.targets.*.principals
         restart.turn_wait""",
     "workers": """pool.heartbeat_interval pool.history_cache_mb agent.class agent.allowed
