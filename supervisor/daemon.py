@@ -144,7 +144,8 @@ class Daemon:
                 log("daemon").warning("stopped during start-up")
             if pool.fatal.is_set() or self.failure is not None:
                 self.outcome = "unclean"
-            self.api.stopping = True  # already set by the signal; also for a fatal pool
+            if not self.api.restarting:  # a restart's drain takes messages for the next boot
+                self.api.stopping = True  # already set by the signal; also for a fatal pool
         finally:
             if self.watchdog is not None:
                 self.watchdog.cancel()
@@ -263,6 +264,8 @@ class Daemon:
             self.reexec = False
             self.cancelled = f"the daemon was told to stop ({name}) during it, and stopped"
             self.notifier.stopping(f"stopping on {name}")
+            if self.bus is not None:
+                self.bus.publish(Stopping(f"stopping on {name}"))  # intake refuses now
             return
         if self._stop.is_set():
             log("shutdown").info("received {} again; already stopping", signal.Signals(signum).name)
@@ -272,13 +275,14 @@ class Daemon:
         log("shutdown").info("received {}", signal.Signals(signum).name)
         self.notifier.stopping(f"stopping on {signal.Signals(signum).name}")
         self.drain_budget = self._requested_drain()
-        self._stopping_now()
+        self._stopping_now(Stopping("stop requested"))
 
-    def _stopping_now(self) -> None:
-        # Intake refuses from this moment, a reload under way changes the pool no further,
-        # another host's sessions are for the others: each service hears it on the bus.
+    def _stopping_now(self, stopping: Stopping) -> None:
+        # Intake refuses from this moment (a restart's takes messages for the next boot), a
+        # reload under way changes the pool no further, another host's sessions are for
+        # the others: each service hears it on the bus.
         if self.bus is not None:
-            self.bus.publish(Stopping("stop requested"))
+            self.bus.publish(stopping)
         self._stop.set()
 
     # --- the stop -------------------------------------------------------------------
@@ -364,7 +368,7 @@ class Daemon:
             return
         self.reexec = True
         self.stop_started = SYSTEM.monotonic()
-        budget = info.drain if info.drain is not None else self.config.shutdown.drain_budget
+        budget = info.drain if info.drain is not None else self.config.restart.drain_budget
         self.drain_budget = budget
         why = info.reason or "no reason given"
         log("shutdown").info(
@@ -375,7 +379,7 @@ class Daemon:
             why,
         )
         self.notifier.reloading(f"restarting: {why}", budget + self._stop_bound() + READY_TIMEOUT)
-        self._stopping_now()
+        self._stopping_now(Stopping(f"restart {info.id}", restart=True))
 
     def comes_back(self) -> bool:
         """Whether `run` re-executes now: a restart whose stop left the hosts' table and

@@ -8,6 +8,7 @@
 /gate PATH T        hold the turn until PATH exists (checked every 50 ms, the event loop
                     free: heartbeats go on), then go on as usual (the echo model answers
                     `echo: /gate PATH T`); a test holds a turn in flight with it
+/hold SECONDS       hold the turn SECONDS (the event loop free), then answer as usual
 /ask-restart PATH R `await turn.request_restart(R)`, then hold the turn until PATH exists
                     (as /gate), then answer as usual
 /raise KIND         fail for real with SystemExit, KeyboardInterrupt, RecursionError
@@ -49,6 +50,8 @@ class ChaosAgent(ToolLoopAgent):
             gate = Path(last.split(maxsplit=2)[1])
             while not gate.exists():
                 await asyncio.sleep(0.05)
+        if last.startswith("/hold "):
+            await asyncio.sleep(float(last.split()[1]))
         if last.startswith("/hang-once "):
             marker = Path(last.split(maxsplit=1)[1])
             if not marker.exists():

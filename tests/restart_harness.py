@@ -19,7 +19,13 @@ import pytest
 from supervisor.store import EventRecord, Store
 
 Client = Callable[[], httpx.Client]
-RESTART_CONFIG = {"agent_may_request": True, "min_interval": 1.0, "turn_wait": 30.0}
+# No drain: the other session's turn, held by a gate, is cut by each restart and continued.
+RESTART_CONFIG = {
+    "agent_may_request": True,
+    "min_interval": 1.0,
+    "turn_wait": 30.0,
+    "drain_budget": 0.0,
+}
 
 
 def wait_for(

@@ -23,7 +23,7 @@ from loguru import logger
 
 from supervisor.contract import control
 from supervisor.contract.background import spawn
-from supervisor.contract.clock import SYSTEM
+from supervisor.contract.clock import SYSTEM, sleep_unless
 from supervisor.contract.config import Config
 from supervisor.contract.logs import setup_logging
 from supervisor.contract.reaper import exit_if_orphaned, set_pdeathsig
@@ -90,6 +90,8 @@ class Worker:
         self.latency = control.Histogram(control.APPEND_BUCKETS)
         self.history = HistoryCache(config.pool.history_cache_mb * 2**20)  # session logs kept
         self.turns_served = 0  # turns this worker's runners ended since it started
+        self.draining = False  # told to drain: no turn starts, the heartbeat says so
+        self._beat = asyncio.Event()  # a heartbeat now, not at the next interval
         self.log = logger.bind(subsystem="worker")
 
     async def run(self) -> int:
@@ -203,6 +205,9 @@ class Worker:
         if isinstance(message, control.Stop):
             self._stop.set()
             return
+        if isinstance(message, control.Drain):
+            self._drain()
+            return
         if isinstance(message, control.Assign):
             for assignment in message.sessions:
                 self._assign(assignment)
@@ -216,6 +221,19 @@ class Worker:
             runner.release()
         elif isinstance(message, control.Interrupt):
             runner.interrupt()
+
+    def _drain(self) -> None:
+        """The daemon drains: the turns in flight end, no runner starts another; the
+        heartbeat says so at once, and again as each turn ends."""
+        if not self.draining:
+            self.log.info("draining: {} turns in flight end, no new turn starts", self._turns())
+        self.draining = True
+        for runner in self.runners.values():
+            runner.drain()
+        self._beat.set()
+
+    def _turns(self) -> int:
+        return sum(1 for r in self.runners.values() if r.in_turn)
 
     def _assign(self, a: control.Assignment) -> None:
         """Own the session with this token: a runner for it, or its runner re-tokened."""
@@ -248,6 +266,8 @@ class Worker:
                 ),
             )
             self.runners[a.session] = runner
+            if self.draining:
+                runner.drain()
             runner.start()
         else:
             runner.reassign(a.token, a.reason, a.cause)
@@ -302,23 +322,27 @@ class Worker:
     async def _heartbeat(self) -> None:
         """Alive: the turns in flight and served, each MCP server's state by name."""
         while True:
+            self._beat.clear()  # before the counts: a turn that ends from here on beats again
             self._forget_finished()
             clients = self.mcp.clients if self.mcp is not None else ()
             await self.send(
                 "heartbeat",
                 sessions=len(self.runners),
-                turns=sum(1 for r in self.runners.values() if r.in_turn),
+                turns=self._turns(),
                 turns_served=self.turns_served,
                 mcp={client.name: client.state.reported.value for client in clients},
                 append_latency=self.latency.take(),
                 model_down_since=self.health.down_since,
                 model_tokens=self.health.take(),
+                draining=self.draining,
             )
-            await SYSTEM.sleep(self.config.pool.heartbeat_interval)
+            await sleep_unless(SYSTEM, self.config.pool.heartbeat_interval, self._beat)
 
     def _served(self) -> None:
         """A runner ended a turn (any outcome): one more for the heartbeat's count."""
         self.turns_served += 1
+        if self.draining:
+            self._beat.set()  # the drain hears of every turn that ends
 
     def _forget_finished(self) -> None:
         for session_id, runner in list(self.runners.items()):

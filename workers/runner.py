@@ -104,6 +104,7 @@ class SessionRunner:
         self._served = served  # a turn ended, for the worker's count of turns served
         self._woken = asyncio.Event()
         self.released = asyncio.Event()
+        self.draining = False  # the daemon drains: no turn starts (`drain`)
         # The session logs the worker keeps; a new runner reads its session's log anew.
         self._history = history if history is not None else HistoryCache()
         self._history.drop(session_id)
@@ -166,6 +167,11 @@ class SessionRunner:
     def wake(self) -> None:
         """Re-read the session: there may be work."""
         self._woken.set()
+
+    def drain(self) -> None:
+        """The daemon drains: the turn in flight ends, no other starts in this boot (the
+        session's work waits in the database for the next)."""
+        self.draining = True
 
     def interrupt(self) -> None:
         """The operator ended the turn (in the database, lease revoked): stop it now."""
@@ -236,6 +242,8 @@ class SessionRunner:
                 if info.kind == SessionKind.SUBAGENT and self._ended:
                     await self._report()
                 return
+            if self.draining:
+                return  # the next boot starts it, at once
             self._agent_name = info.agent
             # The turn writes with the token it started under: a newer assignment arriving
             # mid-turn fences this run out (LeaseLost) instead of lending it the new token.

@@ -177,6 +177,8 @@ class Heartbeat(_FromWorker):
     model_down_since: Annotated[float | None, Field(ge=0.0, le=1e11, allow_inf_nan=False)] = None
     # Tokens the model's answers cost since the last heartbeat, by kind (prompt, completion).
     model_tokens: Annotated[dict[Literal["prompt", "completion"], Total], Field(max_length=2)] = {}
+    # It was told to drain: it starts no turn, and `turns` counts the ones still to end.
+    draining: bool = False
 
 
 class _AboutSession(_FromWorker):
@@ -228,6 +230,12 @@ class Interrupt(_ToSession):
     type: Literal["interrupt"] = "interrupt"
 
 
+class Drain(_Message):
+    """The daemon is draining: end the turns in flight, start none (until the next boot)."""
+
+    type: Literal["drain"] = "drain"
+
+
 class Stop(_Message):
     type: Literal["stop"] = "stop"
 
@@ -236,12 +244,14 @@ FromWorker = Annotated[
     Hello | Ready | Heartbeat | Committed | Released | LeaseLost,
     Field(discriminator="type"),
 ]
-FromSupervisor = Annotated[Assign | Release | Wake | Interrupt | Stop, Field(discriminator="type")]
+FromSupervisor = Annotated[
+    Assign | Release | Wake | Interrupt | Drain | Stop, Field(discriminator="type")
+]
 WORKER_MESSAGES: TypeAdapter[FromWorker] = TypeAdapter(FromWorker)
 SUPERVISOR_MESSAGES: TypeAdapter[FromSupervisor] = TypeAdapter(FromSupervisor)
 
 _ALL: list[type[_Message]] = [Hello, Ready, Heartbeat, Committed, Released]
-_ALL += [LeaseLost, Assign, Release, Wake, Interrupt, Stop]
+_ALL += [LeaseLost, Assign, Release, Wake, Interrupt, Drain, Stop]
 _MODELS: dict[str, type[_Message]] = {m.model_fields["type"].default: m for m in _ALL}
 
 M = TypeVar("M")

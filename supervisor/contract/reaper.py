@@ -209,6 +209,27 @@ def descendants(root_pid: int, extra_pgids: Iterable[int] = ()) -> list[psutil.P
     return list(found.values())
 
 
+def own_tasks(rows: Iterable[tuple[int, float]]) -> set[int]:
+    """The pids of `rows`, recorded as (pid, create_time), that are still the same process
+    and a descendant of this one: what a restart in place (the same process, re-executed)
+    left running on purpose. A crash's leftovers are init's, never ours."""
+    mine = with_descendants([os.getpid()])
+    return {
+        pid
+        for pid, created in rows
+        if pid in mine and classify(created, _create_time(pid)) == "kill"
+    }
+
+
+def with_descendants(pids: Iterable[int]) -> set[int]:
+    """`pids` and every live descendant of theirs (a task runner and its command's tree)."""
+    found = set(pids)
+    for pid in list(found):
+        with contextlib.suppress(psutil.Error):
+            found.update(p.pid for p in psutil.Process(pid).children(recursive=True))
+    return found
+
+
 @dataclass(frozen=True)
 class TerminateReport:
     """What `terminate` did; every list holds pids in the order they were given."""

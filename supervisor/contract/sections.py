@@ -270,6 +270,9 @@ class RestartConfig(_Section):
     )
     min_interval: Seconds = Field(default=60.0, validate_default=True)  # since the last request
     turn_wait: Seconds = 60.0  # an agent's request waits this long for its turn to end
+    # A restart lets turns and tasks in flight finish first, this long at most (a request
+    # may say otherwise: `turnkeeper restart --drain SECONDS`).
+    drain_budget: Seconds = 300.0
 
     @field_validator("min_interval")
     @classmethod

@@ -84,6 +84,7 @@ EFFECTS: dict[str, Effect] = {
     "log": "workers",  # each process sets its own logger up
     "restart": "workers",  # the restart desk reads it anew; workers offer request_restart by it
     "restart.turn_wait": "live",  # the restart desk's alone
+    "restart.drain_budget": "live",  # read when a restart begins
 }
 
 

@@ -123,7 +123,8 @@ class Api:
         self.configured: list[Any] = []  # the route objects that read the configuration
         self.restarts = restarts
         self.ready = False
-        self.stopping = False
+        self.stopping = False  # intake refuses (a stop)
+        self.restarting = False  # a restart's drain: not ready, intake still takes messages
         self.storage = StorageHealth(store.probe_write, metrics)
         self.lifecycle = Lifecycle(store, self._session, self.publish, pool)
         self.pages = pages.Pages(EventRows(store.db).batches)  # replays, /events: off the loop
@@ -191,8 +192,11 @@ class Api:
     def _published(self, event: Published) -> None:
         self.publish(event.session, event.event)
 
-    def _stopping(self, _: Stopping) -> None:
-        self.stopping = True  # intake refuses from this moment
+    def _stopping(self, event: Stopping) -> None:
+        if event.restart:
+            self.restarting = True  # not ready; intake goes on, answered after the restart
+        else:
+            self.stopping = True  # intake refuses from this moment
 
     def reconfigure(self, config: Config) -> None:
         """A reload: the handlers read `config` from now on (`http.*` needs a restart)."""
@@ -379,7 +383,9 @@ class Api:
         seen = await asyncio.to_thread(hosts.seen, self.store, self.host_id)
         return answer(
             Status(
-                boot=BootState(id=self.boot_id, ready=self.ready, stopping=self.stopping),
+                boot=BootState(
+                    id=self.boot_id, ready=self.ready, stopping=self.stopping or self.restarting
+                ),
                 config=config_state(self.reloader, self.config),
                 breaker=breaker,
                 slots=pool["slots"],
@@ -395,7 +401,7 @@ class Api:
         return answer(Health())
 
     async def readyz(self, request: web.Request) -> web.Response:
-        if self.stopping:
+        if self.stopping or self.restarting:
             return self._readiness(Readiness(status="stopping"), 503)
         if not self.ready:
             return self._readiness(Readiness(status="starting"), 503)

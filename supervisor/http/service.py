@@ -48,7 +48,8 @@ class HttpService(Service):
         self.api.reconfigure(config)
 
     async def drain(self, deadline: float) -> None:
-        self.api.stopping = True  # also for a stop that no signal began (a fatal pool)
+        if not self.api.restarting:  # a restart's drain takes messages for the next boot
+            self.api.stopping = True  # also for a stop that no signal began (a fatal pool)
 
     async def stop(self, steps: Steps) -> None:
         self.api.stopping = True

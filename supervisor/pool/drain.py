@@ -1,8 +1,12 @@
 """The waits of a stop for turns in flight on this daemon's workers.
 
-- The drain (`shutdown.drain_budget`, or `turnkeeper stop --drain SECONDS`), the pool's
-  part of the daemon's drain (`supervisor.runtime.root`), intake already refusing: every
-  turn in flight may finish, up to the budget.
+- The drain, the pool's part of the daemon's drain (`supervisor.runtime.root`): for a
+  stop `shutdown.drain_budget` (or `turnkeeper stop --drain SECONDS`), intake already
+  refusing; for a requested restart `restart.drain_budget` (or the request's own), intake
+  still taking messages for the next boot. No session is assigned and every worker is
+  told to start no turn (`drain`): the turns in flight may finish, up to the budget, and
+  the drain ends as soon as every worker said that its own have (`undrained`). A turn an
+  interrupted session waits to have continued is not in flight: the next boot goes on.
 - The subagent drain (`shutdown.subagent_drain`), the subagents service's first stop
   step, after the HTTP listener has closed and before the workers are stopped: a
   subagent's turn in flight gets a few seconds to end, so that its result reaches its
@@ -10,21 +14,23 @@
   interrupted with the rest and resumed by recovery after the restart; the log names
   it. No wait at all when no subagent's turn is in flight.
 
-Each reads the database on a thread, polls at the pool's heartbeat (the subagent drain
-at most every POLL seconds: its cap is short), and waits through `sleep` and `clock`,
+The drain reads what the workers' heartbeats said (each beats at once when told to
+drain, and as each of its turns ends); the subagent drain reads the database on a thread,
+at most every POLL seconds (its cap is short). Both wait through `sleep` and `clock`,
 seams a test moves.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any, Protocol
 
 from supervisor.contract.clock import SYSTEM
 from supervisor.contract.config import Config
 from supervisor.contract.logs import log
 from supervisor.core.vocabulary import SessionKind
+from supervisor.pool.handle import WorkerHandle
 from supervisor.store import SessionInfo, Store
 
 
@@ -36,6 +42,9 @@ class Pool(Protocol):
 
     @property
     def assigned(self) -> Mapping[str, Any]: ...
+
+    @property
+    def workers(self) -> Mapping[str, WorkerHandle]: ...
 
     def hold_assignments(self) -> None: ...
 
@@ -57,11 +66,29 @@ def subagent_turns(pool: Pool) -> list[str]:
     return [s.id for s in turns_in_flight(pool) if s.kind == SessionKind.SUBAGENT]
 
 
+def undrained(workers: Iterable[WorkerHandle]) -> list[WorkerHandle]:
+    """The live workers whose turns in flight have not all ended: told to drain and not
+    heard saying so yet, or heard with turns still running. A worker that is not ready
+    runs none; one being replaced was killed, its turns with it."""
+    return [
+        w
+        for w in workers
+        if w.alive and w.ready and not w.replacing and (not w.draining or w.turns > 0)
+    ]
+
+
 async def drain(pool: Pool, budget: float, sleep: Sleep = SYSTEM.sleep) -> None:
-    """Let turns in flight finish, polled every heartbeat; the caller caps it at `budget`."""
-    log("shutdown").info("draining: waiting up to {:.0f} s for turns in flight", budget)
-    while await asyncio.to_thread(turns_in_flight, pool):
-        await sleep(pool.config.pool.heartbeat_interval)
+    """Wait until no worker runs a turn (the workers were told to start none); the
+    caller caps it at `budget`."""
+    busy = undrained(pool.workers.values())
+    turns = sum(w.turns for w in busy)
+    log("shutdown").info(
+        "draining: up to {:.0f} s for the turns in flight ({} when last heard) to end; none starts",
+        budget,
+        turns,
+    )
+    while undrained(pool.workers.values()):
+        await sleep(POLL)
 
 
 async def subagents_in_flight(pool: Pool) -> list[str]:

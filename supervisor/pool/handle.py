@@ -28,6 +28,7 @@ class WorkerHandle:
     sessions: set[str] = field(default_factory=set)
     turns: int = 0  # in flight, as its last heartbeat said
     turns_served: int = 0  # ended since it started, as its last heartbeat said
+    draining: bool = False  # its last heartbeat said it drains: it starts no turn
     retiring: bool = False  # replaced by a rolling restart; exits on request
     stop_requested: bool = False
     aborted_at: float | None = None

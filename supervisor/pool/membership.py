@@ -213,10 +213,20 @@ class Membership(Service):
     def sweep(self) -> None:
         """Kill processes an earlier boot of this host left running, unless their pid was
         reused (blocking). SQLite serves one host; on a server database only this host's
-        rows are its business: another host's pids name another machine's processes."""
+        rows are its business: another host's pids name another machine's processes.
+
+        Left alone: the task runners (and their commands) that a restart in place left
+        running, still this very process's descendants; the task keeper adopts them."""
         host = None if self.store.backend == "sqlite" else self.host_id
         children = self.store.children
         rows = children.of_other_boots(self.boot_id, host, (self.me.hostname,))
+        adopted = reaper.own_tasks([(r.pid, r.create_time) for r in rows if r.kind == "task"])
+        rows = [r for r in rows if r.pid not in adopted]
+        if adopted:
+            log("recovery").info(
+                "{} processes of task runners a restart in place left running: adopted",
+                len(adopted),
+            )
         if not rows:
             return
         report = reaper.sweep([(r.pid, r.create_time) for r in rows])

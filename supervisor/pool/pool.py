@@ -56,7 +56,7 @@ from supervisor.contract.background import Background
 from supervisor.contract.clock import SYSTEM, Clock
 from supervisor.contract.config import Config
 from supervisor.contract.logs import log
-from supervisor.contract.reaper import descendants, reap_orphans, terminate
+from supervisor.contract.reaper import descendants, reap_orphans, terminate, with_descendants
 from supervisor.contract.spawn import WorkerSpec
 from supervisor.core.engine import HEARTBEATS_MISSED
 from supervisor.core.slots import Slot, SlotState, all_fatal
@@ -78,7 +78,14 @@ from supervisor.pool.processes import (
     stop_resource_tracker,
 )
 from supervisor.pool.recoverer import Recoverer
-from supervisor.runtime.bus import Bus, Committed, Published, TurnEnded, WorkerExited
+from supervisor.runtime.bus import (
+    Bus,
+    Committed,
+    Published,
+    Stopping,
+    TurnEnded,
+    WorkerExited,
+)
 from supervisor.runtime.service import Service, Steps
 from supervisor.store import Store
 from workers.entry import run_worker
@@ -146,6 +153,8 @@ class Pool(Service):
         self.plane = plane
         self.ownership = ownership
         self.stopping = False
+        self.draining = False  # the drain began: workers start no turn (`drain`)
+        self.restarting = False  # a restart in place: the task runners outlive the stop
         self.fatal = asyncio.Event()
         self.restarts = 0
         self.log = log("pool")
@@ -155,6 +164,7 @@ class Pool(Service):
         self.bus.subscribe(Misbehaved, self._misbehaved)
         self.bus.subscribe(Committed, self._committed)
         self.bus.subscribe(TurnEnded, self._turn_ended)
+        self.bus.subscribe(Stopping, self._stopping)
         self.tending = Tending(self._tend, clock, metrics)
 
     # --- lifecycle ------------------------------------------------------------------
@@ -173,8 +183,17 @@ class Pool(Service):
         return {"pool-tending": self.tending.run()}
 
     async def drain(self, deadline: float) -> None:
-        """Let the turns in flight on this daemon's workers finish (the root caps it)."""
+        """The drain (the root caps it): no session is assigned any more, every worker is
+        told to start no turn, and it ends once each said that its turns in flight ended."""
+        self.draining = True
+        self.hold_assignments()
+        for worker in list(self.workers.values()):
+            self._tell_drain(worker)
         await drain.drain(self, deadline - SYSTEM.monotonic())
+
+    def _tell_drain(self, worker: WorkerHandle) -> None:
+        if worker.ready and not worker.replacing:
+            self.plane.send(worker, "drain")
 
     def reconfigure(self, config: Config) -> None:
         """A reload: `config` is in force. A worker started with its heartbeat interval is
@@ -204,12 +223,17 @@ class Pool(Service):
         grace = self.config.shutdown.kill_grace
         await steps.run("descendants", grace + REAP_BOUND, lambda: self.stop_descendants(grace))
 
+    def _stopping(self, event: Stopping) -> None:
+        self.restarting = event.restart  # a SIGTERM during a restart makes it a stop
+
     async def stop_descendants(self, grace: float) -> None:
         """Stop every descendant: SIGTERM to all at once, SIGKILL whoever is left after `grace`.
 
         Every descendant means the workers, their MCP servers and whatever those started,
         including processes that left their process group (this process is a subreaper,
-        so orphans come to it) and members of the groups recorded for MCP servers.
+        so orphans come to it) and members of the groups recorded for MCP servers. For a
+        restart in place the task keeper's runners and their commands are left running:
+        the next boot, the same process, adopts them (`supervisor.tasks.service`).
         """
         self.stopping = True
         self.ownership.hold()
@@ -222,6 +246,13 @@ class Pool(Service):
         groups = await asyncio.to_thread(self._recorded_groups)
         tracker = resource_tracker()
         procs = [p for p in descendants(os.getpid(), groups) if p.pid != tracker]
+        if self.restarting and self.reaped_elsewhere:
+            spared = with_descendants(self.reaped_elsewhere.values())
+            procs = [p for p in procs if p.pid not in spared]
+            self.log.info(
+                "leaving {} task runners running for the next boot to adopt",
+                len(self.reaped_elsewhere),
+            )
         report = await asyncio.to_thread(terminate, procs, grace)
         await asyncio.to_thread(stop_resource_tracker)
         for worker in list(self.workers.values()):
@@ -429,8 +460,11 @@ class Pool(Service):
                 self.held = []  # the first is up: the rest of the pool starts
                 self.tending.stir()  # ... now, and its hang limit is the ready one's
                 self.ownership.want()  # sessions may have waited for a worker
+                if self.draining:
+                    self._tell_drain(worker)  # a replacement, ready during the drain
             case control.Heartbeat():
                 worker.turns, worker.turns_served = message.turns, message.turns_served
+                worker.draining = message.draining
                 worker.mcp = dict(message.mcp)
                 worker.model_down_since = message.model_down_since
                 for kind, count in message.model_tokens.items():

@@ -1,10 +1,11 @@
 """`turnkeeper restart` and `turnkeeper restarts`: ask the daemon to restart itself in place,
 and list the requests, through its API (`POST /v1/restart`, `GET /v1/restarts`).
 
-A restart is a request the daemon admits and records first; it then refuses intake, lets
-turns in flight finish within the drain, and re-executes itself (the same pid). The boot
-after it settles the request: `restart` waits for that, riding out the seconds when nothing
-listens, and says how it went.
+A restart is a request the daemon admits and records first; it then starts no new work,
+lets the turns and tasks in flight finish within the drain (`restart.drain_budget`, or the
+request's own), still taking messages for the next boot, and re-executes itself (the same
+pid). The boot after it settles the request: `restart` waits for that, riding out the
+seconds when nothing listens, and says how it went.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from supervisor.core.vocabulary import RestartOutcome, RestartState
 if TYPE_CHECKING:
     from supervisor.cli.client import Client
 
-BARE = -1.0  # `--drain` without a value: shutdown.drain_budget, or 15 s if that is 0
+BARE = -1.0  # `--drain` without a value: restart.drain_budget, as without the option
 MAX_DRAIN = 3600.0
 POLL = 0.2  # seconds between looks while waiting for the daemon to come back
 HEADERS = ["ID", "STATE", "OUTCOME", "BY", "SESSION", "REQUESTED", "SECONDS", "REASON"]
@@ -89,9 +90,8 @@ class _Drain(click.FloatRange):
     flag_value=BARE,
     default=None,
     metavar="[SECONDS]",
-    help="Let turns in flight finish first, up to SECONDS (bare: shutdown.drain_budget,"
-    " or 15 if that is 0; without it: shutdown.drain_budget). Intake refuses from the"
-    " first moment.",
+    help="Let turns and tasks in flight finish first, up to SECONDS; 0 cuts them at once"
+    " (they are continued after the restart). Without it: restart.drain_budget.",
 )
 @click.option(
     "--reason",
@@ -121,9 +121,11 @@ def restart(
     """Restart the daemon in place (admin token): the same process re-executes itself.
 
     \b
-    Intake refuses new work (503) at once; turns in flight finish within the
-    drain; then the daemon re-executes itself and starts again, its sessions,
-    tasks and schedules carried over as after any restart. A request while one
+    No new turn, task or schedule fire starts from the first moment; the turns
+    and tasks in flight finish within the drain (restart.drain_budget), while
+    messages are still taken (202) and answered after the restart; then the
+    daemon re-executes itself and starts again, its sessions, tasks and
+    schedules carried over as after any restart. A request while one
     is in progress is answered with that one, and waited for. Requests closer
     together than restart.min_interval are refused (exit 1, saying when to
     try again); so is a restart whose configuration on disk does not load.
@@ -132,7 +134,7 @@ def restart(
     timed out, 3 if the daemon is not running.
     """
     cfg = load(ctx)
-    seconds = drain if drain is None or drain >= 0 else (cfg.shutdown.drain_budget or 15.0)
+    seconds = drain if drain is None or drain >= 0 else None
     with connect(ctx) as client:
         answer = request_restart(client, reason, seconds)
         asked, in_progress = answer["restart"], bool(answer["in_progress"])
@@ -144,7 +146,7 @@ def restart(
             return
         # The drain is the request's own (the one in progress may have another): on top.
         drained = asked.get("drain")
-        timeout += float(cfg.shutdown.drain_budget if drained is None else drained)
+        timeout += float(cfg.restart.drain_budget if drained is None else drained)
         deadline = SYSTEM.monotonic() + timeout
         if sys.stderr.isatty() and not as_json:
             click.echo(f"waiting for the restart (up to {timeout:g} s)", err=True)

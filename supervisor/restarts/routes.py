@@ -68,8 +68,8 @@ class RestartBody(BaseModel):
         le=MAX_DRAIN,
         strict=True,
         allow_inf_nan=False,
-        description="seconds the turns in flight may take to finish before the restart; "
-        "null: shutdown.drain_budget",
+        description="seconds the turns and tasks in flight may take to finish before the "
+        "restart (0: cut at once, continued after it); null: restart.drain_budget",
     )
 
 

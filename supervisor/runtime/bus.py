@@ -76,9 +76,12 @@ class Woken:
 
 @dataclass(frozen=True)
 class Stopping:
-    """The daemon was told to stop (a signal, a requested restart): take no new work."""
+    """The daemon was told to stop (a signal), or to restart in place (`restart`): start
+    no new work. A stop's intake refuses from now on; a restart's goes on taking messages
+    for the next boot (a SIGTERM during it publishes a stop)."""
 
     reason: str
+    restart: bool = False
 
 
 E = TypeVar("E")

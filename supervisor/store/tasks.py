@@ -548,6 +548,20 @@ class Tasks:
             found += [info_of(row) for row in query]
         return found
 
+    def running_on(self, host: str, limit: int = 100_000) -> list[TaskInfo]:
+        """The tasks running on `host` whose runner's process is known."""
+        query = (
+            Task.select()
+            .where(
+                (Task.status == TaskStatus.RUNNING)
+                & (Task.host == host)
+                & Task.runner_pid.is_null(False)
+            )
+            .order_by(Task.created_at, Task.id)
+            .limit(limit)
+        )
+        return [info_of(row) for row in query]
+
     def live_ids(self, limit: int = 100_000) -> set[str]:
         """The ids of the pending and running tasks."""
         query = Task.select(Task.id).where(Task.status.in_(LIVE)).limit(limit)

@@ -39,6 +39,7 @@ from supervisor.contract.config import Config
 from supervisor.contract.logs import log
 from supervisor.contract.mcp_env import child_environment
 from supervisor.contract.paths import inside, task_work_dir
+from supervisor.contract.reaper import own_tasks
 from supervisor.contract.task_kinds import TaskKind
 from supervisor.core.vocabulary import EventType, TaskAction, TaskStatus
 from supervisor.metrics import Metrics
@@ -52,6 +53,7 @@ from supervisor.tasks.spec import output_path
 
 BATCH = 500  # rows of each kind looked at in one pass; the next pass takes the rest
 SETTLE = 5.0  # seconds a stop waits at most for starts in flight
+DRAIN_POLL = 0.1  # seconds between two looks at the runners still running, in a drain
 HUNG_MARGIN = 30.0  # seconds past lost_grace + kill_grace before a silent runner is hung
 PRUNE_EVERY = 3600.0  # seconds between sweeps of old output files
 
@@ -99,6 +101,7 @@ class TaskKeeper(Service):
         self._starting: set[asyncio.Task[None]] = set()
         self._processes: dict[int, subprocess.Popen[bytes]] = {}  # runner pid -> process
         self._pruned_at: float | None = None  # None: not yet in this boot (the first pass does)
+        self.holding = False  # the daemon drains: no task starts (the next boot starts them)
         self.log = log("tasks")
         if bus is not None:
             bus.subscribe(Published, self._published)
@@ -148,6 +151,33 @@ class TaskKeeper(Service):
         finally:
             self._unwatch_all()
 
+    async def start(self) -> None:
+        """Adopt the runners a restart in place left running: still this very process's
+        children (the same pid, re-executed), watched and reaped as if this boot had
+        started them; their outcomes are reported as any other's."""
+        rows = await asyncio.to_thread(self.store.tasks.running_on, self.host)
+        left = [(r.runner_pid, r.runner_started or 0.0) for r in rows if r.runner_pid]
+        mine = own_tasks(left)
+        for row in rows:
+            if row.runner_pid in mine and row.id not in self.runners:
+                self.runners[row.id] = row.runner_pid
+                self._watch(row.id, row.runner_pid)
+                self.log.bind(session=row.session).info(
+                    "task {} ({}) adopted: its runner (pid {}) ran on through the restart",
+                    row.id,
+                    row.kind,
+                    row.runner_pid,
+                )
+
+    async def drain(self, deadline: float) -> None:
+        """The drain: no task starts from now on (the next boot starts the pending ones at
+        once); it ends once every runner of ours has ended (the root caps it)."""
+        self.holding = True
+        if self.runners:
+            self.log.info("draining: {} tasks running may finish", len(self.runners))
+        while self.runners or self._starting:
+            await self.clock.sleep(DRAIN_POLL)
+
     async def stop(self, steps: Steps) -> None:
         await self.settle()  # a runner being started is ended with the others
 
@@ -171,6 +201,8 @@ class TaskKeeper(Service):
                 )
                 if action in (TaskAction.LOST, TaskAction.RETRY) and self._ours(row, heard_ago):
                     continue  # its runner is alive and fences itself (see `_ours`)
+                if action in (TaskAction.START, TaskAction.RETRY) and self.holding:
+                    continue  # a drain: started by the next boot, at once
                 if action is not None:
                     await self._carry_out(action, row)
             except Exception as exc:
@@ -359,6 +391,9 @@ class TaskKeeper(Service):
         process = self._processes.pop(pid, None)
         if process is not None:
             process.poll()  # reaped here: the pool's orphan reaper leaves runners to us
+        else:  # adopted after a restart in place: ours to reap all the same
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, os.WNOHANG)
 
     def _unwatch_all(self) -> None:
         for fd in list(self._watched):

@@ -108,7 +108,7 @@ EXPECTED: dict[str, str] = {
         delivery.backoff_cap delivery.poll_interval delivery.concurrency delivery.keep
         delivery.targets.*.url
         delivery.targets.*.timeout delivery.targets.*.events delivery.targets.*.principals
-        restart.turn_wait""",
+        restart.turn_wait restart.drain_budget""",
     "workers": """pool.heartbeat_interval pool.history_cache_mb agent.class agent.allowed
         model.provider model.delay model.base_url model.model model.api_key_env model.timeout
         model.max_tokens model.max_response_bytes model.outage_budget model.context_window

@@ -158,7 +158,7 @@ def test_restart_rides_out_the_restart_and_says_how_it_went(served: Served) -> N
     served.up(BOOT)
     proc = start(served, "restart", "--drain", "--reason", "new model")
     made = asked(served)
-    assert served.desk.calls == [("admin", "new model", 7.0)]  # bare: shutdown.drain_budget
+    assert served.desk.calls == [("admin", "new model", None)]  # bare: restart.drain_budget
     served.looked("the command to wait on the pending request")
     served.store.restarts.begin(made, boot=BOOT, version="0.9.0", config="ab12cd34ef56")
     assert served.api is not None

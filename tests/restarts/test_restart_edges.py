@@ -39,7 +39,7 @@ def test_sigterm_during_the_drain_stops_and_the_request_fails_once(
     boot = daemon.status()["boot"]["id"]
     asked = turnkeeper(daemon, "restart", "--drain", "600", "--no-wait")
     assert asked.returncode == 0, asked.stdout + asked.stderr
-    wait_for(lambda: "waiting up to 600 s" in daemon.log(), 30, "the drain", daemon.log)
+    wait_for(lambda: "draining: up to 600 s" in daemon.log(), 30, "the drain", daemon.log)
     # The stop's own drain (shutdown.drain_budget, 0) cuts the restart's 600 s short.
     daemon.signal(signal.SIGTERM)
     assert daemon.wait(60) == 0, daemon.log()
