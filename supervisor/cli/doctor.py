@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from supervisor import locks, trust
-from supervisor.cli.budget import Budget, check_stop_timeout
+from supervisor.teardown import Budget, check_stop_timeout
 
 PASS, WARN, FAIL = "PASS", "WARN", "FAIL"
 MIN_FREE_BYTES = 512 * 1024 * 1024
