@@ -11,6 +11,7 @@ from supervisor.cli.doctor import (
     FAIL,
     PASS,
     WARN,
+    check_shipped_stop_timeout,
     check_sqlite,
     check_supervisord,
     check_unit,
@@ -18,7 +19,7 @@ from supervisor.cli.doctor import (
 )
 from supervisor.contract.config import Config
 from supervisor.store import Store
-from supervisor.teardown import check_stop_timeout, teardown_budget
+from supervisor.teardown import SHIPPED_STOP_TIMEOUT, check_stop_timeout, teardown_budget
 from tests.conftest import PYTHON, REPO, python_env, this_host_id
 
 UNIT = (REPO / "systemd" / "turnkeeper.service").read_text()
@@ -93,6 +94,22 @@ def test_supervisord_checks() -> None:
     group = SUPERVISORD.replace("killasgroup=false", "killasgroup=true")
     assert verdicts(check_supervisord(group, "c", budget))["process group"] == WARN
     assert verdicts(check_supervisord("[x]\na=1\n", "c", budget))["supervisord"] == FAIL
+
+
+def test_without_a_file_the_budget_is_held_to_the_shipped_stop_timeout() -> None:
+    found = check_shipped_stop_timeout(teardown_budget(Config()))
+    assert found.status == PASS
+    assert found.detail.startswith("the teardown budget of 31.5 s is below the shipped")
+    # Over it: a warning (the installed file may say otherwise) naming both numbers.
+    drained = teardown_budget(Config.model_validate({"shutdown": {"drain_budget": 20}}))
+    found = check_shipped_stop_timeout(drained)
+    assert found.status == WARN
+    assert found.detail.startswith(
+        f"the shipped stop timeout (TimeoutStopSec, stopwaitsecs) is {SHIPPED_STOP_TIMEOUT:g} s,"
+        " not above the teardown budget of 51.5 s: raise it to at least 56 s, or lower "
+        "shutdown.drain_budget, "
+    )
+    assert "--unit or --supervisord" in found.fix
 
 
 def test_sqlite_durability_verdicts() -> None:
@@ -174,6 +191,7 @@ def test_doctor_and_breaker_status_show_a_tripped_breaker_and_reset_clears_it(
 
     result = doctor(tmp_path)
     assert result.returncode == 0, result.stdout  # a warning, not a failure
+    assert "PASS  stop timeout: the teardown budget of 31.5 s is below" in result.stdout
     assert "WARN  breaker" in result.stdout and "3 unclean boots" in result.stdout
     assert "turnkeeper breaker reset" in result.stdout
     assert run("breaker", "status").stdout.startswith("TRIPPED: 3 unclean boots")
