@@ -37,7 +37,6 @@ from supervisor.http.app import Api
 from supervisor.notify import Notifier
 from supervisor.pool.membership import Membership
 from supervisor.pool.pool import Pool
-from supervisor.pool.processes import REAP_BOUND
 from supervisor.preflight import PluginError, StartupError, check_plugins, take_files
 from supervisor.reloading import Reloader
 from supervisor.restarts.service import Restarter
@@ -45,6 +44,7 @@ from supervisor.runtime.bus import Bus, Stopping
 from supervisor.runtime.root import Drains
 from supervisor.stopping import READY_TIMEOUT, STOP_REQUEST, StepLog
 from supervisor.store import RestartInfo, Store
+from supervisor.teardown import teardown_budget
 
 DB_THREADS = 8  # the supervisor's threads for blocking work, each with a connection
 
@@ -398,7 +398,4 @@ class Daemon:
     def _stop_bound(self) -> float:
         """The longest the stop's steps after the drain may take, each at its cap, and the
         next start's own steps before it waits for its workers."""
-        c = self.config
-        listener = c.attach.shutdown_timeout + 1.0
-        subagents = c.shutdown.subagent_drain + 1.0
-        return listener + subagents + c.shutdown.kill_grace + REAP_BOUND + 2.0 + 5.0 + 30.0
+        return teardown_budget(self.config, drain=0.0).total + 30.0

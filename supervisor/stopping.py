@@ -36,4 +36,4 @@ class StepLog:
             log("shutdown").error("{} failed: {}; moving on", name, exc)
         seconds = SYSTEM.monotonic() - started
         self.seconds[name] = seconds
-        log("shutdown").info("{} done in {:.2f} s", name, seconds)
+        log("shutdown").info("{} done in {:.2f} s (cap {:g} s)", name, seconds, cap)

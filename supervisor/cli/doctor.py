@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from supervisor import locks, trust
-from supervisor.cli.budget import Budget, check_stop_timeout
+from supervisor.teardown import SHIPPED_STOP_TIMEOUT, Budget, check_stop_timeout
 
 PASS, WARN, FAIL = "PASS", "WARN", "FAIL"
 MIN_FREE_BYTES = 512 * 1024 * 1024
@@ -83,6 +83,28 @@ def _stop_timeout(setting: str, raw: str, parse: Callable[[str], float], budget:
         return Finding(FAIL, "stop timeout", problem, f"raise {setting.rsplit(' ', 1)[-1]}")
     return Finding(
         PASS, "stop timeout", f"{setting}={raw} is above the teardown budget of {budget.total:g} s"
+    )
+
+
+def check_shipped_stop_timeout(budget: Budget) -> Finding:
+    """Without a unit or program file to read: the budget against the stop timeout the
+    shipped ones set. A WARN, not a FAIL: the installed file may say otherwise."""
+    what = "the shipped stop timeout (TimeoutStopSec, stopwaitsecs)"
+    problem = check_stop_timeout(budget, SHIPPED_STOP_TIMEOUT, what)
+    if problem:
+        return Finding(
+            WARN,
+            "stop timeout",
+            problem,
+            "raise TimeoutStopSec (systemd) or stopwaitsecs (supervisord) above the budget, "
+            "and check the installed file with --unit or --supervisord",
+        )
+    return Finding(
+        PASS,
+        "stop timeout",
+        f"the teardown budget of {budget.total:g} s is below the shipped TimeoutStopSec and "
+        f"stopwaitsecs ({SHIPPED_STOP_TIMEOUT:g} s); --unit or --supervisord checks the "
+        "installed file",
     )
 
 

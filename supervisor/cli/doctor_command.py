@@ -30,12 +30,13 @@ def register(group: click.Group) -> None:
 @click.option(
     "--unit",
     type=click.Path(exists=True, dir_okay=False),
-    help="A systemd unit file to check (stop timeout, KillMode).",
+    help="A systemd unit file to check (TimeoutStopSec above the teardown budget, KillMode).",
 )
 @click.option(
     "--supervisord",
     type=click.Path(exists=True, dir_okay=False),
-    help="A supervisord program file to check (stopwaitsecs, stopsignal).",
+    help="A supervisord program file to check (stopwaitsecs above the teardown budget,"
+    " stopsignal).",
 )
 @json_option
 @click.pass_context
@@ -46,8 +47,10 @@ def doctor_command(
 
     Every check `turnkeeper run` makes before it starts is made here the same way (the agent
     classes are loaded in a child process; MCP servers are never started), each named by
-    its configuration key. Exits 0 when nothing fails, 1 when something does, 78 when the
-    configuration itself cannot be loaded.
+    its configuration key. The teardown budget (`turnkeeper config show` prints its steps)
+    must be below the stop timeout of the unit or program file given (a FAIL), or without
+    one, of the shipped files (a WARN). Exits 0 when nothing fails, 1 when something does,
+    78 when the configuration itself cannot be loaded.
     """
     from supervisor.cli import doctor
     from supervisor.contract.config import ConfigError, load_config, resolve_paths
@@ -82,9 +85,10 @@ def _report(findings: list[Finding], as_json: bool, code: int) -> NoReturn:
 
 
 def _service_files(cfg: Config, unit: str | None, supervisord: str | None) -> list[Finding]:
-    """The service manager's files, against the teardown budget."""
+    """The service manager's files, against the teardown budget; without one, the stop
+    timeout the shipped files set."""
     from supervisor.cli import doctor
-    from supervisor.cli.budget import teardown_budget
+    from supervisor.teardown import teardown_budget
 
     budget = teardown_budget(cfg)
     findings = []
@@ -92,6 +96,8 @@ def _service_files(cfg: Config, unit: str | None, supervisord: str | None) -> li
         findings += doctor.check_unit(Path(unit).read_text(), unit, budget)
     if supervisord:
         findings += doctor.check_supervisord(Path(supervisord).read_text(), supervisord, budget)
+    if not unit and not supervisord:
+        findings.append(doctor.check_shipped_stop_timeout(budget))
     return findings
 
 

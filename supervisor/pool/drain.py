@@ -32,6 +32,7 @@ from supervisor.contract.logs import log
 from supervisor.core.vocabulary import SessionKind
 from supervisor.pool.handle import WorkerHandle
 from supervisor.store import SessionInfo, Store
+from supervisor.teardown import SUBAGENT_CHECK
 
 
 class Pool(Protocol):
@@ -50,7 +51,6 @@ class Pool(Protocol):
 
 
 POLL = 0.1  # the subagent drain's longest pause between two reads
-FIRST_READ = 2.0  # the read that decides whether a subagent drain is needed, capped
 
 Sleep = Callable[[float], Awaitable[object]]
 
@@ -93,9 +93,9 @@ async def drain(pool: Pool, budget: float, sleep: Sleep = SYSTEM.sleep) -> None:
 
 async def subagents_in_flight(pool: Pool) -> list[str]:
     """The subagent sessions with a turn in flight here; none if the database does not
-    answer within FIRST_READ (the stop goes on without the wait)."""
+    answer within SUBAGENT_CHECK (the stop goes on without the wait)."""
     try:
-        return await asyncio.wait_for(asyncio.to_thread(subagent_turns, pool), FIRST_READ)
+        return await asyncio.wait_for(asyncio.to_thread(subagent_turns, pool), SUBAGENT_CHECK)
     except Exception as exc:  # a database gone or too slow: no drain, the stop goes on
         log("shutdown").error("subagent drain skipped: reading the turns failed: {!r}", exc)
         return []

@@ -33,6 +33,7 @@ from supervisor.runtime.bus import Bus, HostsLost, Stopping
 from supervisor.runtime.loops import QUIET, Wake, reconcile
 from supervisor.runtime.service import Service, Steps
 from supervisor.store import Host, HostTaken, Me, SingleHost, Store
+from supervisor.teardown import BOOT_ROW, PEER_DEREGISTRATION
 
 RENEW = 1.0  # seconds between renewals of the host row (its time to live: lease.stale_after)
 FORGET_AFTER = 86400.0  # a host gone this long leaves the list (as boot rows do)
@@ -108,9 +109,11 @@ class Membership(Service):
     async def stop(self, steps: Steps) -> None:
         """After the descendants stop: the hosts' table left (the others adopt this boot's
         sessions at once), then the boot row ended."""
-        await steps.run("peer deregistration", 2.0, lambda: asyncio.to_thread(self.leave))
+        await steps.run(
+            "peer deregistration", PEER_DEREGISTRATION, lambda: asyncio.to_thread(self.leave)
+        )
         if self.ending is not None:
-            await steps.run("boot row", 5.0, lambda: asyncio.to_thread(self.ending))  # type: ignore[arg-type]
+            await steps.run("boot row", BOOT_ROW, lambda: asyncio.to_thread(self.ending))  # type: ignore[arg-type]
 
     # --- the host row ------------------------------------------------------------------
 

@@ -68,7 +68,6 @@ from supervisor.pool.housekeeping import Tending
 from supervisor.pool.ownership import Ownership
 from supervisor.pool.plane import ControlPlane, Misbehaved, Said
 from supervisor.pool.processes import (
-    REAP_BOUND,
     check_hangs,
     describe_exit,
     resource_tracker,
@@ -88,6 +87,7 @@ from supervisor.runtime.bus import (
 )
 from supervisor.runtime.service import Service, Steps
 from supervisor.store import Store
+from supervisor.teardown import REAP_BOUND
 from workers.entry import run_worker
 
 POLL = 0.05  # seconds between looks at a worker being replaced or retired

@@ -25,9 +25,6 @@ CONFIRM_HEARTBEATS = 2
 CONFIRM_MIN = 1.0  # ... and seconds at least: processes thawed one by one
 
 
-REAP_BOUND = 1.5  # seconds beyond shutdown.kill_grace: SIGKILL and reaping
-
-
 def resource_tracker() -> int | None:
     """The pid of multiprocess's resource tracker, a helper process that spawn starts."""
     tracker = getattr(multiprocess.resource_tracker, "_resource_tracker", None)

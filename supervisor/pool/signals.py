@@ -22,6 +22,7 @@ from typing import Any
 from supervisor.contract.logs import log
 from supervisor.runtime.service import Service, Steps
 from supervisor.store import Store
+from supervisor.teardown import WAKE_LISTENER
 
 CHANNEL = "turnkeeper_wake"
 RECONNECT = 2.0  # seconds between attempts to listen again after the connection broke
@@ -67,7 +68,7 @@ class Signals(Service):
     def close(self) -> None:
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=2.0)
+            self._thread.join(timeout=WAKE_LISTENER)
 
     def announce(self, session_id: str) -> None:
         """Tell the other daemons that the session has new input (blocking: a thread)."""

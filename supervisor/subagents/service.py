@@ -38,6 +38,7 @@ from supervisor.runtime.loops import Wake, reconcile
 from supervisor.runtime.service import Service, Steps
 from supervisor.store import Reported, SessionInfo, Store
 from supervisor.subagents import rules
+from supervisor.teardown import SUBAGENT_MARGIN
 
 CLAIM_BATCH = 500  # rows claimed in one pass; the next pass takes the rest
 
@@ -165,7 +166,7 @@ class Reconciler(Service):
             if running:
                 await steps.run(
                     "subagent drain",
-                    cap + 1.0,
+                    cap + SUBAGENT_MARGIN,
                     lambda: drain.subagent_drain(self.pool, running, cap),
                 )
         await self.release()

@@ -86,19 +86,42 @@ def test_a_clean_environment_has_no_warning(tmp_path: Path) -> None:
     assert warnings(result.stdout) == []
 
 
-def test_the_teardown_budget_counts_the_subagent_drain(tmp_path: Path) -> None:
+def test_the_teardown_budget_shows_every_step_of_a_stop(tmp_path: Path) -> None:
     result = show(tmp_path)
     assert result.returncode == 0, result.stderr
-    assert "#   subagent drain (shutdown.subagent_drain): 5 s" in result.stdout.splitlines()
-    assert "#   total: 15 s" in result.stdout.splitlines()
-    # A longer subagent drain that reaches the shipped unit's TimeoutStopSec is warned about.
-    longer = show(tmp_path, "--json", TURNKEEPER_SHUTDOWN__SUBAGENT_DRAIN="20")
+    lines = result.stdout.splitlines()
+    start = lines.index(
+        "# teardown budget (each step of a stop at its cap, in order; the worst case):"
+    )
+    assert lines[start + 1 :] == [
+        "#   http listener: 6 s (attach.shutdown_timeout + 1)",
+        "#   courier: 1 s (deliveries in flight given back)",
+        "#   task starts: 5 s (runners being started)",
+        "#   subagent check: 2 s (subagent turns in flight read)",
+        "#   subagent drain: 6 s (shutdown.subagent_drain + 1)",
+        "#   descendants: 4.5 s (shutdown.kill_grace + 1.5 to reap)",
+        "#   peer deregistration: 2 s",
+        "#   boot row: 5 s",
+        "#   total: 31.5 s",
+    ]
+    # A drain that takes the budget to the shipped stop timeout is warned about.
+    longer = show(tmp_path, "--json", TURNKEEPER_SHUTDOWN__DRAIN_BUDGET="14")
     assert longer.returncode == 0, longer.stderr
     shown = json.loads(longer.stdout)
-    assert shown["teardown_budget"] == 30
+    assert shown["teardown_budget"] == 45.5
+    assert shown["teardown_steps"][0] == {
+        "step": "drain",
+        "seconds": 14.0,
+        "setting": "shutdown.drain_budget",
+    }
+    assert shown["teardown_steps"][2] == {"step": "courier", "seconds": 1.0, "setting": None}
+    assert sum(step["seconds"] for step in shown["teardown_steps"]) == 45.5
     [warning] = shown["warnings"]
-    assert warning.startswith("the shipped unit's TimeoutStopSec is 30 s, not above the")
-    assert "shutdown.subagent_drain" in warning
+    assert warning.startswith(
+        "the shipped stop timeout (TimeoutStopSec, stopwaitsecs) is 45 s, not above the "
+        "teardown budget of 45.5 s"
+    )
+    assert "shutdown.drain_budget" in warning
 
 
 def test_a_misspelt_key_in_the_variable_form_is_an_error_naming_the_nearest(

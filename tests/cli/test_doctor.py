@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.cli.budget import check_stop_timeout, teardown_budget
 from supervisor.cli.doctor import (
     FAIL,
     PASS,
     WARN,
+    check_shipped_stop_timeout,
     check_sqlite,
     check_supervisord,
     check_unit,
@@ -19,6 +19,7 @@ from supervisor.cli.doctor import (
 )
 from supervisor.contract.config import Config
 from supervisor.store import Store
+from supervisor.teardown import SHIPPED_STOP_TIMEOUT, check_stop_timeout, teardown_budget
 from tests.conftest import PYTHON, REPO, python_env, this_host_id
 
 UNIT = (REPO / "systemd" / "turnkeeper.service").read_text()
@@ -47,34 +48,14 @@ def test_bad_timespans(text: str) -> None:
         parse_timespan(text)
 
 
-def test_the_budget_adds_up_the_caps() -> None:
-    budget = teardown_budget(Config())
-    assert budget.total == 5 + 5 + 3 + 2
-    assert budget.lines() == [
-        "http listener (attach.shutdown_timeout): 5 s",
-        "subagent drain (shutdown.subagent_drain): 5 s",
-        "descendants (shutdown.kill_grace): 3 s",
-        "reap, boot row, close: 2 s",
-        "total: 15 s",
-    ]
-    assert teardown_budget(Config(), drain=20).total == budget.total + 20
-    # Without the subagent drain its step is gone from the budget, as from the stop.
-    off = Config.model_validate({"shutdown": {"subagent_drain": 0}})
-    assert [name for name, _ in teardown_budget(off).steps] == [
-        "http listener (attach.shutdown_timeout)",
-        "descendants (shutdown.kill_grace)",
-        "reap, boot row, close",
-    ]
-
-
 def test_a_stop_timeout_under_the_budget_names_every_setting_to_lower() -> None:
     budget = teardown_budget(Config.model_validate({"shutdown": {"subagent_drain": 20}}))
-    assert budget.total == 30
-    problem = check_stop_timeout(budget, 30, "TimeoutStopSec")
-    assert problem is not None and "not above the teardown budget of 30 s" in problem
-    assert "raise it to at least 35 s" in problem
+    assert budget.total == 46.5
+    problem = check_stop_timeout(budget, 45, "TimeoutStopSec")
+    assert problem is not None and "is 45 s, not above the teardown budget of 46.5 s" in problem
+    assert "raise it to at least 51 s" in problem
     assert "shutdown.subagent_drain" in problem and "shutdown.kill_grace" in problem
-    assert check_stop_timeout(budget, 31, "TimeoutStopSec") is None
+    assert check_stop_timeout(budget, 47, "TimeoutStopSec") is None
 
 
 def verdicts(findings: list) -> dict[str, str]:  # type: ignore[type-arg]
@@ -88,7 +69,7 @@ def test_the_shipped_unit_and_supervisord_file_pass() -> None:
 
 
 def test_a_short_stop_timeout_and_the_wrong_kill_mode_fail() -> None:
-    bad = UNIT.replace("TimeoutStopSec=30", "TimeoutStopSec=10").replace(
+    bad = UNIT.replace("TimeoutStopSec=45", "TimeoutStopSec=10").replace(
         "KillMode=mixed", "KillMode=control-group"
     )
     found = verdicts(check_unit(bad, "unit", teardown_budget(Config())))
@@ -96,23 +77,39 @@ def test_a_short_stop_timeout_and_the_wrong_kill_mode_fail() -> None:
 
 
 def test_a_unit_without_timeout_uses_systemds_default() -> None:
-    unit = UNIT.replace("TimeoutStopSec=30\n", "")
+    unit = UNIT.replace("TimeoutStopSec=45\n", "")
     assert verdicts(check_unit(unit, "u", teardown_budget(Config())))["stop timeout"] == PASS
-    drained = teardown_budget(Config(), drain=100)
+    drained = teardown_budget(Config(), drain=60)
     assert verdicts(check_unit(unit, "u", drained))["stop timeout"] == FAIL
 
 
 def test_supervisord_checks() -> None:
     budget = teardown_budget(Config())
-    short = SUPERVISORD.replace("stopwaitsecs=30", "stopwaitsecs=5")
+    short = SUPERVISORD.replace("stopwaitsecs=45", "stopwaitsecs=30")
     assert verdicts(check_supervisord(short, "c", budget))["stop timeout"] == FAIL
-    default = SUPERVISORD.replace("stopwaitsecs=30\n", "")  # supervisord's default is 10
+    default = SUPERVISORD.replace("stopwaitsecs=45\n", "")  # supervisord's default is 10
     assert verdicts(check_supervisord(default, "c", budget))["stop timeout"] == FAIL
     kill = SUPERVISORD.replace("stopsignal=TERM", "stopsignal=KILL")
     assert verdicts(check_supervisord(kill, "c", budget))["stopsignal"] == FAIL
     group = SUPERVISORD.replace("killasgroup=false", "killasgroup=true")
     assert verdicts(check_supervisord(group, "c", budget))["process group"] == WARN
     assert verdicts(check_supervisord("[x]\na=1\n", "c", budget))["supervisord"] == FAIL
+
+
+def test_without_a_file_the_budget_is_held_to_the_shipped_stop_timeout() -> None:
+    found = check_shipped_stop_timeout(teardown_budget(Config()))
+    assert found.status == PASS
+    assert found.detail.startswith("the teardown budget of 31.5 s is below the shipped")
+    # Over it: a warning (the installed file may say otherwise) naming both numbers.
+    drained = teardown_budget(Config.model_validate({"shutdown": {"drain_budget": 20}}))
+    found = check_shipped_stop_timeout(drained)
+    assert found.status == WARN
+    assert found.detail.startswith(
+        f"the shipped stop timeout (TimeoutStopSec, stopwaitsecs) is {SHIPPED_STOP_TIMEOUT:g} s,"
+        " not above the teardown budget of 51.5 s: raise it to at least 56 s, or lower "
+        "shutdown.drain_budget, "
+    )
+    assert "--unit or --supervisord" in found.fix
 
 
 def test_sqlite_durability_verdicts() -> None:
@@ -159,7 +156,7 @@ def test_doctor_passes_the_shipped_files_on_a_migrated_state_dir(tmp_path: Path)
 def test_doctor_flags_a_bad_unit_and_exits_1(tmp_path: Path) -> None:
     unit = tmp_path / "bad.service"
     unit.write_text(
-        UNIT.replace("TimeoutStopSec=30", "TimeoutStopSec=10").replace(
+        UNIT.replace("TimeoutStopSec=45", "TimeoutStopSec=30").replace(
             "KillMode=mixed", "KillMode=control-group"
         )
     )
@@ -167,7 +164,8 @@ def test_doctor_flags_a_bad_unit_and_exits_1(tmp_path: Path) -> None:
     assert result.returncode == 1
     assert "FAIL  stop timeout" in result.stdout and "FAIL  KillMode" in result.stdout
     assert "fix: set KillMode=mixed" in result.stdout
-    assert "not above the teardown budget of 15 s" in result.stdout
+    # The stop's steps add up to 31.5 s: a unit's 30 s is too short.
+    assert "TimeoutStopSec is 30 s, not above the teardown budget of 31.5 s" in result.stdout
     assert "shutdown.subagent_drain" in result.stdout
 
 
@@ -193,6 +191,7 @@ def test_doctor_and_breaker_status_show_a_tripped_breaker_and_reset_clears_it(
 
     result = doctor(tmp_path)
     assert result.returncode == 0, result.stdout  # a warning, not a failure
+    assert "PASS  stop timeout: the teardown budget of 31.5 s is below" in result.stdout
     assert "WARN  breaker" in result.stdout and "3 unclean boots" in result.stdout
     assert "turnkeeper breaker reset" in result.stdout
     assert run("breaker", "status").stdout.startswith("TRIPPED: 3 unclean boots")

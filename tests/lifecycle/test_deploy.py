@@ -20,10 +20,10 @@ import psutil
 import pytest
 import tomli_w
 
-from supervisor.cli.budget import teardown_budget
 from supervisor.cli.doctor import unit_settings
 from supervisor.contract.config import Config
 from supervisor.store import Store
+from supervisor.teardown import SHIPPED_STOP_TIMEOUT, teardown_budget
 from tests.conftest import PYTHON, REPO, python_env
 from tests.daemon import wait_until
 from tests.support import free_port, plain
@@ -44,7 +44,7 @@ def test_the_shipped_unit_has_the_settings_restarts_rely_on() -> None:
         "Type": "notify",
         "NotifyAccess": "main",
         "KillMode": "mixed",
-        "TimeoutStopSec": "30",
+        "TimeoutStopSec": "45",
         "WatchdogSec": "30",
         "Restart": "always",
         "RestartSec": "1",
@@ -56,6 +56,9 @@ def test_the_shipped_unit_has_the_settings_restarts_rely_on() -> None:
         "PrivateTmp": "yes",
     }
     assert {key: service.get(key) for key in expected} == expected
+    assert (
+        float(service["TimeoutStopSec"]) == SHIPPED_STOP_TIMEOUT > teardown_budget(Config()).total
+    )
     assert service["ExecReload"].endswith("kill -HUP $MAINPID")
     assert service["ProtectSystem"] in {"full", "strict"}
     assert service["ProtectHome"] in {"yes", "read-only", "tmpfs"}
@@ -105,7 +108,7 @@ def test_the_supervisord_program_restarts_like_the_unit() -> None:
     parser.read_string(PROGRAM.read_text())
     program = parser["program:turnkeeper"]
     assert program["stopsignal"] == "TERM"
-    assert float(program["stopwaitsecs"]) > teardown_budget(Config()).total
+    assert float(program["stopwaitsecs"]) == SHIPPED_STOP_TIMEOUT > teardown_budget(Config()).total
     assert not program.getboolean("stopasgroup") and not program.getboolean("killasgroup")
     # Restart=always with RestartPreventExitStatus=78: restart crashes, never a
     # configuration error, and not a daemon stopped on purpose.

@@ -16,7 +16,9 @@ import httpx
 import psutil
 import pytest
 
+from supervisor.contract.config import Config
 from supervisor.store import Store
+from supervisor.teardown import teardown_budget
 from tests.conftest import REPO, python_env
 from tests.daemon import Daemon, daemons, events, inject, turn_ended, wait_until
 
@@ -133,6 +135,65 @@ def test_teardown_of_well_behaved_children_needs_no_sigkill(daemons: Daemons) ->
         r"processes stopped in [\d.]+ s: \d+ exited on SIGTERM, 0 needed SIGKILL", daemon.log()
     ), daemon.log()[-2000:]
     print(f"well-behaved teardown: {took:.2f} s")
+
+
+# A step cut at its cap ends a moment after it: the timer's wake-up and the cancellation.
+CUT_SLACK = 0.25
+STEP_LINE = re.compile(r"\[shutdown\] (.+?) done in ([\d.]+) s \(cap ([\d.]+) s\)$", re.M)
+
+
+@pytest.mark.timeout(180)
+def test_a_real_stop_keeps_within_the_teardown_budget_step_by_step(
+    daemons: Daemons, tmp_path: Path
+) -> None:
+    """Every capped step of a stop runs: the drain and the subagent drain to their caps (a
+    subagent's turn held in flight), the descendants with a worker and its MCP server (one
+    that ignores SIGTERM). Each is counted in the budget at the cap it ran with and took no
+    longer, and so is the whole stop."""
+    daemon = daemons(
+        pool={"workers": 1, "spare": 0},
+        mcp={"servers": [server("stubborn", "tiny", "--ignore-term")]},
+        shutdown={"kill_grace": 1.0, "drain_budget": 1.0, "subagent_drain": 1.0},
+        attach={"shutdown_timeout": 1.0},
+    )
+    with Store(daemon.url) as store:
+        parent = store.sessions.create("test").id
+        held = f"/gate {tmp_path / 'never'} held"
+        child = store.subagents.spawn(
+            parent, held, token=0, turn_id=None, max_depth=2, max_children=8
+        ).child.id
+    daemon.start()
+    with Store(daemon.url, migrate=False) as store:
+        wait_until(lambda: store.sessions.get(child).active_turn_id, 60, "the subagent's turn")
+    wait_until(lambda: any(alive(p) for p in mcp_children(daemon)), 60, "the MCP server")
+    started = time.monotonic()
+    daemon.signal(signal.SIGTERM)
+    assert daemon.wait(30) == 0
+    took = time.monotonic() - started
+    log = daemon.log()
+
+    budget = teardown_budget(Config.model_validate(daemon.config))
+    ran = {m[1]: (float(m[2]), float(m[3])) for m in STEP_LINE.finditer(log)}
+    assert set(ran) == {
+        "drain",
+        "http listener",
+        "subagent drain",
+        "descendants",
+        "peer deregistration",
+        "boot row",
+    }, log
+    for name, (seconds, cap) in ran.items():
+        assert cap == budget.seconds(name), f"{name} ran with a cap of {cap:g} s"
+        assert seconds <= cap + CUT_SLACK, f"{name} took {seconds:.2f} s"
+    assert ran["drain"][0] >= 1.0 and ran["subagent drain"][0] >= 1.0  # both to their caps
+    # The boot row keeps the durations of the steps before its own, for the next boot.
+    with Store(daemon.url, migrate=False) as store:
+        kept = store.boots.recent(1)[0].breaker["shutdown_steps"]
+    assert set(kept) == set(ran) - {"boot row"}
+    assert all(abs(kept[name] - ran[name][0]) < 0.01 for name in kept), (kept, ran)
+    stopped = re.search(r"stopped cleanly in ([\d.]+) s", log)
+    assert stopped is not None and float(stopped[1]) <= budget.total
+    assert took < budget.total, f"the stop took {took:.2f} s of a budget of {budget.total:g} s"
 
 
 @pytest.mark.timeout(240)
