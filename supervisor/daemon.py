@@ -294,7 +294,7 @@ class Daemon:
         if self.drain_cut_at is not None:  # a SIGTERM came before the drain began
             budget = min(budget, self.drain_cut_at - SYSTEM.monotonic())
         if budget > 0 and self.outcome != "startup_failed":
-            self.notifier.extend_timeout(budget + 30)
+            self.notifier.extend_timeout(budget + self._stop_bound())  # the rest of the stop too
 
             async def drained() -> None:
                 async with asyncio.timeout(budget) as scope:
