@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Callable
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
 DEFAULT_TAIL = 20  # events `sessions show` prints when told neither --tail nor --after
 POLL_INTERVAL = 0.2  # seconds between two reads of the log by `sessions show --follow`
 PAGE = 1000  # events read from the database at a time
+WAIT_EVENTS = 200  # latest events read to tell what an interrupted session waits for
 
 
 @click.group("sessions")
@@ -131,7 +133,9 @@ def sessions_show(
             info = store.sessions.get(session_id)
         except SessionNotFound as exc:
             fail(str(exc))
-        use = store.events.context_use(session_id, load(ctx).model.context_window)
+        config = load(ctx)
+        use = store.events.context_use(session_id, config.model.context_window)
+        waiting = waiting_for(store, info, tuple(config.recovery.attempt_delays))
         if tail is None and after is None:
             tail = DEFAULT_TAIL
         start = _start(info.last_seq, tail, after)
@@ -155,7 +159,7 @@ def sessions_show(
         show = _json_line if as_json else _line_printer(full)
         if not as_json:
             acl = store.acl.entries(session_id)
-            _header(info, acl, omitted, _tree_lines(store, info, tree), use)
+            _header(info, acl, omitted, _tree_lines(store, info, tree), use, waiting)
         for event in events:
             show(event)
         if follow:
@@ -225,12 +229,49 @@ def _tree_lines(store: Store, info: SessionInfo, tree: list[tuple[int, SubagentI
     return lines
 
 
+def waiting_for(store: Store, info: SessionInfo, delays: tuple[float, ...]) -> str | None:
+    """What an interrupted session waits for, if it waits for a continuation attempt:
+    `continuation attempt 3 of 3 at 12:01:07` (recovery's own rule, read from its row and
+    latest events). None for a turn still running (its lease is live) or none at all."""
+    from supervisor.core import recovery
+    from supervisor.core.tail import ENDED_TAILS
+
+    if info.status != SessionStatus.OPEN or not info.active_turn_id or info.pending:
+        return None
+    now = store.now()
+    if info.lease_expires_at is not None and info.lease_expires_at >= now:
+        return None  # running: its worker holds the lease
+    events = store.events.read(info.id, after=max(0, info.last_seq - WAIT_EVENTS))
+    facts = recovery.interruption(
+        info,
+        events,
+        recovery.Trigger.BOOT_SCAN,
+        now,
+        host_prefix="",
+        last_attempt_at=None,
+        died=False,
+    )
+    if facts.tail in ENDED_TAILS or facts.attempts >= len(delays):
+        return None
+    since = facts.last_attempt_at if facts.last_attempt_at is not None else facts.interrupted_at
+    due = recovery.next_attempt_at(facts.attempts, since, delays)
+    if due is None:
+        return None
+    at = datetime.fromtimestamp(due).strftime("%H:%M:%S")
+    return f"continuation attempt {facts.attempts + 1} of {len(delays)} at {at}"
+
+
 def _header(
-    info: SessionInfo, acl: dict[str, str], omitted: int, tree: list[str], use: dict[str, Any]
+    info: SessionInfo,
+    acl: dict[str, str],
+    omitted: int,
+    tree: list[str],
+    use: dict[str, Any],
+    waiting: str | None = None,
 ) -> None:
     """The session's row, one labelled line per fact, as `systemctl status` does; its
-    context use; its parent and subagents; then how many earlier events the listing
-    leaves out."""
+    context use; what it waits for; its parent and subagents; then how many earlier
+    events the listing leaves out."""
     click.echo(f"session  {info.id}  ({info.kind}, {state_of(info)})")
     if info.title:
         click.echo(f"title    {info.title}")
@@ -239,6 +280,8 @@ def _header(
     click.echo(f"owner    {info.owner or '-'} (lease token {info.lease_token})")
     click.echo("acl      " + ", ".join(f"{p}={perm}" for p, perm in sorted(acl.items())))
     click.echo("context  " + context_line(use))
+    if waiting is not None:
+        click.echo(f"waiting: {waiting}")
     if info.quarantined_at is not None:
         click.echo(f"quarantined {when(info.quarantined_at)}: {info.quarantine_reason}")
     if info.resend_requested_at is not None:

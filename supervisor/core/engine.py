@@ -491,12 +491,16 @@ class Recollection:
         self._set(session_id, replace(self.of(session_id), settled=settled))
         return self.quieted(session_id, quiet)
 
-    def scheduled(self, session_id: str, at: float) -> bool:
+    def scheduled(self, session_id: str, at: float, trigger: Trigger | None = None) -> bool:
         """The next attempt is due at `at`; True if that changed. Kept in view: the pass
-        at `at` reads it by id."""
+        at `at` reads it by id. Scheduled by a boot scan or a retry timer (an attempt an
+        earlier boot charged, due after a restart), it stays that pass's pick, so the pass
+        at `at` judges it again (`trigger_for`) rather than leaving it to the next sweep."""
         self._attention.add(session_id)
         memory = self.of(session_id)
-        if memory.due == at:
+        if trigger is not None and trigger.unattended and memory.picked is None:
+            memory = replace(memory, picked=trigger)
+        if memory.due == at and memory == self.of(session_id):
             return False
         self._set(session_id, replace(memory, due=at))
         return True

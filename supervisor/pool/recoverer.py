@@ -410,7 +410,7 @@ class Recoverer(Service):
             return
         if d.action is Action.CONTINUE_AT:
             assert d.at is not None
-            if self.recollection.scheduled(info.id, d.at):  # kept in view till then
+            if self.recollection.scheduled(info.id, d.at, j.trigger):  # in view till then
                 self._count(j, "scheduled")
                 self._log(info, j).info("{}", d.reason)
             return

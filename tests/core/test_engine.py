@@ -428,6 +428,24 @@ def test_an_attempt_scheduled_charged_refunded_and_ended() -> None:
     assert (r.of("s1").due, r.of("s1").picked) == (None, None)
 
 
+def test_an_attempt_a_boot_scan_scheduled_is_judged_when_it_comes_due() -> None:
+    # An earlier boot charged two attempts and was restarted in place: the third is due
+    # 8 s after the second began, and this boot's scan found it not due yet.
+    earlier = SessionView(
+        "s1", owner="host/boot0000/w0.2", lease_expires_at=NOW - 1, active_turn_id="t1"
+    )
+    r = engine.Recollection()
+    assert r.scheduled("s1", NOW + 8, Trigger.BOOT_SCAN)
+    assert r.of("s1").picked is Trigger.BOOT_SCAN  # the scan's pick, judged at its time
+    assert plan([earlier], [worker("w0.1")], memory=dict(r.memory), now=NOW + 7.9) == []
+    assert plan([earlier], [worker("w0.1")], memory=dict(r.memory), now=NOW + 8) == [
+        Judge("s1", Trigger.BOOT_SCAN, "w0.1")
+    ]
+    # A touch, a message or a worker's death schedule nothing a scan would take over.
+    assert r.scheduled("s2", NOW + 8, Trigger.FIRST_TOUCH) and r.of("s2").picked is None
+    assert not r.scheduled("s1", NOW + 8, Trigger.RETRY_TIMER)  # picked once already
+
+
 def test_a_pass_keeps_in_view_only_what_is_still_owed_a_judgement() -> None:
     r = engine.Recollection()
     r.touched("touched")
