@@ -7,6 +7,7 @@ events, a store's events, and a pool that records what the routes tell it.
 from __future__ import annotations
 
 import itertools
+import signal
 import socket
 import subprocess
 from pathlib import Path
@@ -32,6 +33,29 @@ def plain(uds: str | None = None) -> httpx.HTTPTransport:
     httpx builds a TLS context for every client, loading the CA bundle: about 20 ms of CPU,
     which a test polling a daemon at 20 Hz turns into half a core."""
     return httpx.HTTPTransport(uds=uds, verify=False)
+
+
+def ctrl_c(proc: subprocess.Popen[Any], timeout: float = 15) -> int:
+    """SIGINT to `proc`, as a user's Ctrl-C, and its exit status once it ended. One that
+    does not end within `timeout` fails the test with what the kernel says of it (its
+    state, where it sleeps, its blocked and ignored signals), then is killed."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        seen = []
+        for name in ("status", "wchan", "stack"):
+            try:
+                text = Path(f"/proc/{proc.pid}/{name}").read_text()
+            except OSError as exc:
+                text = str(exc)
+            seen.append(f"{name}: {text}" if name != "status" else text)
+        proc.kill()
+        proc.wait()
+        raise AssertionError(
+            f"{' '.join(map(str, proc.args))} did not end within {timeout} s of SIGINT\n"
+            + "\n".join(seen)
+        ) from None
 
 
 def cli_env(**extra: str) -> dict[str, str]:

@@ -28,7 +28,7 @@ from supervisor.store import Store
 from tests.cli.test_client import cli_env, new_session, one_line, wait_for_a_turn
 from tests.conftest import PYTHON, REPO
 from tests.daemon import Daemon, daemons, events, wait_until
-from tests.support import free_port, run_turnkeeper
+from tests.support import ctrl_c, free_port, run_turnkeeper
 
 __all__ = ["daemons"]  # the fixture
 
@@ -240,8 +240,7 @@ def test_attach_reconnects_when_the_daemon_restarts(daemons: Daemons) -> None:
         assert sent.returncode == 0 and sent.stdout == "echo: after\n", sent.stderr
         printed += out.until(lambda line: "after" in line.split()[4:], 30)  # its user_message
         printed += out.until(lambda line: line.split()[3] == "turn_ended", 30)
-        attached.send_signal(signal.SIGINT)
-        assert attached.wait(timeout=15) == 0
+        assert ctrl_c(attached) == 0
         printed += out.rest().splitlines()
         assert err.rest() == ""  # one line when it lost the daemon, one when it was back
     finally:

@@ -24,7 +24,7 @@ from supervisor.http.auth import digest
 from supervisor.store import Store
 from tests.conftest import PYTHON, REPO, python_env, this_host_id
 from tests.daemon import Daemon, daemons, inject, turn_ended, wait_until
-from tests.support import run_turnkeeper
+from tests.support import ctrl_c, run_turnkeeper
 
 __all__ = ["daemons"]  # the fixture
 
@@ -307,8 +307,7 @@ class Follower:
 
     def interrupt(self) -> int:
         """Ctrl-C, as a user ends it."""
-        self.proc.send_signal(signal.SIGINT)
-        return self.proc.wait(timeout=10)
+        return ctrl_c(self.proc)
 
     def kill(self) -> None:
         if self.proc.poll() is None:

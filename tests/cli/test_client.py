@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import re
 import selectors
-import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -18,7 +17,7 @@ from supervisor.cli.client import Client, SseMessage, parse_sse
 from supervisor.contract.config import load_config
 from tests.conftest import PYTHON, REPO
 from tests.daemon import Daemon, cli_env, wait_until
-from tests.support import run_turnkeeper
+from tests.support import ctrl_c, run_turnkeeper
 
 SESSION_ID = re.compile(r"^[0-9a-f]{32}$")
 
@@ -220,7 +219,7 @@ def test_attach_prints_history_then_live_events_until_ctrl_c(daemon: Daemon) -> 
             "model_response",
             "turn_ended",
         ]
-        attached.send_signal(signal.SIGINT)
+        assert ctrl_c(attached) == 0
         _, err = attached.communicate(timeout=15)
     finally:
         if attached.poll() is None:
