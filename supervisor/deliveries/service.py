@@ -28,9 +28,7 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import Callable, Coroutine
-from typing import Any
-
-import httpx
+from typing import TYPE_CHECKING, Any
 
 from supervisor.contract.background import spawn
 from supervisor.contract.clock import SYSTEM, Clock
@@ -39,10 +37,14 @@ from supervisor.contract.delivery_targets import DeliveryTarget
 from supervisor.contract.logs import log
 from supervisor.core.vocabulary import AttemptOutcome, DeliveryKind, DeliveryStatus
 from supervisor.deliveries import rules
-from supervisor.deliveries.poster import Poster
 from supervisor.metrics import Metrics
 from supervisor.runtime.bus import Bus, Published
 from supervisor.runtime.loops import Wake, reconcile
+
+if TYPE_CHECKING:  # httpx is imported with the first delivery, not at every start
+    import httpx
+
+    from supervisor.deliveries.poster import Poster
 from supervisor.runtime.service import Service
 from supervisor.store import Outgoing, Store
 
@@ -86,7 +88,8 @@ class Courier(Service):
         self.in_flight: dict[str, set[asyncio.Task[None]]] = {}  # attempts, by target
         self.sending: set[str] = set()  # the deliveries those attempts carry
         self._finishing: set[asyncio.Future[bool]] = set()  # verdicts being written
-        self.poster = Poster(transport)
+        self._transport = transport
+        self._poster: Poster | None = None  # made at the first delivery (`poster`)
         self._claiming: asyncio.Future[list[Outgoing]] | None = None  # a claim's transaction
         self.on_finished: list[Finished] = []  # tests and benchmarks watch attempts
         self._wake = Wake()
@@ -111,6 +114,16 @@ class Courier(Service):
         """Look again now (an operator retried a delivery)."""
         self._wake.wake()
 
+    @property
+    def poster(self) -> Poster:
+        """The HTTP side, made when the first delivery goes out: a daemon with no target
+        never imports an HTTP client."""
+        if self._poster is None:
+            from supervisor.deliveries.poster import Poster
+
+            self._poster = Poster(self._transport)
+        return self._poster
+
     def reconfigure(self, config: Config) -> None:
         """A reload: passes read `config` from now on. If the targets' events changed, the
         next pass syncs them to their bound sessions (as at boot); the clients of targets
@@ -121,7 +134,8 @@ class Courier(Service):
         if _kinds(before) != _kinds(after):
             self._targets_seen += 1
         same = old.concurrency == new.concurrency
-        self.poster.retire([n for n, t in before.items() if not same or after.get(n) != t])
+        if self._poster is not None:
+            self._poster.retire([n for n, t in before.items() if not same or after.get(n) != t])
         self._wake.wake()
 
     # --- the loop -------------------------------------------------------------------
@@ -155,7 +169,8 @@ class Courier(Service):
         await asyncio.gather(*running, return_exceptions=True)
         try:  # bounded: the descendants' teardown comes after this, within its budget
             async with asyncio.timeout(SETTLE_CAP):
-                await self.poster.aclose()
+                if self._poster is not None:
+                    await self._poster.aclose()
                 if self._claiming is not None:  # a claim in flight commits anyway: its rows
                     await asyncio.gather(self._claiming, return_exceptions=True)
                 # A verdict being written commits anyway: a 2xx is kept, not sent again.
