@@ -43,7 +43,9 @@ class Cluster:
             daemon.start(wait=False)
         for daemon in self.daemons.values():
             wait_until(partial(_up_or_exited, daemon), 60, "a daemon of the cluster to be ready")
-            assert daemon.proc is not None and daemon.proc.poll() is None, daemon.log()
+            assert daemon.proc is not None, "not started"
+            code = daemon.proc.poll()
+            assert code is None, f"exited {code}\n{daemon.log()}"
         return self
 
     def __getitem__(self, host: str) -> Daemon:
