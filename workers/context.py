@@ -101,10 +101,15 @@ class Summary:
     @classmethod
     def of(cls, event: EventRecord) -> Summary | None:
         """The summary a `compaction` event holds; None for a malformed one."""
-        to_seq, text = event.payload.get("to_seq"), event.payload.get("summary")
+        return cls.of_payload(event.payload)
+
+    @classmethod
+    def of_payload(cls, payload: dict[str, Any]) -> Summary | None:
+        """The summary a `compaction` event's payload holds; None for a malformed one."""
+        to_seq, text = payload.get("to_seq"), payload.get("summary")
         if not isinstance(to_seq, int) or not isinstance(text, str):
             return None
-        return cls(text, to_seq, event.payload.get("method") == "dropped")
+        return cls(text, to_seq, payload.get("method") == "dropped")
 
     def message(self) -> Message:
         """The summary as the conversation's first message: a framework note."""

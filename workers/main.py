@@ -35,6 +35,7 @@ from workers.context import Settings, Window
 from workers.mcp_launch import launch_all
 from workers.models import make_model
 from workers.outage import Health
+from workers.prefetch import Prefetch
 from workers.restarting import TOOL as RESTART_TOOL
 from workers.restarting import RestartScope
 from workers.runner import SessionRunner
@@ -85,6 +86,7 @@ class Worker:
         self.spec = spec
         self.config = config
         self.runners: dict[str, SessionRunner] = {}
+        self._batch: Prefetch | None = None  # the first reads of the runners being made
         self._mcp_rows: dict[int, int] = {}
         self._stop = asyncio.Event()
         self.latency = control.Histogram(control.APPEND_BUCKETS)
@@ -264,6 +266,7 @@ class Worker:
                 compaction=Settings(
                     model.max_tokens, model.context_margin, model.compaction_prompt
                 ),
+                prefetch=self._prefetch(a),
             )
             self.runners[a.session] = runner
             if self.draining:
@@ -271,6 +274,21 @@ class Worker:
             runner.start()
         else:
             runner.reassign(a.token, a.reason, a.cause)
+
+    def _prefetch(self, a: control.Assignment) -> Prefetch:
+        """The batch that reads this session's row and log with those of every session
+        assigned with it: an `assign`'s sessions are assigned one after another with no
+        wait between, and the batch is read once they all are (`workers.prefetch`)."""
+        if self._batch is None:
+            self._batch = Prefetch(self.store)
+            asyncio.get_running_loop().call_soon(self._read_batch)
+        self._batch.add(a.session, a.token)
+        return self._batch
+
+    def _read_batch(self) -> None:
+        batch, self._batch = self._batch, None
+        if batch is not None:
+            batch.start()
 
     def _attempt_delays(self) -> tuple[float, ...]:
         """The schedule a runner continues its own turns on; with `recovery.auto_continue`

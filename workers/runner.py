@@ -33,7 +33,7 @@ from supervisor.core.continuation import attempts_charged
 from supervisor.core.engine import SessionView, Step
 from supervisor.core.recovery import ATTEMPT_DELAYS
 from supervisor.core.vocabulary import AssignReason, EventType, SessionKind, Writer
-from supervisor.store import Lease, LeaseLost, StorageUnavailable, Store
+from supervisor.store import Lease, LeaseLost, SessionInfo, StorageUnavailable, Store
 from workers import history, turns
 from workers.agent import Agent
 from workers.budget import Budget, spent_by
@@ -43,6 +43,7 @@ from workers.continuation import Continuer
 from workers.desk import Notify
 from workers.models import Message, Model
 from workers.outage import Health, Outage, outage_since
+from workers.prefetch import Prefetch
 from workers.restarting import Requester, RestartScope
 from workers.spawning import Limits, Spawner
 from workers.tasking import Kinds, Starter
@@ -87,6 +88,7 @@ class SessionRunner:
         health: Health | None = None,
         budgets: tuple[int, int] = (0, 0),
         clock: Clock = SYSTEM,
+        prefetch: Prefetch | None = None,
     ) -> None:
         self.session_id = session_id
         self.token = token
@@ -125,6 +127,10 @@ class SessionRunner:
         self._window = window if window is not None else Window(0)
         self._compaction = compaction or Settings(1024, 128, COMPACTION_PROMPT)
         self._log = SessionLog()  # the log as last read
+        # The first row and log, read with the rest of its `assign` (`workers.prefetch`);
+        # `_fresh` is that log, until the read after that row takes it.
+        self._prefetch = prefetch
+        self._fresh: SessionLog | None = None
         self._outage_budget = outage_budget
         self._budgets = budgets  # budget.turn_tokens, budget.session_tokens
         self._health = health
@@ -232,7 +238,7 @@ class SessionRunner:
     async def _run_available(self) -> None:
         while not self.released.is_set():
             token = self.token
-            info = await asyncio.to_thread(self._store.sessions.get, self.session_id)
+            info = await self._row()
             if self.token != token:
                 continue  # a newer assignment came during the read: the row may predate it
             step = engine.runner_step(SessionView.of(info), self.token, self.reason)
@@ -289,6 +295,16 @@ class SessionRunner:
             if info.kind == "autonomous":
                 await self._checkpoint()
 
+    async def _row(self) -> SessionInfo:
+        """The session row: the first time, as its `assign`'s batch read it (the log read
+        with it is then the next `_read`'s); else read now."""
+        prefetch, self._prefetch, self._fresh = self._prefetch, None, None
+        found = None if prefetch is None else await prefetch.first(self.session_id, self.token)
+        if found is None:
+            return await asyncio.to_thread(self._store.sessions.get, self.session_id)
+        info, self._fresh = found
+        return info
+
     async def _report(self) -> None:
         """A subagent's run is over: its outcome goes to its parent (the store decides,
         under its locks, whether it is over; the reconciler reports it if this worker dies
@@ -328,12 +344,16 @@ class SessionRunner:
         await self._commit(EventType.USER_MESSAGE, prompt, None, key=f"autonomous-resume:{at}")
 
     async def _read(self) -> SessionLog:
-        """The session's events: the cached log with the events committed after it, or the
-        whole log read anew (the first read under this token, after an eviction, or when
-        the seqs read do not follow on from the log's)."""
+        """The session's events: the log its `assign`'s batch read with the row just read,
+        the cached log with the events committed after it, or the whole log read anew (the
+        first read under this token, after an eviction, or when the seqs read do not follow
+        on from the log's)."""
         token = self.token
+        fresh, self._fresh = self._fresh, None
+        if fresh is not None and fresh.token == token:
+            self._history.put(self.session_id, fresh)  # read with the row just now
         log = self._history.get(self.session_id, token)
-        if log is not None:
+        if log is not None and log is not fresh:
             read = self._store.events.read
             new = await asyncio.to_thread(read, self.session_id, log.last_seq, READ_LIMIT)
             if not log.add(new):

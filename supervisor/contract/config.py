@@ -28,7 +28,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import ErrorDetails
 
 from supervisor.contract import paths
-from supervisor.contract.envvars import Sections, env_warnings, from_environ
+from supervisor.contract.envvars import Sections, env_warnings, from_environ, variable
 
 # Re-exported: most callers take the paths with the configuration.
 from supervisor.contract.paths import Paths as Paths
@@ -51,6 +51,16 @@ from supervisor.contract.sections import RecoveryConfig as RecoveryConfig
 from supervisor.contract.sections import ShutdownConfig as ShutdownConfig
 
 DEFAULT_PATH = Path("/etc/turnkeeper/turnkeeper.toml")
+
+# Keys of earlier versions whose meaning changed, and what replaced each: a file or a
+# variable that still names one is refused saying so (exit 78), so that no setting is
+# read with a meaning its author did not give it.
+REPLACED = {
+    "recovery.max_per_boot": (
+        "recovery.max_per_pass (the most one recovery pass continues; passes come every "
+        "recovery.pass_interval while interrupted sessions are left)"
+    ),
+}
 
 
 class ConfigError(Exception):
@@ -95,6 +105,10 @@ def load_config(path: str | None = None, environ: Mapping[str, str] | None = Non
     file = config_file(path, env)
     from_file = read_file(file) if file is not None else {}
     merged = {name: dict(v) if isinstance(v, dict) else v for name, v in from_file.items()}
+    for key, replacement in REPLACED.items():
+        name = variable(*key.split("."))
+        if name in env:
+            raise ConfigError(f"{name}: {key} was replaced by {replacement}")
     try:
         from_env, variables = from_environ(env, config_keys())
     except ValueError as exc:
@@ -165,7 +179,8 @@ def _describe(error: ErrorDetails) -> str:
     loc = (*error["loc"], *at)
     key = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc)[1:]
     if error["type"] == "extra_forbidden":
-        return f"{key}: unknown key"
+        replaced = REPLACED.get(key)
+        return f"{key}: unknown key" + (f"; replaced by {replaced}" if replaced else "")
     names = [part for part in loc if isinstance(part, str)]
     hidden = is_secret(names[-1]) or "env" in names[:-1]
     if error["type"] == "missing" or hidden:

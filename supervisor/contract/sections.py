@@ -236,7 +236,10 @@ class AttachConfig(_Section):
 class RecoveryConfig(_Section):
     auto_continue: bool = True
     freshness: PositiveSeconds = 3600.0
-    max_per_boot: Annotated[int, Field(ge=0)] = 10
+    # At most max_per_pass interrupted sessions a pass, a pass every pass_interval while
+    # some are left (`supervisor.core.pacing`): 100 are all continued 45 s after the boot scan.
+    max_per_pass: Annotated[int, Field(ge=0)] = 10
+    pass_interval: PositiveSeconds = 5.0
     retry_interval: PositiveSeconds = 300.0
     breaker_threshold: Annotated[int, Field(ge=1)] = 3
     breaker_window: PositiveSeconds = 300.0

@@ -311,19 +311,19 @@ def decide(
     raise AssertionError(f"no recovery rule matched {facts}")  # every tail class has a row
 
 
-def boot_scan_plan(candidates: Iterable[tuple[str, float]], max_per_boot: int) -> list[str]:
-    """The sessions the boot scan continues: oldest interruption first, at most `max_per_boot`.
+def boot_scan_plan(candidates: Iterable[tuple[str, float]], max_per_pass: int) -> list[str]:
+    """The sessions a scan continues: oldest interruption first, at most `max_per_pass`.
 
     `candidates` are (session_id, interrupted_at) of the sessions the scan would continue.
     The caller writes the plan to the boot row's `attempted` list before starting any; if
     that write fails, the scan does not run.
     """
-    if max_per_boot < 0:
-        raise ValueError(f"max_per_boot cannot be negative: {max_per_boot}")
+    if max_per_pass < 0:
+        raise ValueError(f"max_per_pass cannot be negative: {max_per_pass}")
     plan: list[str] = []
     seen: set[str] = set()
     for session_id, _ in sorted(candidates, key=lambda c: (c[1], c[0])):
-        if len(plan) >= max_per_boot:
+        if len(plan) >= max_per_pass:
             break
         if session_id not in seen:
             seen.add(session_id)

@@ -35,6 +35,7 @@ from supervisor.runtime.bus import Bus, HostsLost, Woken
 from supervisor.runtime.loops import QUIET, PassObserver
 from supervisor.runtime.service import Service
 from supervisor.store import Grant, SessionInfo, Store
+from supervisor.store import Granted as GrantedLease
 
 Send = Callable[..., bool]  # (worker, type, **fields) -> sent
 FULL_PASS = 5.0  # seconds between passes that read every session with work
@@ -354,7 +355,7 @@ class Ownership(Service):
 
     async def _assign_all(self, picks: list[Pick]) -> None:
         """Lease every picked session to its worker in ONE transaction, then tell each
-        worker its sessions in one message.
+        worker its sessions in one message, then log them.
 
         A continuation (`judged`) is charged in the same transaction, before its lease: a
         worker that dies at once has still used up the attempt. A charge no worker took is
@@ -384,13 +385,11 @@ class Ownership(Service):
                 self.config.lease.stale_after,
                 self.host + "/",
             )
-            refunds: list[Pick] = []
+            answers: list[tuple[Pick, GrantedLease, engine.AfterGrant]] = []
             by_worker: dict[WorkerHandle, list[dict[str, Any]]] = {}
             for p, granted in zip(picks, results, strict=True):
                 target = p.target
                 assert target is not None
-                if granted.raced:
-                    log("pool", session=p.info.id).debug("another daemon took it first")
                 after = engine.after_grant(
                     continuation=p.judged is not None,
                     leased=granted.lease is not None,
@@ -398,13 +397,7 @@ class Ownership(Service):
                     raced=granted.raced,
                     alive=target.alive,
                 )
-                if p.judged is not None:
-                    if after.then is Granted.SKIPPED:
-                        self.recovery.charge_skipped(p.judged)
-                    elif after.charged:
-                        self.recovery.charged(p.info, p.judged)
-                if after.then is Granted.REFUND:
-                    refunds.append(p)
+                answers.append((p, granted, after))
                 if after.then is not Granted.ASSIGN:
                     continue
                 assert granted.lease is not None
@@ -413,7 +406,6 @@ class Ownership(Service):
                 self.assigned[p.info.id] = target
                 self.tokens[p.info.id] = granted.lease.token
                 self.woken[p.info.id] = p.info.last_seq
-                self.recovery.assigned(p.info.id)
                 cause = p.judged.decision.cause if p.judged is not None else None
                 by_worker.setdefault(target, []).append(
                     {
@@ -423,9 +415,28 @@ class Ownership(Service):
                         "cause": cause,
                     }
                 )
+            for worker, assigned in by_worker.items():
+                self.send(worker, "assign", sessions=assigned)
+            # Recovery's books and the log lines after the messages: a dead worker's k
+            # sessions wait for none of the 2k lines.
+            refunds: list[Pick] = []
+            for p, granted, after in answers:
+                if granted.raced:
+                    log("pool", session=p.info.id).debug("another daemon took it first")
+                if p.judged is not None:
+                    if after.then is Granted.SKIPPED:
+                        self.recovery.charge_skipped(p.judged)
+                    elif after.charged:
+                        self.recovery.charged(p.info, p.judged)
+                if after.then is Granted.REFUND:
+                    refunds.append(p)
+                if after.then is not Granted.ASSIGN:
+                    continue
+                assert granted.lease is not None and p.target is not None
+                self.recovery.assigned(p.info.id)
                 log("pool", session=p.info.id).info(
                     "assigned to {} ({}, token {})",
-                    target.identity,
+                    p.target.identity,
                     p.reason.value,
                     granted.lease.token,
                 )
@@ -434,8 +445,6 @@ class Ownership(Service):
                 await self.recovery.refund(p.info, p.judged)
         finally:
             self.busy.difference_update(p.info.id for p in picks)
-        for worker, assigned in by_worker.items():
-            self.send(worker, "assign", sessions=assigned)
 
 
 def _announced(task: asyncio.Future[None]) -> None:

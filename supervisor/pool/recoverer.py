@@ -1,10 +1,11 @@
-"""Recovery at work: the breaker, the boot scan and the retry timer, and each decision
-carried out.
+"""Recovery at work: the breaker, the boot scan and the passes after it, and each
+decision carried out.
 
 The rules live in `supervisor.core` (pure code, tested on their own): `breaker`,
-`recovery` (the decision table), `tail` (how a turn stands) and `engine` (when the pool
-asks for a judgement). This module looks the facts up, asks those rules, does what they
-say and logs every decision under subsystem `recovery` with the session id and reason.
+`recovery` (the decision table), `pacing` (how many a pass continues, and when the next
+comes), `tail` (how a turn stands) and `engine` (when the pool asks for a judgement).
+This module looks the facts up, asks those rules, does what they say and logs every
+decision under subsystem `recovery` with the session id and reason.
 What it remembers of a session during a boot is one `engine.Memory` record, kept by
 `engine.Recollection` and changed only through its event methods.
 
@@ -12,11 +13,13 @@ Who triggers what:
 - the pool, when the engine plans a `Judge` (a worker of this boot died, a user message
   is queued, a request touched the session, or the boot scan or retry timer picked it);
 - the boot scan, once the HTTP listener is up: sessions interrupted before this boot that
-  nobody touches, oldest first, at most `max_per_boot`, written to the boot row first;
-- the retry timer, every `retry_interval`: the same guarded pass;
+  nobody touches, oldest first, at most `max_per_pass`, written to the boot row first;
+- the paced passes: while a pass left some, the next comes `pass_interval` after it, so
+  a backlog is worked off at `max_per_pass` a pass; else the retry timer's, every
+  `retry_interval`: the same guarded pass;
 - the breaker loop, every few seconds: re-reads the boot log, so the breaker clears when
-  the window drains or after `turnkeeper breaker reset`, and then runs the boot scan that
-  it suppressed.
+  the window drains or after `turnkeeper breaker reset`, and then has the pass that it
+  held back run at once.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from typing import Any
 from supervisor.contract.clock import SYSTEM, Clock
 from supervisor.contract.config import Config
 from supervisor.contract.logs import log
-from supervisor.core import breaker, engine, recovery
+from supervisor.core import breaker, engine, pacing, recovery
 from supervisor.core import breaker as breakers
 from supervisor.core.engine import Memory, SessionView
 from supervisor.core.notices import notice
@@ -95,19 +98,24 @@ class Recoverer(Service):
         # What this boot remembers of each session, and which a pass must read by id.
         self.recollection = engine.Recollection()
         self.attempted: list[str] = []  # this boot's `attempted` list, as written
-        self.scanned = False  # the boot scan ran (not suppressed)
+        # When the next boot scan or retry pass is due (monotonic time), and what wakes
+        # the loop that runs them (`_paced_loop`) when that changes.
+        self.pacer = pacing.Pacer(self.pace, clock.monotonic())
+        self.paced = Wake()
         # Set when recovery has work for the pool (picked sessions, a resumed run): the
         # pool's dispatch waits on it.
         self.wanted = asyncio.Event()
         self.runs = Resumer(store, metrics, self.clock, self.recollection.quieted, self.wanted)
         self.log = log("recovery")
         self._booted = False  # the boot scan has run (the breaker loop's first pass)
-        self._retry_armed = False  # the retry timer's first pass only rests
 
     def configure(self, config: Config) -> None:
         """Take `config`'s settings: at the start, and on a reload."""
         self.config = config
-        self.settings = config.recovery
+        self.settings = s = config.recovery
+        self.pace = pacing.Pace(s.max_per_pass, s.pass_interval, s.retry_interval)
+        if hasattr(self, "pacer"):  # a reload
+            self.pacer.reconfigure(self.pace)
         sub = config.subagents  # children are judged on their own freshness and attempts
         self.child_settings = subagents.Settings(
             config.recovery.auto_continue,
@@ -211,12 +219,12 @@ class Recoverer(Service):
         self.configure(config)
 
     def passes(self) -> dict[str, Coroutine[Any, Any, None]]:
-        """The boot scan (at once), the breaker loop and the retry timer."""
-        return {"recovery-breaker": self._breaker_loop(), "recovery-retry": self._retry_loop()}
+        """The boot scan (at once), the breaker loop and the paced passes."""
+        return {"recovery-breaker": self._breaker_loop(), "recovery-retry": self._paced_loop()}
 
     def _breaker_loop(self) -> Coroutine[Any, Any, None]:
-        """The boot scan at once; then the breaker read every BREAKER_CHECK, and the boot
-        scan once it lets go if it held the scan back."""
+        """The boot scan at once; then the breaker read every BREAKER_CHECK, and the pass
+        it held back run at once when it lets go."""
         return reconcile(
             "recovery-breaker",
             self._breaker_pass,
@@ -233,38 +241,47 @@ class Recoverer(Service):
             return BREAKER_CHECK
         was = self.breaker.tripped
         await asyncio.to_thread(self.evaluate_breaker)
-        if was and not self.breaker.tripped and not self.scanned:
-            await self.scan(Trigger.BOOT_SCAN)
+        if was and not self.breaker.tripped:
+            self.pacer.cleared(self.timer.monotonic())
+            self.paced.wake()
         return BREAKER_CHECK
 
-    def _retry_loop(self) -> Coroutine[Any, Any, None]:
-        """A scan every `recovery.retry_interval` (the first one interval after boot)."""
+    def _paced_loop(self) -> Coroutine[Any, Any, None]:
+        """The passes after the boot scan, when `supervisor.core.pacing` says: the next of
+        a backlog `recovery.pass_interval` after the last, else the retry timer's every
+        `recovery.retry_interval` (the first one interval after boot)."""
         return reconcile(
             "recovery-retry",
-            self._retry_pass,
+            self._paced_pass,
             interval=lambda: self.settings.retry_interval,
-            wake=Wake(),
+            wake=self.paced,
             clock=self.timer,
             observer=self.metrics,
         )
 
-    async def _retry_pass(self) -> float:
-        if self._retry_armed:
-            await self.scan(Trigger.RETRY_TIMER)
-        self._retry_armed = True
-        return self.settings.retry_interval
+    async def _paced_pass(self) -> float:
+        if self.pacer.is_due(self.timer.monotonic()):
+            await self.scan(self.pacer.trigger)
+        return self.pacer.due_in(self.timer.monotonic())
 
     # --- the guarded pass -----------------------------------------------------------
 
     async def scan(self, trigger: Trigger, only: Collection[str] | None = None) -> None:
         """Judge every interrupted session nobody is running (or of `only`); continue the
-        oldest few. Subagents' turns are `Trigger.SUBAGENT_RESUME`'s alone."""
+        oldest few. Subagents' turns are `Trigger.SUBAGENT_RESUME`'s alone. A boot scan or
+        retry pass tells the pace what it left and what the breaker held back."""
+        started = self.timer.monotonic()
         try:
-            await self._scan(trigger, only)
+            left, held = await self._scan(trigger, only)
         except Exception:
             self.log.exception("{} failed; the retry timer tries again", trigger.value)
+            left, held = 0, 0
+        if trigger in (Trigger.BOOT_SCAN, Trigger.RETRY_TIMER):
+            self.pacer.ran(trigger, started, left=left, held=held)
+            self.paced.wake()
 
-    async def _scan(self, trigger: Trigger, only: Collection[str] | None) -> None:
+    async def _scan(self, trigger: Trigger, only: Collection[str] | None) -> tuple[int, int]:
+        """One pass; (sessions left past the cap, sessions and runs the breaker held)."""
         read = self.store.sessions.with_work if only is None else self.store.sessions.some
         sessions = await asyncio.to_thread(read, *(() if only is None else (only,)))
         children = trigger is Trigger.SUBAGENT_RESUME
@@ -280,11 +297,9 @@ class Recoverer(Service):
         judged = list(zip([i for i, _ in targets], await self.judge_all(targets), strict=True))
         held = 0 if children else await self.runs.resume(trigger, self.breaker.tripped)
         continuing = [(i.id, j.facts.interrupted_at) for i, j in judged if j.decision.charged]
-        cap = self.config.subagents.max_per_boot if children else self.settings.max_per_boot
+        cap = self.config.subagents.max_per_boot if children else self.pace.max_per_pass
         plan = recovery.boot_scan_plan(continuing, cap)
         suppressed = sum(1 for _, j in judged if j.decision.suppressed)
-        if trigger is Trigger.BOOT_SCAN and not suppressed and not held:
-            self.scanned = True
         if plan:
             try:
                 await asyncio.to_thread(
@@ -298,7 +313,7 @@ class Recoverer(Service):
                     exc,
                     len(plan),
                 )
-                return
+                return 0, 0
             self.attempted += plan
         self.recollection.picked(plan, trigger)
         for info, j in judged:
@@ -307,6 +322,11 @@ class Recoverer(Service):
             elif not j.decision.charged:
                 await self.carry_out(info, j)
         left = len(continuing) - len(plan)
+        later = (
+            "the next pass (subagents.max_per_boot)"
+            if children
+            else f"the next pass in {self.pace.pass_interval:g} s (recovery.max_per_pass)"
+        )
         # The boot scan always says what it found; a timer that finds nothing is quiet.
         idle = trigger is not Trigger.BOOT_SCAN and not judged and not held
         (log("subagents") if children else self.log).log(
@@ -315,11 +335,12 @@ class Recoverer(Service):
             trigger.value,
             len(judged),
             len(plan),
-            f", {left} left for first touch or the retry timer (max_per_boot)" if left else "",
+            f", {left} left for {later}" if left else "",
             f", {suppressed} suppressed by the breaker" if suppressed else "",
         )
         if plan:
             self.wanted.set()
+        return left, suppressed + held
 
     def touch(self, session_id: str) -> bool:
         """A request touched the session (first touch); True the first time."""
@@ -453,9 +474,9 @@ class Recoverer(Service):
 
 
 class RecoveryPasses(Service):
-    """Recovery's passes: the boot scan, the breaker loop and the retry timer. Started
-    after the HTTP listener (an interrupted turn goes on as soon as one worker is ready),
-    stopped first."""
+    """Recovery's passes: the boot scan, the breaker loop and the paced passes (a backlog's
+    and the retry timer's). Started after the HTTP listener (an interrupted turn goes on as
+    soon as one worker is ready), stopped first."""
 
     name = "recovery-passes"
     needs = ("recovery",)

@@ -16,6 +16,7 @@ import contextlib
 import json
 import queue
 import threading
+from collections.abc import Mapping
 from concurrent.futures import Future
 from typing import Any
 
@@ -24,7 +25,7 @@ import peewee
 from supervisor.core.context_use import context_use
 from supervisor.core.vocabulary import EventType
 from supervisor.store.appends import Known, Outcome, write_batch, write_events
-from supervisor.store.db import run_append
+from supervisor.store.db import chunks, run_append
 from supervisor.store.errors import StorageUnavailable, StoreError
 from supervisor.store.events import (
     EVENT_TYPES,
@@ -157,6 +158,22 @@ class EventLog:
         """Events with seq > `after`, oldest first, at most `limit`: one prebuilt statement."""
         cursor = self._db.execute_sql(self._sql.read_after, (session_id, after, limit))
         return [_row_record(session_id, row) for row in cursor.fetchall()]
+
+    def logs(self, after: Mapping[str, int]) -> dict[str, list[EventRecord]]:
+        """Each session's events with seq > `after[session]`, oldest first: several
+        sessions' logs in one query (per `IN_MAX` of them), by session."""
+        found: dict[str, list[EventRecord]] = {sid: [] for sid in after}
+        p = self._db.param
+        for part in chunks(list(after)):
+            whole = [sid for sid in part if after[sid] <= 0]
+            ranges = [(sid, after[sid]) for sid in part if after[sid] > 0]
+            where = [f"session_id IN ({', '.join([p] * len(whole))})"] if whole else []
+            where += [f"(session_id = {p} AND seq > {p})"] * len(ranges)
+            params = [*whole, *(value for pair in ranges for value in pair)]
+            query = f"{self._sql.read_logs} WHERE {' OR '.join(where)} ORDER BY session_id, seq"
+            for sid, *row in self._db.execute_sql(query, params).fetchall():
+                found[sid].append(_row_record(sid, tuple(row)))
+        return found
 
     def tail(self, session_id: str, count: int) -> list[EventRecord]:
         """The last `count` events, oldest first; an index range scan, not a log scan."""

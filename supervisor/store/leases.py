@@ -10,7 +10,7 @@ import peewee
 from peewee import fn
 
 from supervisor.core.vocabulary import SessionStatus
-from supervisor.store.db import chunks, db_now, now_sql, run_write
+from supervisor.store.db import DRIVER_ERRORS, backend, chunks, db_now, now_sql, run_write
 from supervisor.store.errors import LeaseLost, SessionNotFound
 from supervisor.store.models import Host as HostRow
 from supervisor.store.models import Session
@@ -51,11 +51,54 @@ class Granted:
     raced: bool = False
 
 
+class _GrantSql:
+    """The statements of a grant, built once per store: the rows read (on a server,
+    locked in id order), the leases taken, the tokens read back."""
+
+    def __init__(self, db: peewee.Database) -> None:
+        p, q, now = db.param, db.quote, now_sql(db).sql
+        self._session = f"{q[0]}session{q[1]}"
+        self._lock = "" if backend(db) == "sqlite" else " FOR UPDATE"  # SQLite: BEGIN IMMEDIATE
+        self._now = now
+        self._update = (
+            f"UPDATE {self._session} SET owner = {p}, lease_token = lease_token + 1, "
+            f"lease_expires_at = {now} + {p}, attempt_turn_id = {p}, attempt_count = {p} "
+            f"WHERE id = {p} AND lease_token = {p}"
+        )
+        self._p = p
+
+    def read(self, db: peewee.Database, ids: Sequence[str]) -> list[tuple[Any, ...]]:
+        """(id, status, active_turn_id, attempt_turn_id, attempt_count, owner,
+        lease_token, lease_expires_at, whether it ran out) of each session there is."""
+        marks = ", ".join([self._p] * len(ids))
+        query = (
+            "SELECT id, status, active_turn_id, attempt_turn_id, attempt_count, owner, "
+            f"lease_token, lease_expires_at, lease_expires_at < {self._now} "
+            f"FROM {self._session} WHERE id IN ({marks}) ORDER BY id{self._lock}"
+        )
+        return list(db.execute_sql(query, tuple(ids)).fetchall())
+
+    def take(self, db: peewee.Database, rows: list[tuple[Any, ...]]) -> None:
+        """Each lease: (owner, ttl, attempt turn, attempt count, id, token read)."""
+        cursor = db.cursor()
+        with DRIVER_ERRORS:
+            cursor.executemany(self._update, rows)
+
+    def tokens(self, db: peewee.Database, ids: Sequence[str]) -> list[tuple[Any, ...]]:
+        """(id, lease_token, lease_expires_at) of each session there is."""
+        marks = ", ".join([self._p] * len(ids))
+        query = (
+            f"SELECT id, lease_token, lease_expires_at FROM {self._session} WHERE id IN ({marks})"
+        )
+        return list(db.execute_sql(query, tuple(ids)).fetchall())
+
+
 class Leases:
     """Acquire, renew and release session leases; expiry is judged by the database clock."""
 
     def __init__(self, db: peewee.Database) -> None:
         self._db = db
+        self._grant_sql = _GrantSql(db)
 
     def acquire(
         self, session_id: str, owner: str, ttl: float, *, force: bool = False
@@ -92,79 +135,66 @@ class Leases:
         self, grants: Sequence[Grant], ttl: float, host_prefix: str | None = None
     ) -> list[Granted]:
         """Take many leases, charging continuation attempts first, in ONE transaction: a
-        batch of assignments, or a dead worker's k sessions, costs one commit, not k. A
-        closed or deleted session gets no lease. Results in order.
+        batch of assignments, or a dead worker's k sessions, costs one commit, not k, and
+        three statements whatever k (`_GrantSql`): the rows read, locked in id order
+        (SQLite: the write lock itself), the leases taken by one `executemany`, the new
+        tokens read back. A closed or deleted session gets no lease. Results in order.
 
         A claim, safe with several daemons on the database: a grant with `expect` takes
         the lease only if its token is still the one planned on, and with `host_prefix`
         only if the lease is free, ran out, or is held by this host ("<host>/"); else it
-        is `raced`. Both are conditions of the UPDATE itself, judged on the row as it is
-        when the row lock is held, never on an earlier read.
+        is `raced`. Both are judged on the row as it is while its lock is held, never on
+        an earlier read, and the UPDATE itself is a compare-and-set on the token so read.
         """
-        now = now_sql(self._db)
-        ids = [g.session_id for g in grants]
+        ids = sorted({g.session_id for g in grants})
+        sql = self._grant_sql
 
         def work() -> list[Granted]:
-            rows = {
-                row.id: row
-                for part in chunks(ids)
-                for row in Session.select(
-                    Session.id,
-                    Session.status,
-                    Session.active_turn_id,
-                    Session.attempt_turn_id,
-                    Session.attempt_count,
-                ).where(Session.id.in_(part))
-            }
-            taken: dict[str, int | None] = {}  # leased: the attempt count charged, if any
-            moved_on: set[str] = set()
-            raced: set[str] = set()
-            for g in grants:
+            rows = {row[0]: row for part in chunks(ids) for row in sql.read(self._db, part)}
+            results: list[Granted | None] = [None] * len(grants)
+            taking: dict[str, tuple[int, int, int | None]] = {}  # index, token read, charged
+            updates: list[tuple[Any, ...]] = []
+            for i, g in enumerate(grants):
                 row = rows.get(g.session_id)
-                if row is None or row.status == SessionStatus.CLOSED:
+                if row is None or row[1] == SessionStatus.CLOSED:
+                    results[i] = Granted(None)
                     continue
-                charge: dict[str, Any] = {}
+                _, _, active, attempt_turn, attempt_count, owner, token, expires, expired = row
+                attempt = (attempt_turn, attempt_count)
                 if g.charge is not None:
-                    if row.active_turn_id != g.charge:
-                        moved_on.add(g.session_id)
+                    if active != g.charge:
+                        results[i] = Granted(None, moved_on=True)
                         continue
-                    same = row.attempt_turn_id == g.charge
-                    count = (row.attempt_count if same else 0) + 1
-                    charge = {"attempt_turn_id": g.charge, "attempt_count": count}
-                update = Session.update(
-                    owner=g.owner,
-                    lease_token=Session.lease_token + 1,
-                    lease_expires_at=now + ttl,
-                    **charge,
-                ).where(Session.id == g.session_id)
-                if g.expect is not None:
-                    update = update.where(Session.lease_token == g.expect)
-                if g.charge is not None:  # judged on a read: the turn must still be the one
-                    update = update.where(Session.active_turn_id == g.charge)
-                if host_prefix is not None:
-                    update = update.where(
-                        Session.owner.is_null()
-                        | Session.owner.startswith(host_prefix)
-                        | Session.lease_expires_at.is_null()
-                        | (Session.lease_expires_at < now)
-                    )
-                if update.execute() == 0:
-                    raced.add(g.session_id)
+                    attempt = (g.charge, (attempt_count if attempt_turn == g.charge else 0) + 1)
+                free = (
+                    owner is None
+                    or expires is None
+                    or bool(expired)
+                    or (host_prefix is not None and str(owner).startswith(host_prefix))
+                )
+                if (
+                    g.session_id in taking  # twice in one batch: the first takes it
+                    or (g.expect is not None and token != g.expect)
+                    or (host_prefix is not None and not free)
+                ):
+                    results[i] = Granted(None, raced=True)
                     continue
-                taken[g.session_id] = charge.get("attempt_count")
-            tokens = {
-                row.id: (int(row.lease_token), float(row.lease_expires_at or 0.0))
-                for part in chunks(list(taken))
-                for row in Session.select(
-                    Session.id, Session.lease_token, Session.lease_expires_at
-                ).where(Session.id.in_(part))
+                charged = attempt[1] if g.charge is not None else None
+                taking[g.session_id] = (i, int(token), charged)
+                updates.append((g.owner, ttl, *attempt, g.session_id, token))
+            if updates:
+                sql.take(self._db, updates)
+            taken = {
+                row[0]: row for part in chunks(list(taking)) for row in sql.tokens(self._db, part)
             }
-            return [
-                Granted(Lease(g.session_id, g.owner, *tokens[g.session_id]), taken[g.session_id])
-                if g.session_id in taken
-                else Granted(None, moved_on=g.session_id in moved_on, raced=g.session_id in raced)
-                for g in grants
-            ]
+            for session_id, (i, token, charged) in taking.items():
+                row = taken.get(session_id)
+                if row is None or int(row[1]) != token + 1:  # the compare-and-set failed
+                    results[i] = Granted(None, raced=True)
+                    continue
+                owner = grants[i].owner
+                results[i] = Granted(Lease(session_id, owner, int(row[1]), float(row[2])), charged)
+            return [r if r is not None else Granted(None) for r in results]
 
         return run_write(self._db, work)
 

@@ -5,6 +5,7 @@ Their access control lists are in `acl.py`, their leases in `leases.py`.
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Collection
 from typing import Any
@@ -46,6 +47,24 @@ class Sessions:
         columns = [getattr(Session, name) for name in INFO_FIELDS]
         query = Session.select(*columns).where(Session.id == "").bind(db)
         self._get_sql: str = query.sql()[0]
+        q = db.quote
+        names = ", ".join(
+            f"s.{q[0]}{Session._meta.fields[n].column_name}{q[1]}" for n in INFO_FIELDS
+        )
+        newest = (
+            f"SELECT c.payload FROM {q[0]}event{q[1]} c WHERE c.session_id = s.id "
+            f"AND c.type = {db.param} ORDER BY c.seq DESC LIMIT 1"
+        )
+        self._opening_sql = f"SELECT {names}, ({newest}) FROM {q[0]}session{q[1]} s WHERE s.id IN "
+        # Read off the index of (pending, status, updated_at), in its order.
+        self._needing_sql = (
+            f"SELECT {names} FROM {q[0]}session{q[1]} s WHERE s.pending = {db.param} "
+            f"AND s.status = {db.param} ORDER BY s.updated_at, s.id LIMIT {db.param}"
+        )
+        self._some_sql = (
+            f"SELECT {names} FROM {q[0]}session{q[1]} s WHERE s.status = {db.param} "
+            f"AND (s.pending = {db.param} OR s.active_turn_id IS NOT NULL) AND s.id IN "
+        )
 
     def create(
         self,
@@ -115,9 +134,21 @@ class Sessions:
         found = self._db.execute_sql(self._get_sql, (session_id,)).fetchone()
         if found is None:
             raise SessionNotFound(session_id)
-        values = dict(zip(INFO_FIELDS, found, strict=True))
-        values["pending"] = bool(values["pending"])
-        return SessionInfo(**values)
+        return _info(found)
+
+    def opening(self, session_ids: Collection[str]) -> dict[str, tuple[SessionInfo, Any]]:
+        """These sessions (those that exist), each with the payload of its newest
+        `compaction` event (None: it has none), by id: what a worker reads first of the
+        sessions one `assign` hands it, in one query (per `IN_MAX` of them)."""
+        found: dict[str, tuple[SessionInfo, Any]] = {}
+        for part in chunks(list(session_ids)):
+            marks = ", ".join([self._db.param] * len(part))
+            query = f"{self._opening_sql}({marks})"
+            params = (EventType.COMPACTION.value, *part)
+            for row in self._db.execute_sql(query, params).fetchall():
+                info, compaction = _info(row[:-1]), row[-1]
+                found[info.id] = (info, None if compaction is None else json.loads(compaction))
+        return found
 
     def with_work(self, limit: int = 1000) -> list[SessionInfo]:
         """Open sessions that need a turn (pending input) or have a turn in flight.
@@ -142,24 +173,18 @@ class Sessions:
     def needing_turns(self, limit: int = 1000) -> list[SessionInfo]:
         """Open sessions with pending input, oldest first: read in order off the index of
         (pending, status, updated_at), so it costs what it returns."""
-        query = (
-            Session.select()
-            .where((Session.pending == True) & (Session.status == SessionStatus.OPEN))  # noqa: E712
-            .order_by(Session.updated_at, Session.id)
-            .limit(limit)
-        )
-        return [info_of(row) for row in query]
+        params = (True, SessionStatus.OPEN.value, limit)
+        return [_info(row) for row in self._db.execute_sql(self._needing_sql, params).fetchall()]
 
     def some(self, session_ids: Collection[str]) -> list[SessionInfo]:
-        """The open ones of these sessions that have work (pending, or a turn in flight)."""
+        """The open ones of these sessions that have work (pending, or a turn in flight):
+        one prebuilt statement per `IN_MAX` of them, no model instance per row."""
         rows: list[SessionInfo] = []
         for part in chunks(list(session_ids)):
-            query = Session.select().where(
-                Session.id.in_(part)
-                & (Session.status == SessionStatus.OPEN)
-                & (Session.pending | Session.active_turn_id.is_null(False))
-            )
-            rows += [info_of(row) for row in query]
+            marks = ", ".join([self._db.param] * len(part))
+            query = f"{self._some_sql}({marks})"
+            params = (SessionStatus.OPEN.value, True, *part)
+            rows += [_info(row) for row in self._db.execute_sql(query, params).fetchall()]
         return rows
 
     def many(self, session_ids: Collection[str]) -> dict[str, SessionInfo]:
@@ -372,3 +397,10 @@ class Sessions:
         if principal is not None:
             query = query.join(SessionACL).where(SessionACL.principal == principal)
         return [info_of(row) for row in query]
+
+
+def _info(row: tuple[Any, ...]) -> SessionInfo:
+    """A row of the `INFO_FIELDS` columns, in that order, as a `SessionInfo`."""
+    values = dict(zip(INFO_FIELDS, row, strict=True))
+    values["pending"] = bool(values["pending"])
+    return SessionInfo(**values)

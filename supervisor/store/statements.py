@@ -83,6 +83,11 @@ class Sql:
             f"FROM {q[0]}event{q[1]} WHERE session_id = {p}"
         )
         self.read_after = f"{read} AND seq > {p} ORDER BY seq LIMIT {p}"
+        # Several sessions' logs: the caller adds the WHERE and the ORDER BY.
+        self.read_logs = (
+            "SELECT session_id, seq, type, turn_id, payload, created_at, writer, lease_token "
+            f"FROM {q[0]}event{q[1]}"
+        )
         self.read_last = f"{read} ORDER BY seq DESC LIMIT {p}"
         self.read_last_of = f"{read} AND type = {p} ORDER BY seq DESC LIMIT 1"
         self.count_of = (

@@ -12,10 +12,10 @@ state dir per scenario:
 - `stored_sessions`: `--sessions` (100,000) sessions written into the database before
   the start (`scale_seed.seed`), `--interrupted` (1,000) of them with a turn in flight of
   an earlier boot of this host (a user message, `turn_started`, a lease that ran out),
-  the others with one completed turn. The boot scan continues `recovery.max_per_boot`
-  (10) of them; the others stay interrupted, left for a first touch or the retry timer,
-  which the full pass (every 5 s) reads; the 0.25 s pass reads only the index of
-  sessions with input pending.
+  the others with one completed turn. Recovery's passes continue none of them
+  (`recovery.max_per_pass = 0`: else they would be continued 10 every 5 s, which is work,
+  not idling); they stay interrupted, left for a first touch, which the full pass (every
+  5 s) reads; the 0.25 s pass reads only the index of sessions with input pending.
 
 A run waits until the daemon is ready (and, with stored sessions, until the boot scan
 logged what it found), then `--settle` seconds, then reads the CPU time (user + system)
@@ -87,7 +87,12 @@ def sleepers(count: int) -> list[subprocess.Popen[bytes]]:
 
 def run(root: Path, name: str, args: argparse.Namespace, seconds: float) -> dict[str, Any]:
     """One scenario on a fresh state dir."""
-    daemon = Daemon(root, pool=shipped_pool(), agent={"class": "tests.agents:ChaosAgent"})
+    daemon = Daemon(
+        root,
+        pool=shipped_pool(),
+        agent={"class": "tests.agents:ChaosAgent"},
+        recovery={"max_per_pass": 0},  # the interrupted sessions wait for a first touch
+    )
     figures: dict[str, Any] = {}
     if name == "stored_sessions":
         figures["sessions"], figures["interrupted"] = args.sessions, args.interrupted

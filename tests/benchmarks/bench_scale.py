@@ -19,9 +19,9 @@ time of a process, in 10 ms ticks.
     `continuation` (or `turn_ended`) stamped after the kill. k = N / k = 1. Target <= 3x.
  3. `backlog`: a new session's first reply (inject -> `model_response`, median of
     `--first-replies` new sessions, one after another) on a daemon whose database holds
-    `--backlog` sessions with an interrupted turn waiting for a first touch (of an
-    earlier boot of this host, a minute old) / on an empty one. Target <= 2x; no reply
-    within `--backlog-timeout` is not met.
+    `--backlog` sessions with an interrupted turn of an earlier boot of this host, a
+    minute old (recovery's passes work them off meanwhile, 10 every 5 s) / on an empty
+    one. Target <= 2x; no reply within `--backlog-timeout` is not met.
  4. `idle_cpu`: the idle supervisor's CPU (% of a core, over `--idle-seconds`,
     `bench_idle.measure`) as the machine is, with `--extra-processes` more `sleep`
     processes, and on a database of `--stored` sessions of which `--stored-interrupted`

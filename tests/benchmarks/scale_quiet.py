@@ -62,7 +62,9 @@ async def idle_cpu(root: Path, opts: argparse.Namespace) -> dict[str, Any]:
 
     found |= await with_daemon(ScaleDaemon(root / "idle"), plain)
 
-    stored = ScaleDaemon(root / "idle-stored")
+    # The interrupted sessions wait for a first touch: recovery's passes would otherwise
+    # continue them, 10 every 5 s, which is work, not idling.
+    stored = ScaleDaemon(root / "idle-stored", recovery={"max_per_pass": 0})
     seeded = await asyncio.to_thread(
         scale_seed.seed,
         stored.db_path,

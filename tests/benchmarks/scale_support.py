@@ -98,6 +98,7 @@ class ScaleDaemon:
         agent: str = AgentConfig().class_,
         delay: float = 0.0,
         model: dict[str, Any] | None = None,
+        recovery: dict[str, Any] | None = None,
     ) -> None:
         self.port = free_port()
         self.pool = shipped_pool(workers, spare)
@@ -107,7 +108,7 @@ class ScaleDaemon:
             pool=self.pool,
             agent={"class": agent},
             model={"provider": "echo", "delay": delay, **(model or {})},
-            recovery={"attempt_delays": list(RecoveryConfig().attempt_delays)},
+            recovery={"attempt_delays": list(RecoveryConfig().attempt_delays), **(recovery or {})},
         )
         self.base = f"http://127.0.0.1:{self.port}"
         self.token = ""

@@ -299,7 +299,14 @@ def test_variables_without_a_section_separator_are_ignored() -> None:
         ("[delivery]\nmax_age = -86400\n", "delivery.max_age: Input should be greater than 0"),
         ('[delivery]\nmax_age = "a day"\n', "delivery.max_age: Input should be a valid number"),
         ("[delivery]\nmax_attempts = -1\n", "delivery.max_attempts"),
-        ("[recovery]\nmax_per_boot = -1\n", "recovery.max_per_boot"),
+        ("[recovery]\nmax_per_pass = -1\n", "recovery.max_per_pass"),
+        ("[recovery]\npass_interval = 0\n", "recovery.pass_interval"),
+        (
+            "[recovery]\nmax_per_boot = 10\n",
+            "recovery.max_per_boot: unknown key; replaced by recovery.max_per_pass (the most "
+            "one recovery pass continues; passes come every recovery.pass_interval while "
+            "interrupted sessions are left)",
+        ),
         ("[recovery]\nbreaker_threshold = 0\n", "recovery.breaker_threshold"),
         ('[recovery]\nauto_continue = "perhaps"\n', "recovery.auto_continue"),
         (
@@ -621,6 +628,22 @@ def test_cli_bad_environment_variable(tmp_path: Path) -> None:
     line = one_error_line(run_cli("config", "show", env=env, home=tmp_path))
     assert "pool.workers" in line
     assert "TURNKEEPER_POOL__WORKERS" in line
+
+
+def test_an_old_config_naming_recovery_max_per_boot_does_not_start(tmp_path: Path) -> None:
+    """Its meaning changed (10 at the boot, the rest at the retry timer; now 10 a pass, a
+    pass every 5 s): `run` refuses it in one line naming the key and what replaced it."""
+    path = write(tmp_path, "[recovery]\nmax_per_boot = 10\n")
+    line = one_error_line(run_cli("--config", path, "run", home=tmp_path))
+    assert "recovery.max_per_boot: unknown key; replaced by recovery.max_per_pass" in line
+    assert line.endswith(f"[file {path}]")
+    env = {"TURNKEEPER_CONFIG": str(EXAMPLE), "TURNKEEPER_RECOVERY__MAX_PER_BOOT": "10"}
+    line = one_error_line(run_cli("run", env=env, home=tmp_path))
+    assert line.endswith(
+        "TURNKEEPER_RECOVERY__MAX_PER_BOOT: recovery.max_per_boot was replaced by "
+        "recovery.max_per_pass (the most one recovery pass continues; passes come every "
+        "recovery.pass_interval while interrupted sessions are left)"
+    )
 
 
 def test_cli_missing_file(tmp_path: Path) -> None:

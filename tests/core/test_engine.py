@@ -493,7 +493,7 @@ def test_scan_targets(row: dict[str, Any], memory: Memory | None, expected: Trig
     assert found == ([(session, expected)] if expected else [])
 
 
-def test_the_boot_scan_continues_at_most_max_per_boot_of_what_it_finds() -> None:
+def test_the_boot_scan_continues_at_most_max_per_pass_of_what_it_finds() -> None:
     from supervisor.core.recovery import boot_scan_plan
 
     sessions = [

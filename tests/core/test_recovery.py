@@ -347,7 +347,7 @@ def test_boot_scan_plan(candidates: list[tuple[str, float]], cap: int, plan: lis
 
 
 def test_boot_scan_refuses_a_negative_cap() -> None:
-    with pytest.raises(ValueError, match="max_per_boot"):
+    with pytest.raises(ValueError, match="max_per_pass"):
         boot_scan_plan([], -1)
 
 

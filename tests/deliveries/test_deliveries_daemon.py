@@ -53,7 +53,7 @@ def test_every_answer_is_delivered_once_in_order_through_failures_and_three_sigk
         {"hook": hook},
         timeout=CLAIMED,
         delivery={"max_attempts": 100},
-        recovery={"max_per_boot": 50},  # every interrupted turn is continued at the boot
+        recovery={"max_per_pass": 50},  # every interrupted turn is continued at the boot
         **server,
     )
     if server:

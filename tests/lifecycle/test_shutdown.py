@@ -242,8 +242,8 @@ def test_sigterm_with_20_turns_in_flight_and_a_client_injecting(
     daemons: Daemons, tmp_path: Path
 ) -> None:
     socket = tmp_path / "api.sock"
-    # All 20 interrupted sessions are continued by the boot scan (10 by default).
-    daemon = daemons(http={"listen": f"unix:{socket}"}, recovery={"max_per_boot": 20}).start()
+    # All 20 interrupted sessions are continued by the boot scan (10 a pass by default).
+    daemon = daemons(http={"listen": f"unix:{socket}"}, recovery={"max_per_pass": 20}).start()
     client = daemon.client()
     sessions = [client.post("/v1/sessions", json={}).json()["id"] for _ in range(20)]
     gate = tmp_path / "gate"  # the turns are held in flight until the daemon has stopped

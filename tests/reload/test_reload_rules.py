@@ -63,6 +63,7 @@ def test_the_same_configuration_changes_nothing() -> None:
         ("recovery", "auto_continue", False, "workers"),
         ("recovery", "breaker_threshold", 9, "live"),
         ("recovery", "retry_interval", 9.0, "live"),
+        ("recovery", "pass_interval", 1.0, "live"),
         ("http", "max_streams_per_principal", 2, "live"),
         ("http", "read_timeout", 9.0, "restart"),  # the listener's head timeout too
         ("subagents", "freshness", 60.0, "live"),
@@ -99,7 +100,8 @@ EXPECTED: dict[str, str] = {
     "live": """http.max_streams_per_principal auth.tokens_file auth.metrics_public
         auth.max_open_sessions_per_principal pool.workers
         pool.spare pool.hang_timeout shutdown.drain_budget shutdown.subagent_drain
-        recovery.freshness recovery.max_per_boot recovery.retry_interval
+        recovery.freshness recovery.max_per_pass recovery.pass_interval
+        recovery.retry_interval
         recovery.breaker_threshold recovery.breaker_window subagents.freshness
         subagents.max_recoveries subagents.max_per_boot subagents.reconcile_interval
         tasks.keep tasks.max_output tasks.kill_grace tasks.reconcile_interval tasks.lost_grace
@@ -234,7 +236,7 @@ EDITS: list[tuple[tuple[str, str], Any]] = [
     (("store", "synchronous"), "normal"),
     (("lease", "stale_after"), 90.0),
     (("log", "level"), "DEBUG"),
-    (("recovery", "max_per_boot"), 3),
+    (("recovery", "max_per_pass"), 3),
     (("shutdown", "kill_grace"), 1.0),
     (("agent", "allowed"), ["tests.agents:ChaosAgent"]),
 ]

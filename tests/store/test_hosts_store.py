@@ -86,6 +86,56 @@ def test_a_grant_is_a_claim_on_the_token_it_was_planned_on(store: Store) -> None
     assert adopted.lease is not None and adopted.lease.token == 3
 
 
+def test_a_batch_grant_judges_each_lease_as_it_would_alone(store: Store) -> None:
+    """One transaction, three statements whatever the batch: each grant still gets its own
+    answer, in order, and only the ones it names are taken."""
+    (free, other, charged, moved, closed, lost, twice) = [
+        store.sessions.create("admin").id for _ in range(7)
+    ]
+    store.leases.grant([Grant(other, "host-b/boot-2/w0.1")], TTL)  # host-b's, live
+    for sid in (charged, moved):
+        store.events.append(sid, "user_message", {"text": "hi"}, writer="intake")
+        store.events.append(sid, "turn_started", {}, turn_id=f"t-{sid}", writer="worker")
+    store.sessions.close(closed, "admin")
+    tokens = {
+        sid: info.lease_token for sid, info in store.sessions.many([free, other, lost]).items()
+    }
+    batch = [
+        Grant(free, "host-a/boot-1/w0.1", expect=tokens[free]),
+        Grant(other, "host-a/boot-1/w0.1", expect=tokens[other]),  # not ours to take
+        Grant(charged, "host-a/boot-1/w1.1", charge=f"t-{charged}", expect=0),
+        Grant(moved, "host-a/boot-1/w1.1", charge="an-older-turn", expect=0),
+        Grant(closed, "host-a/boot-1/w0.1"),
+        Grant(lost, "host-a/boot-1/w0.1", expect=tokens[lost] + 1),  # planned on a later read
+        Grant(twice, "host-a/boot-1/w0.1", expect=0),
+        Grant(twice, "host-a/boot-1/w1.1", expect=0),
+        Grant("no-such-session", "host-a/boot-1/w0.1"),
+    ]
+    results = store.leases.grant(batch, TTL, "host-a/")
+    answers = [(r.lease is not None, r.attempts, r.moved_on, r.raced) for r in results]
+    assert answers == [
+        (True, None, False, False),
+        (False, None, False, True),
+        (True, 2, False, False),  # the turn's first run was attempt 1
+        (False, None, True, False),
+        (False, None, False, False),
+        (False, None, False, True),
+        (True, None, False, False),
+        (False, None, False, True),  # the first grant of it took it
+        (False, None, False, False),
+    ]
+    rows = store.sessions.many([free, other, charged, moved, twice])
+    for result in results:
+        if result.lease is not None:
+            row = rows[result.lease.session_id]
+            assert (row.owner, row.lease_token) == (result.lease.owner, result.lease.token)
+            assert result.lease.expires_at == row.lease_expires_at
+    assert rows[other].owner == "host-b/boot-2/w0.1" and rows[other].lease_token == 1
+    assert (rows[charged].attempt_turn_id, rows[charged].attempt_count) == (f"t-{charged}", 2)
+    assert rows[moved].owner is None and rows[moved].attempt_count == 1
+    assert rows[twice].owner == "host-a/boot-1/w0.1" and rows[twice].lease_token == 1
+
+
 def test_a_workers_renewal_stops_when_its_hosts_row_runs_out(store: Store) -> None:
     sid = store.sessions.create("admin").id
     owner = "host-a/boot-1/w0.1"

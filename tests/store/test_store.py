@@ -628,3 +628,33 @@ def test_release_ends_a_poisoned_turn_that_is_still_active_as_failed(store: Stor
     assert info.lease_token > lease.token and info.owner is None
     assert store.sessions.charge_attempt(sid, "t1") is None  # never continued
     assert sid not in {s.id for s in store.sessions.with_work()}  # nothing to run
+
+
+def test_a_batch_of_sessions_is_read_as_each_would_be_alone(store: Store) -> None:
+    """What a worker reads first of the sessions one `assign` hands it: the rows with their
+    newest compaction, then the logs from there on, in one query each, as `get`,
+    `last_of` and `read` give them one session at a time."""
+    plain, compacted, idle = (store.sessions.create("alice").id for _ in range(3))
+    for sid in (plain, compacted):
+        store.events.append(sid, "user_message", {"text": f"hi {sid}"}, writer="intake")
+        store.events.append(sid, "turn_started", {"read_to": 1}, turn_id="t1")
+    old = {"summary": "old", "to_seq": 1, "method": "model"}
+    store.events.append(compacted, "compaction", old, turn_id="t1")
+    store.events.append(compacted, "user_message", {"text": "more"}, writer="intake")
+    newest = {"summary": "newer", "to_seq": 3, "method": "model"}
+    store.events.append(compacted, "compaction", newest, turn_id="t1")
+    wanted = [plain, compacted, idle, "no-such-session"]
+
+    opened = store.sessions.opening(wanted)
+    assert set(opened) == {plain, compacted, idle}
+    for sid, (info, compaction) in opened.items():
+        assert info == store.sessions.get(sid)
+        last = store.events.last_of(sid, "compaction")
+        assert compaction == (None if last is None else last.payload)
+    assert opened[compacted][1] == newest
+
+    after = {plain: 0, compacted: 3, idle: 0}
+    logs = store.events.logs(after)
+    assert logs == {sid: store.events.read(sid, n, 1_000) for sid, n in after.items()}
+    assert [e.seq for e in logs[compacted]] == [4, 5]
+    assert logs[idle] == []

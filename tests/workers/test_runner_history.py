@@ -17,6 +17,7 @@ from workers.agents.tool_loop import ToolLoopAgent
 from workers.cache import HistoryCache, SessionLog
 from workers.history import to_messages
 from workers.models import EchoModel, Message, ModelResponse, ToolSpec
+from workers.prefetch import Prefetch
 from workers.runner import SessionRunner
 from workers.tools import BuiltinTools
 
@@ -200,3 +201,95 @@ def test_a_new_token_or_a_new_runner_reads_the_whole_log(
     afters = reads.of(sid)
     assert afters[0] == 0 and afters[1] > 0
     assert afters[2:] == [0, 0]  # after the reassignment; by the new runner
+
+
+def test_the_sessions_of_one_assign_are_read_together_then_each_goes_on(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A dead worker's sessions come in one `assign`: their rows and logs are read in one
+    query each (`workers.prefetch`), not three per session, and each turn goes on from
+    that read; a runner whose token moved on since reads alone."""
+    reads, history = Reads(store, monkeypatch), HistoryCache()
+    calls: dict[str, list[Any]] = {"get": [], "last_of": [], "opening": [], "logs": []}
+    for obj, name in (
+        (store.sessions, "get"),
+        (store.events, "last_of"),
+        (store.sessions, "opening"),
+        (store.events, "logs"),
+    ):
+        real = getattr(obj, name)
+
+        def spy(*args: Any, _real: Any = real, _name: str = name) -> Any:
+            calls[_name].append(args[0])
+            return _real(*args)
+
+        monkeypatch.setattr(obj, name, spy)
+    ids, tokens, ended = [], {}, asyncio.Event()
+    for n in range(12):
+        sid = store.sessions.create("alice").id
+        store.events.append(sid, "user_message", {"text": f"hello {n}"}, writer="intake")
+        lease = store.leases.acquire(sid, "w0", 300.0)
+        assert lease is not None
+        store.events.append(sid, "turn_started", {"read_to": 1}, turn_id=f"t{n}", token=lease.token)
+        lease = store.leases.acquire(sid, "w1", 300.0, force=True)  # the dead worker's, taken
+        assert lease is not None
+        ids.append(sid)
+        tokens[sid] = lease.token
+
+    async def notify(type: str, **fields: Any) -> None:
+        pass
+
+    def served() -> int:  # turns ended
+        return sum(1 for info in store.sessions.many(ids).values() if not info.active_turn_id)
+
+    async def go() -> None:
+        batch = Prefetch(store)
+        runners = []
+        for sid in ids:
+            batch.add(sid, tokens[sid])
+            runner = SessionRunner(
+                sid,
+                tokens[sid],
+                "adopt",
+                cause="worker_crash",
+                store=store,
+                make_agent=lambda name: ToolLoopAgent(),
+                model=EchoModel(),
+                toolbox=BuiltinTools(),
+                notify=notify,
+                served=ended.set,
+                history=history,
+                prefetch=batch,
+            )
+            runners.append(runner)
+        lease = store.leases.acquire(ids[-1], "w1", 300.0, force=True)  # moved on: alone
+        assert lease is not None
+        runners[-1].reassign(lease.token, "adopt", "worker_crash")
+        for runner in runners:
+            runner.start()
+        batch.start()  # once the whole message is assigned, as the worker does
+        while served() < len(ids):
+            ended.clear()
+            await asyncio.wait_for(ended.wait(), GUARD)
+        for runner in runners:
+            runner.release()
+            assert runner.task is not None
+            await asyncio.wait_for(runner.task, GUARD)
+
+    asyncio.run(go())
+    assert calls["opening"] == [ids] and calls["logs"] == [{sid: 0 for sid in ids}]
+    # Only the runner whose token moved on read its log whole, and its first row alone;
+    # the others read their rows again only once their turns had ended.
+    assert calls["last_of"] == [ids[-1]]
+    assert [sid for sid, after in reads if after == 0] == [ids[-1]]
+    rows = [calls["get"].count(sid) for sid in ids]  # its first row: one read more
+    assert rows == [rows[0]] * (len(ids) - 1) + [rows[0] + 1]
+    for n, sid in enumerate(ids):
+        events = store.events.read(sid, 0, 100)
+        assert [e.type for e in events][2:] == [
+            "continuation",
+            "model_response",
+            "turn_ended",
+        ]
+        assert events[2].payload["cause"] == "worker_crash"
+        assert events[3].payload["text"] == f"echo: hello {n}"
