@@ -51,6 +51,12 @@ class FakeClock:
         """How many coroutines are waiting on this clock."""
         return sum(1 for _, _, f in self._sleepers if not f.done())
 
+    @property
+    def wakes_at(self) -> float | None:
+        """The earliest deadline a coroutine waits for on this clock; None if none waits."""
+        waiting = [deadline for deadline, _, f in self._sleepers if not f.done()]
+        return min(waiting, default=None)
+
     async def advance(self, seconds: float) -> None:
         """Move the clock on, waking each sleeper whose deadline comes, in order."""
         target = self._now + seconds

@@ -18,9 +18,10 @@ writes down what their targets answered. One pass, for each configured target wi
 A target that does not answer holds back only its own deliveries: each attempt is a task
 of its own, bounded by the target's `timeout`, and each target has its own room. Between
 passes the courier sleeps until an event it may carry is committed (`nudge`, the pool's
-event signal), an operator retries one (`stir`), or `delivery.poll_interval` passes (what
-another daemon or process committed, a retry that came due). Logged under subsystem
-`deliveries`.
+event signal), an operator retries one (`stir`), the soonest next try in the outbox comes
+due (`Deliveries.next_due`, by the database clock: after a restart too, a retry is made at
+its time), or at the latest `delivery.poll_interval` passes (what another daemon or process
+committed). Logged under subsystem `deliveries`.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from supervisor.contract.clock import SYSTEM, Clock
 from supervisor.contract.config import Config
 from supervisor.contract.delivery_targets import DeliveryTarget
 from supervisor.contract.logs import log
+from supervisor.core import timers
 from supervisor.core.vocabulary import AttemptOutcome, DeliveryKind, DeliveryStatus
 from supervisor.deliveries import rules
 from supervisor.metrics import Metrics
@@ -184,13 +186,16 @@ class Courier(Service):
                 exc or type(exc).__name__,
             )
 
-    async def _pass(self) -> None:
+    async def _pass(self) -> float:
+        """Claim and send what is due; the seconds until the next pass is due."""
         settings = self.config.delivery
         targets = {t.name: t for t in settings.targets}
         seen = self._targets_seen
         if self._synced != seen:
             await self._first_pass(targets)
             self._synced = seen
+        # What the claims below judge by comes later: a delivery due by then is theirs.
+        judged = await asyncio.to_thread(self.store.deliveries.now) if targets else 0.0
         for name, target in targets.items():
             running = self.in_flight.setdefault(name, set())
             room = settings.concurrency - len(running)
@@ -216,6 +221,17 @@ class Courier(Service):
             forgotten = await asyncio.to_thread(self.store.deliveries.prune, before)
             if forgotten:
                 self.log.info("forgot {} delivered rows older than delivery.keep", forgotten)
+        return await self._rest(list(targets), judged)
+
+    async def _rest(self, targets: list[str], judged: float) -> float:
+        """Seconds until the soonest next try from `judged` on (the clock the pass's claims
+        came after), at most `delivery.poll_interval` (`supervisor.core.timers`)."""
+        longest = self.config.delivery.poll_interval
+        if not targets:
+            return longest
+        due = await asyncio.to_thread(self.store.deliveries.next_due, targets, judged)
+        now = await asyncio.to_thread(self.store.deliveries.now) if due is not None else judged
+        return timers.rest([due], judged=judged, now=now, longest=longest)
 
     async def _first_pass(self, targets: dict[str, DeliveryTarget]) -> None:
         """At boot, and after a reload changed the targets' events: the bound sessions get

@@ -63,6 +63,20 @@ def _info(row: Delivery) -> DeliveryInfo:
     return DeliveryInfo(**{name: getattr(row, name) for name in FIELDS})
 
 
+def _first_in_line() -> Any:
+    """Deliveries with no pending one of their (session, target) before them: the ones a
+    claim may take, so that a session's go out in seq order."""
+    earlier = Delivery.alias("earlier")
+    return ~peewee.fn.EXISTS(
+        earlier.select(earlier.id).where(
+            (earlier.session == Delivery.session)
+            & (earlier.target == Delivery.target)
+            & (earlier.status == DeliveryStatus.PENDING)
+            & (earlier.seq < Delivery.seq)
+        )
+    )
+
+
 @dataclass(frozen=True)
 class Outgoing:
     """A claimed delivery and what it carries: its event's payload."""
@@ -134,13 +148,6 @@ class Deliveries:
             now = db_now(self._db)
             pending = Delivery.status == DeliveryStatus.PENDING
             free = CLAIMS.free(now, owner, mine)
-            earlier = Delivery.alias("earlier")
-            before = earlier.select(earlier.id).where(
-                (earlier.session == Delivery.session)
-                & (earlier.target == Delivery.target)
-                & (earlier.status == DeliveryStatus.PENDING)
-                & (earlier.seq < Delivery.seq)
-            )
             query = (
                 Delivery.select()
                 .where(
@@ -148,7 +155,7 @@ class Deliveries:
                     & Delivery.target.in_(list(targets))
                     & (Delivery.next_at <= now)
                     & free
-                    & ~peewee.fn.EXISTS(before)
+                    & _first_in_line()
                 )
                 .order_by(Delivery.next_at, Delivery.created_at, Delivery.seq)
                 .limit(limit)
@@ -165,6 +172,26 @@ class Deliveries:
 
         claimed: list[DeliveryInfo] = run_write(self._db, work)
         return [Outgoing(d, self._payload(d.session, d.seq)) for d in claimed]
+
+    def next_due(self, targets: Collection[str], after: float) -> float | None:
+        """The soonest next try from `after` on (database clock) of a pending delivery of
+        `targets` that a claim could take then (none of its session pending before it); None
+        if no such delivery waits."""
+        if not targets:
+            return None
+        found = (
+            Delivery.select(Delivery.next_at)
+            .where(
+                (Delivery.status == DeliveryStatus.PENDING)
+                & Delivery.target.in_(list(targets))
+                & (Delivery.next_at >= after)
+                & _first_in_line()
+            )
+            .order_by(Delivery.next_at)
+            .limit(1)
+            .scalar()
+        )
+        return None if found is None else float(found)
 
     def _payload(self, session_id: str, seq: int) -> dict[str, Any]:
         found = (

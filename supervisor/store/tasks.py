@@ -531,12 +531,16 @@ class Tasks:
             counts[str(status)] = int(number)
         return counts
 
-    def to_reconcile(self, lost_grace: float, limit: int = 500) -> list[TaskInfo]:
+    def to_reconcile(
+        self, lost_grace: float, limit: int = 500, now: float | None = None
+    ) -> list[TaskInfo]:
         """What a reconcile pass looks at, each kind of row with a limit of its own, so
         that long-running tasks never crowd the others out: pending rows, outcomes not
-        reported, and running rows not heard from for `lost_grace` by the database clock.
+        reported, and running rows not heard from for `lost_grace` by the database clock
+        (at `now`, read from it if not given).
         """
-        now = db_now(Task._meta.database)
+        if now is None:
+            now = db_now(Task._meta.database)
         stale = Task.heartbeat_at.is_null() | (Task.heartbeat_at < now - lost_grace)
         found: list[TaskInfo] = []
         for where in (
@@ -547,6 +551,12 @@ class Tasks:
             query = Task.select().where(where).order_by(Task.created_at, Task.id).limit(limit)
             found += [info_of(row) for row in query]
         return found
+
+    def heard(self, limit: int = 100_000) -> list[tuple[str, float | None]]:
+        """The running tasks, each with when its runner was last heard from (database
+        clock): when each falls due for a pass."""
+        query = Task.select(Task.id, Task.heartbeat_at).where(Task.status == TaskStatus.RUNNING)
+        return [(str(row.id), row.heartbeat_at) for row in query.limit(limit)]
 
     def running_on(self, host: str, limit: int = 100_000) -> list[TaskInfo]:
         """The tasks running on `host` whose runner's process is known."""

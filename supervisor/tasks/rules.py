@@ -22,6 +22,13 @@ Where a task is (`TaskStatus`) and what a reconcile pass does with it:
   final     outcome recorded, not reported yet             REPORT: `task_result`, once
   final     reported                                       none
 
+A running task falls due for a pass when its runner has gone unheard for `lost_grace`
+(`look_at`, by the database clock): the task keeper rests until the earliest such time
+(`supervisor.core.timers`), so a task is lost at its deadline, after a restart too. A live
+runner of the daemon's own stops its command by itself once it cannot renew its heartbeat
+(the database is away); only if it stays unheard for `hung_after` is it hung, killed, and
+the task judged as any other.
+
 A runner records the outcome itself when the command ends (exit status, duration, the tail
 of its output); the report to the session is a separate step any daemon may take, once,
 guarded by the row (its `result_seq`), so an outcome recorded while no daemon ran is
@@ -37,6 +44,7 @@ from typing import Any
 
 from supervisor.core.vocabulary import TaskAction, TaskStatus
 
+HUNG_MARGIN = 30.0  # seconds past lost_grace + kill_grace before a silent runner of ours is hung
 TAIL_CHARS = 2000  # of a task's output, kept in its row and told to its session
 MAX_ARG_CHARS = 4096  # one argument's value
 MAX_ARGS = 64
@@ -177,6 +185,24 @@ def decide(
     if retry_on_restart and attempt <= 1 and not cancel_requested:
         return TaskAction.RETRY
     return TaskAction.LOST
+
+
+def hung_after(lost_grace: float, kill_grace: float) -> float:
+    """Seconds a live runner of the daemon's own may go unheard before it counts as hung:
+    by then it should have stopped its command and itself (`tasks.lost_grace`, then
+    `tasks.kill_grace`), with a margin for a loaded machine."""
+    return lost_grace + kill_grace + HUNG_MARGIN
+
+
+def look_at(
+    heartbeat_at: float | None, *, ours: bool, lost_grace: float, kill_grace: float
+) -> float | None:
+    """When a pass must look at a running task again, by the database clock: once its
+    runner, last heard from at `heartbeat_at`, is lost; for a live runner of the daemon's
+    own (`ours`), once it is hung. None if it was never heard from: it is due now."""
+    if heartbeat_at is None:
+        return None
+    return heartbeat_at + (hung_after(lost_grace, kill_grace) if ours else lost_grace)
 
 
 def outcome_of(exit_code: int | None, timed_out: bool, cancelled: bool) -> TaskStatus:

@@ -2,8 +2,10 @@
 moves on a task whose runner went away.
 
 The rules are `supervisor.tasks.rules`'s. A pass runs at boot, when a turn admitted a task
-(`task_started`), when a runner of ours exits, when a cancel is asked, and every
-`tasks.reconcile_interval`; each row gets `core.tasks.decide`'s action:
+(`task_started`), when a runner of ours exits, when a cancel is asked, when the first
+running task falls due (its runner unheard for `tasks.lost_grace`, by the database clock:
+`rules.look_at`, `supervisor.core.timers`), and at the latest every
+`tasks.reconcile_interval`; each row gets `rules.decide`'s action:
 
 - START: claim the pending row (compare and set: one daemon wins) and start its runner
   (`supervisor.tasks.runner`), a child of this process in a session of its own, recorded in
@@ -41,6 +43,7 @@ from supervisor.contract.mcp_env import child_environment
 from supervisor.contract.paths import inside, task_work_dir
 from supervisor.contract.reaper import own_tasks
 from supervisor.contract.task_kinds import TaskKind
+from supervisor.core import timers
 from supervisor.core.vocabulary import EventType, TaskAction, TaskStatus
 from supervisor.metrics import Metrics
 from supervisor.runtime.bus import Bus, Published
@@ -54,7 +57,6 @@ from supervisor.tasks.spec import output_path
 BATCH = 500  # rows of each kind looked at in one pass; the next pass takes the rest
 SETTLE = 5.0  # seconds a stop waits at most for starts in flight
 DRAIN_POLL = 0.1  # seconds between two looks at the runners still running, in a drain
-HUNG_MARGIN = 30.0  # seconds past lost_grace + kill_grace before a silent runner is hung
 PRUNE_EVERY = 3600.0  # seconds between sweeps of old output files
 
 
@@ -135,7 +137,8 @@ class TaskKeeper(Service):
         self.config = config
 
     def loops(self) -> dict[str, Coroutine[Any, Any, None]]:
-        """A pass at once, then on every stir and every `tasks.reconcile_interval`."""
+        """A pass at once, then on every stir, when a running task falls due, and at the
+        latest every `tasks.reconcile_interval`."""
         return {"tasks": self._loop()}
 
     async def _loop(self) -> None:
@@ -181,14 +184,15 @@ class TaskKeeper(Service):
     async def stop(self, steps: Steps) -> None:
         await self.settle()  # a runner being started is ended with the others
 
-    async def reconcile(self) -> None:
-        """One pass over the tasks to act on (see the module docstring)."""
+    async def reconcile(self) -> float:
+        """One pass over the tasks to act on (see the module docstring); the seconds until
+        the next is due."""
         grace = self.config.tasks.lost_grace
-        rows = await asyncio.to_thread(self.store.tasks.to_reconcile, grace, BATCH)
-        now = await asyncio.to_thread(self.store.tasks.now) if rows else 0.0
+        judged = await asyncio.to_thread(self.store.tasks.now)
+        rows = await asyncio.to_thread(self.store.tasks.to_reconcile, grace, BATCH, judged)
         for row in rows:
             try:  # one bad row must not hold up the others
-                heard_ago = None if row.heartbeat_at is None else now - row.heartbeat_at
+                heard_ago = None if row.heartbeat_at is None else judged - row.heartbeat_at
                 kind = self.config.tasks.kind(row.kind)
                 action = rules.decide(
                     row.status,
@@ -208,6 +212,24 @@ class TaskKeeper(Service):
             except Exception as exc:
                 self.log.bind(session=row.session).error("task {}: {}", row.id, exc)
         await self._prune()
+        return await self._rest(judged)
+
+    async def _rest(self, judged: float) -> float:
+        """Seconds until the first running task falls due from `judged` on (the clock this
+        pass judged by), at most `tasks.reconcile_interval` (`supervisor.core.timers`)."""
+        tasks = self.config.tasks
+        heard = await asyncio.to_thread(self.store.tasks.heard)
+        now = await asyncio.to_thread(self.store.tasks.now) if heard else judged
+        due = [
+            rules.look_at(
+                heard_at,
+                ours=task_id in self.runners,
+                lost_grace=tasks.lost_grace,
+                kill_grace=tasks.kill_grace,
+            )
+            for task_id, heard_at in heard
+        ]
+        return timers.rest(due, judged=judged, now=now, longest=tasks.reconcile_interval)
 
     def _ours(self, row: TaskInfo, heard_ago: float | None) -> bool:
         """Whether a task not heard from is run by a live runner of ours. Such a runner
@@ -218,8 +240,7 @@ class TaskKeeper(Service):
         if pid is None:
             return False
         tasks = self.config.tasks
-        margin = tasks.lost_grace + tasks.kill_grace + HUNG_MARGIN
-        if heard_ago is None or heard_ago < margin:
+        if heard_ago is None or heard_ago < rules.hung_after(tasks.lost_grace, tasks.kill_grace):
             return True
         self.log.bind(session=row.session).error(
             "task {}: its runner (pid {}) was not heard from for {:.0f} s: killed",

@@ -3,8 +3,13 @@ otherwise do, on one real daemon with the shipped pool timings (`pool.workers = 
 pool.spare = 1, heartbeat_interval = 1.0`), one right after the other so that they share
 the machine's state:
 
-- `restart_s`: `POST /v1/restart` (no drain, no turn in flight) to the first `/readyz` 200
-  of the new boot (the same pid), and `settled_s` to its request settled `ok`.
+- `restart_s`: `POST /v1/restart` (the default drain; nothing in flight, so it ends at once)
+  to the first `/readyz` 200 of the new boot (the same pid), and `settled_s` to its request
+  settled `ok`.
+- `restart_drained_s`: the same with a turn in flight (`/hold 2`: 2 s more to run when the
+  restart is asked for), which the drain lets finish; `drained_after_turn_s` is from that
+  turn's `turn_ended` (its `created_at`) to the first `/readyz` 200, what the restart adds
+  to the turn. Each drained turn's outcome is listed (`completed`: it was not cut).
 - `stop_start_s` (the baseline): SIGTERM, wait for the exit, `turnkeeper run` again, to the
   first `/readyz` 200: what `systemctl restart` does, minus systemd's own time.
 - `reload_noop_s`: `POST /v1/reload` with nothing changed (the file read and checked, the
@@ -13,8 +18,9 @@ the machine's state:
 
     python -m tests.benchmarks inplace [--runs N] [--quick]
 
-Prints one JSON object with the medians and `restart_to_stop_start` (their ratio). It
-measures; it asserts nothing.
+Prints one JSON object with the medians, `restart_to_stop_start`,
+`restart_drained_to_stop_start` and `drained_after_turn_to_stop_start` (the ratios of the
+medians). It measures; it asserts nothing.
 """
 
 from __future__ import annotations
@@ -31,12 +37,14 @@ from typing import Any
 
 import tomli_w
 
+from supervisor.store import Store
 from tests.benchmarks.figures import shipped_pool, wait_for
-from tests.daemon import Daemon
+from tests.daemon import Daemon, turn_ended
 
 DEFAULT_RUNS = 5
 QUICK_RUNS = 2
 TIMEOUT_S = 120.0
+HOLD_S = 2.0  # seconds a drained turn runs on after the restart is asked for
 
 
 def _ready_boot(daemon: Daemon, other_than: str) -> str | None:
@@ -56,7 +64,7 @@ def restart_once(daemon: Daemon) -> tuple[float, float]:
     boot = daemon.status()["boot"]["id"]
     began = time.perf_counter()
     with daemon.client() as http:
-        answer = http.post("/v1/restart", json={"reason": "benchmark", "drain": 0})
+        answer = http.post("/v1/restart", json={"reason": "benchmark"})
     answer.raise_for_status()
     restart_id = answer.json()["restart"]["id"]
     wait_for(lambda: _ready_boot(daemon, boot), TIMEOUT_S, "the new boot")
@@ -68,6 +76,28 @@ def restart_once(daemon: Daemon) -> tuple[float, float]:
 
     wait_for(settled, TIMEOUT_S, "the settlement")
     return ready, time.perf_counter() - began
+
+
+def restart_drained_once(daemon: Daemon, store: Store, session: str) -> tuple[float, float, str]:
+    """A turn held `HOLD_S` in flight, then a restart with the default drain: (seconds to
+    the new boot ready, seconds from the turn's end to it, the turn's outcome)."""
+    boot = daemon.status()["boot"]["id"]
+    with daemon.client() as http:
+        asked = http.post(f"/v1/sessions/{session}/inject", json={"text": f"/hold {HOLD_S:g}"})
+    asked.raise_for_status()
+    seq = int(asked.json()["seq"])
+    wait_for(
+        lambda: any(e.type == "turn_started" for e in store.events.read(session, after=seq)),
+        TIMEOUT_S,
+        "the held turn to start",
+    )
+    began_at, began = time.time(), time.perf_counter()
+    with daemon.client() as http:
+        http.post("/v1/restart", json={"reason": "benchmark"}).raise_for_status()
+    wait_for(lambda: _ready_boot(daemon, boot), TIMEOUT_S, "the new boot")
+    ready = time.perf_counter() - began
+    ended = wait_for(lambda: turn_ended(store, session, seq), TIMEOUT_S, "the held turn's end")
+    return ready, began_at + ready - ended.created_at, str(ended.payload.get("outcome"))
 
 
 def stop_start_once(daemon: Daemon) -> float:
@@ -103,6 +133,8 @@ def main(argv: list[str]) -> dict[str, Any]:
     figures: dict[str, list[float]] = {
         "restart_s": [],
         "settled_s": [],
+        "restart_drained_s": [],
+        "drained_after_turn_s": [],
         "stop_start_s": [],
         "reload_noop_s": [],
         "reload_workers_s": [],
@@ -114,15 +146,23 @@ def main(argv: list[str]) -> dict[str, Any]:
             restart={"min_interval": 0.0},
             recovery={"attempt_delays": [0.0, 5.0, 30.0]},
         )
+        outcomes: list[str] = []
         try:
             daemon.start()
+            store = Store(daemon.url, migrate=False)
+            session = store.sessions.create("admin").id
             for run in range(runs):
                 ready, settled = restart_once(daemon)
                 figures["restart_s"].append(ready)
                 figures["settled_s"].append(settled)
+                ready, after_turn, outcome = restart_drained_once(daemon, store, session)
+                figures["restart_drained_s"].append(ready)
+                figures["drained_after_turn_s"].append(after_turn)
+                outcomes.append(outcome)
                 figures["stop_start_s"].append(stop_start_once(daemon))
                 figures["reload_noop_s"].append(reload_once(daemon, None))
                 figures["reload_workers_s"].append(reload_once(daemon, 64 + run + 1))
+            store.close()
         finally:
             daemon.kill_everything()
     medians = {name: round(statistics.median(values), 3) for name, values in figures.items()}
@@ -132,7 +172,14 @@ def main(argv: list[str]) -> dict[str, Any]:
         "machine": {"python": platform.python_version(), "cpus": _cpus()},
         "median": medians,
         "all": {name: [round(v, 3) for v in values] for name, values in figures.items()},
+        "drained_turn_outcomes": outcomes,
         "restart_to_stop_start": round(medians["restart_s"] / medians["stop_start_s"], 2),
+        "restart_drained_to_stop_start": round(
+            medians["restart_drained_s"] / medians["stop_start_s"], 2
+        ),
+        "drained_after_turn_to_stop_start": round(
+            medians["drained_after_turn_s"] / medians["stop_start_s"], 2
+        ),
     }
     print(json.dumps(result, indent=2, sort_keys=True))
     return result

@@ -23,6 +23,7 @@ from supervisor.core.vocabulary import AttemptOutcome
 from supervisor.deliveries.rules import SIGNATURE_HEADER, TIMESTAMP_HEADER, verify
 from supervisor.deliveries.service import Courier
 from supervisor.metrics import Metrics
+from supervisor.runtime.loops import SLACK
 from supervisor.store import DeliveryInfo, Outgoing, Store
 from tests.clock import FakeClock
 from tests.conftest import BACKENDS
@@ -456,3 +457,25 @@ def test_an_attempt_an_event_or_a_retry_wakes_it_before_its_poll(store: Store) -
 
     asyncio.run(main())
     assert [d.status for d in rows(store, sid)] == ["delivered"] * 3
+
+
+def test_it_rests_until_the_soonest_retry_not_its_poll(store: Store) -> None:
+    """A retry due in 10 s is the courier's next pass, whatever `delivery.poll_interval`
+    (after a restart too: the time is the row's, and a boot passes at once)."""
+    target = Target(lambda request, body, n: 503)
+    sid = bound(store, answers=1)
+
+    async def main() -> None:
+        clock = FakeClock(wall=time.time())  # the age of a delivery is on its wall clock
+        courier, watch, _ = make(
+            store, target, clock=clock, poll_interval=60, backoff=20, backoff_cap=20
+        )  # no jitter: the first retry is due 10 s after the first attempt
+        async with running(courier):
+            await watch.until(lambda: len(watch.outcomes) == 1)
+            await asleep(courier, clock)
+            [row] = rows(store, sid)
+            waits = (clock.wakes_at or 0.0) - clock.monotonic() - SLACK
+            assert row.status == "pending"
+            assert row.next_at - store.deliveries.now() <= waits <= 10.0
+
+    asyncio.run(main())

@@ -261,6 +261,32 @@ def test_a_claim_run_out_or_of_an_earlier_boot_is_free_again(store: Store) -> No
     assert claim(store, A1) == [(sid, 1)]
 
 
+def test_the_next_due_is_the_soonest_try_a_claim_could_take(store: Store) -> None:
+    a, b, elsewhere = bound(store), bound(store), bound(store, target=OTHER)
+    for sid in (a, a, b, elsewhere):
+        notice(store, sid)
+    due, now = store.deliveries.next_due, store.deliveries.now()
+    assert due([HOOK], now) is None  # every one due already: the pass's to take
+    ids = {(d.session, d.seq): d.id for d in store.deliveries.list()}
+    both = {HOOK: 60.0, OTHER: 60.0}
+    assert claim(store, A1, lease=both) == sorted([(a, 1), (b, 1), (elsewhere, 1)])
+    finish = store.deliveries.finish
+    assert finish(ids[a, 1], A1, DeliveryStatus.DEAD, code=404)
+    assert finish(ids[b, 1], A1, DeliveryStatus.PENDING, next_in=300, code=503)
+    assert finish(ids[elsewhere, 1], A1, DeliveryStatus.PENDING, next_in=5, code=503)
+    assert claim(store, A1) == [(a, 2)]
+    assert finish(ids[a, 2], A1, DeliveryStatus.PENDING, next_in=30, code=503)
+    soonest = due([HOOK], now)  # a's second try, not OTHER's
+    assert soonest == by_seq(store, a, 2).next_at
+    assert now + 30 <= soonest <= store.deliveries.now() + 30
+    assert due([HOOK], soonest + 1) == by_seq(store, b, 1).next_at
+    assert due([HOOK, OTHER], now) == by_seq(store, elsewhere, 1).next_at
+    # Behind a row of its session pending again, a row waits for that one, not its time.
+    assert store.deliveries.retry(ids[a, 1]) is not None
+    assert due([HOOK], now) == by_seq(store, b, 1).next_at
+    assert due([], now) is None
+
+
 def test_finish_is_fenced_by_the_claim(store: Store) -> None:
     sid = bound(store)
     notice(store, sid)

@@ -14,6 +14,8 @@ from supervisor.tasks.rules import (
     TaskRefused,
     check_args,
     decide,
+    hung_after,
+    look_at,
     outcome_of,
     render,
     result_text,
@@ -143,6 +145,30 @@ def test_a_final_task_is_never_started_or_lost_again(
         assert action is (None if reported else TaskAction.REPORT)
     if action is TaskAction.RETRY:
         assert retry and attempt == 1 and not cancel
+
+
+@given(st.floats(min_value=0, max_value=2e9), st.floats(min_value=0.1, max_value=1e5))
+def test_a_running_task_falls_due_when_the_table_first_moves_it_on(
+    heard_at: float, grace: float
+) -> None:
+    """The keeper rests until `look_at` (and a loop wakes 10 ms past a rest): by then
+    `decide` says lost, and just before it did not."""
+    due = look_at(heard_at, ours=False, lost_grace=grace, kill_grace=5.0)
+    assert due is not None
+
+    def action(at: float) -> TaskAction | None:
+        facts = {**LIVE, "lost_grace": grace, "cancel_requested": False}
+        return decide("running", heard_ago=at - heard_at, **facts)  # type: ignore[arg-type]
+
+    assert action(due + 0.001) is TaskAction.LOST
+    assert action(heard_at + grace * 0.999) is None
+
+
+def test_a_live_runner_of_ours_falls_due_when_it_would_be_hung() -> None:
+    assert hung_after(60.0, 5.0) == 95.0
+    assert look_at(1000.0, ours=True, lost_grace=60.0, kill_grace=5.0) == 1095.0
+    assert look_at(1000.0, ours=False, lost_grace=60.0, kill_grace=5.0) == 1060.0
+    assert look_at(None, ours=False, lost_grace=60.0, kill_grace=5.0) is None  # due now
 
 
 def test_outcomes_of_a_command_that_ended() -> None:

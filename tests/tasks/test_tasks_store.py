@@ -217,6 +217,19 @@ def test_a_pass_sees_every_kind_of_row_however_many_tasks_run(store: Store) -> N
     assert store.tasks.live_ids() == {*busy, stale, waiting}
 
 
+def test_when_each_runner_was_heard_and_a_pass_judged_at_a_given_time(store: Store) -> None:
+    turn = Turn(store)
+    task_id = running(store, turn)
+    turn.start()  # pending: no runner to hear from
+    [(found, heard_at)] = store.tasks.heard()
+    assert found == task_id and heard_at is not None
+    assert heard_at <= store.tasks.now()
+    late = store.tasks.to_reconcile(60.0, now=heard_at + 60.5)
+    assert [row.id for row in late if row.status == "running"] == [task_id]
+    early = store.tasks.to_reconcile(60.0, now=heard_at + 59.5)
+    assert [row.id for row in early if row.status == "running"] == []
+
+
 def test_cancels_and_a_closed_session(store: Store) -> None:
     turn = Turn(store)
     pending = turn.start().task
