@@ -5,6 +5,7 @@ from __future__ import annotations
 import fcntl
 import inspect
 import os
+import signal
 import sys
 import tempfile
 import uuid
@@ -17,6 +18,13 @@ from urllib.parse import urlsplit, urlunsplit
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+
+# A suite started in the background of a shell without job control (`.ci/run &`, a CI
+# runner's script) inherits SIGINT ignored, and every command a test starts would too:
+# the tests that end one with Ctrl-C would wait for ever, where a user's terminal never
+# ignores it. Handled as Python does by default, the commands start with it at its default.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 BACKENDS = ("sqlite", "postgresql", "mysql")
 URL_VARS = {"postgresql": "TURNKEEPER_TEST_POSTGRES_URL", "mysql": "TURNKEEPER_TEST_MYSQL_URL"}
 

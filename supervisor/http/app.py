@@ -171,7 +171,9 @@ class Api:
         self._reads_config(sent).add(r)
         restarts = RestartRoutes(self.config, self.store, self.host_id, lambda: self.restarts)
         self._reads_config(restarts).add(r)
-        reloads = ReloadRoutes(self.config, self._reloader, lambda: self.stopping)
+        reloads = ReloadRoutes(
+            self.config, self._reloader, lambda: self.stopping or self.restarting
+        )
         self._reads_config(reloads).add(r)
         r.add_get("/v1/status", self.status)
         r.add_get("/healthz", self.healthz)

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from pydantic import BaseModel
 
@@ -31,6 +32,7 @@ from supervisor.daemon import Daemon
 from supervisor.http.auth import Tokens, digest
 from supervisor.http.reload_route import STARTED
 from supervisor.reloading import STOPPED, STOPPING, Reloader
+from supervisor.runtime.bus import Stopping
 from supervisor.store import Store
 
 BOOT = "b" * 32
@@ -292,7 +294,10 @@ def test_the_daemon_s_loop_outlives_a_failed_reload_and_sees_a_fatal_pool(
     serve(tmp_path, scenario)
 
 
-def test_a_stop_ends_the_reload_under_way_and_refuses_those_after(tmp_path: Path) -> None:
+@pytest.mark.parametrize("restart", [False, True], ids=["SIGTERM", "a restart's drain"])
+def test_a_stop_ends_the_reload_under_way_and_refuses_those_after(
+    tmp_path: Path, restart: bool
+) -> None:
     async def scenario(daemon: Daemon, reloader: Reloader, client: TestClient) -> None:
         pool, shrinking, rolled = reloader.pool, asyncio.Event(), []
         count = reads(reloader, configured(tmp_path, schedules={"min_interval": 5.0}))
@@ -309,7 +314,7 @@ def test_a_stop_ends_the_reload_under_way_and_refuses_those_after(tmp_path: Path
         pool.shrink, pool.rolling_restart = shrink, rolling_restart  # type: ignore[method-assign]
         under_way = asyncio.ensure_future(reloader.reload(workers=True))
         await asyncio.wait_for(shrinking.wait(), 5)
-        daemon._stopping_now()  # SIGTERM, or a requested restart's drain
+        daemon._stopping_now(Stopping("stop requested", restart=restart))
         result = await asyncio.wait_for(under_way, 5)
         assert result.ok and result.incomplete == STOPPED and rolled == []
         after = await reloader.reload()
