@@ -68,6 +68,11 @@ def run(ctx: click.Context) -> None:
     A requested restart (`turnkeeper restart`) stops it as SIGTERM would, then starts it
     again in the same process (the same pid) with the same command line."""
     import asyncio
+    import faulthandler
+
+    # A crash in native code (a driver, a binding) leaves every thread's Python stack on
+    # stderr, in the journal, instead of a bare "signal SIGSEGV".
+    faulthandler.enable(all_threads=True)
 
     from supervisor.contract.logs import log, setup_logging
     from supervisor.daemon import Daemon, PluginError, StartupError  # heavy imports
