@@ -37,6 +37,7 @@ from supervisor.http.app import Api
 from supervisor.notify import Notifier
 from supervisor.pool.membership import Membership
 from supervisor.pool.pool import Pool
+from supervisor.pool.processes import start_resource_tracker
 from supervisor.preflight import PluginError, StartupError, check_plugins, take_files
 from supervisor.reloading import Reloader
 from supervisor.restarts.service import Restarter
@@ -104,6 +105,7 @@ class Daemon:
         # The pre-checks first: a configuration they refuse is one line and exit 78.
         check_plugins(self.config)
         become_subreaper()
+        start_resource_tracker()  # while this process has one thread: see its docstring
         tokens = take_files(self.config, self.paths)
         (self.paths.runtime_dir / STOP_REQUEST).unlink(missing_ok=True)  # an earlier boot's
         self._announce()

@@ -40,8 +40,12 @@ def start_resource_tracker() -> None:
     """Start multiprocess's resource tracker now, with an MCP server's environment: it
     would otherwise start with the first worker and inherit the daemon's whole environment,
     secrets included (a delivery target's key, a model's API key), readable for as long as
-    it runs in its `/proc/PID/environ`. Call it before any worker is spawned, from the
-    event loop's thread (the environment is swapped for the moment of the start)."""
+    it runs in its `/proc/PID/environ`. The environment is swapped for the moment of the
+    start: call it while the process has one thread (the daemon does, first thing), since
+    another thread reading the environment meanwhile (libpq does, connecting) can crash
+    the process. Once it runs, a call does nothing."""
+    if resource_tracker() is not None:
+        return
     kept = dict(os.environ)
     env = child_environment({name: kept[name] for name in TRACKER_ENV if name in kept})
     try:
