@@ -213,10 +213,13 @@ def own_tasks(rows: Iterable[tuple[int, float]]) -> set[int]:
     """The pids of `rows`, recorded as (pid, create_time), that are still the same process
     and a descendant of this one: what a restart in place (the same process, re-executed)
     left running on purpose. A crash's leftovers are init's, never ours."""
+    recorded = list(rows)
+    if not recorded:
+        return set()  # the usual boot: no process tree to walk
     mine = with_descendants([os.getpid()])
     return {
         pid
-        for pid, created in rows
+        for pid, created in recorded
         if pid in mine and classify(created, _create_time(pid)) == "kill"
     }
 
