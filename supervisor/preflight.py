@@ -1,17 +1,20 @@
 """Before the daemon starts anything: the configuration passes `supervisor.checks` (the
 plug-ins load, the MCP commands resolve, ...), the files it will trust are judged, the
-locks are taken and the tokens read. Every failure here is one line: a configuration
-error (exit 78) or a start that cannot happen (exit 1).
+locks are taken and the tokens read, and the storage that would not survive a stop or a
+reboot is named. Every failure here is one line: a configuration error (exit 78) or a
+start that cannot happen (exit 1).
 """
 
 from __future__ import annotations
 
 import contextlib
-from pathlib import Path
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
 
 from supervisor import checks, locks, trust
 from supervisor.contract.config import Config, Paths, make_private_dir
 from supervisor.contract.errors import PluginError, StartupError
+from supervisor.core import mounts
 from supervisor.http.auth import (
     ADMIN,
     Tokens,
@@ -21,6 +24,8 @@ from supervisor.http.auth import (
     read_tokens_file,
 )
 from supervisor.store import sqlite_path
+
+MOUNT_TABLE = Path("/proc/self/mountinfo")
 
 
 def check_plugins(config: Config) -> None:
@@ -93,3 +98,44 @@ def _tokens(config: Config, paths: Paths) -> Tokens:
         except TokensFileError as exc:
             raise PluginError(str(exc)) from exc
     return Tokens(hashes)
+
+
+@dataclass(frozen=True)
+class Volatile:
+    """A file or directory of the daemon's whose contents would not survive."""
+
+    what: str  # "state directory", "database"
+    path: Path
+    reason: str  # `supervisor.core.mounts.volatile`'s
+    key: str  # the configuration key that moves it
+
+    def __str__(self) -> str:
+        return f"{self.what} {self.path} {self.reason}; {self.fix}"
+
+    @property
+    def fix(self) -> str:
+        return f"set {self.key} to a place on disk"
+
+
+def volatile_storage(
+    paths: Paths, private_tmp: bool = False, mount_table: Path = MOUNT_TABLE
+) -> list[Volatile]:
+    """The state directory, and the SQLite database file if it lies elsewhere, when on
+    memory or in a `PrivateTmp=yes` /tmp (`supervisor.core.mounts`): what the daemon
+    commits there would not survive. `private_tmp`: the service is known to run with it.
+    Nothing when the mount table cannot be read (not Linux)."""
+    try:
+        table = mounts.parse_mountinfo(mount_table.read_text())
+    except OSError:
+        return []
+    state_dir = paths.state_dir.resolve()
+    candidates = [("state directory", paths.state_dir, "daemon.state_dir")]
+    database = sqlite_path(paths.db_url)
+    if database is not None and not database.resolve().is_relative_to(state_dir):
+        candidates.append(("database", database, "store.url"))
+    found = []
+    for what, path, key in candidates:
+        reason = mounts.volatile(PurePosixPath(path.resolve()), table, private_tmp)
+        if reason:
+            found.append(Volatile(what, path, reason, key))
+    return found
