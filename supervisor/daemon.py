@@ -44,6 +44,7 @@ from supervisor.preflight import (
     check_plugins,
     take_files,
     volatile_storage,
+    wait_for_database,
 )
 from supervisor.reloading import Reloader
 from supervisor.restarts.service import Restarter
@@ -115,6 +116,10 @@ class Daemon:
         tokens = take_files(self.config, self.paths)
         (self.paths.runtime_dir / STOP_REQUEST).unlink(missing_ok=True)  # an earlier boot's
         self._announce()
+        timeout = self.config.store.connect_timeout
+        if not await wait_for_database(self.paths.db_url, timeout, self.notifier, self._stop):
+            log("shutdown").info("stopped while waiting for the database")
+            return 0
         store = await asyncio.to_thread(
             Store,
             self.paths.db_url,

@@ -107,12 +107,14 @@ def test_start_lines_tags_titles_and_exit_statuses(daemons: Daemons, tmp_path: P
 
 def test_start_lines_of_built_in_defaults_mask_the_database_password(tmp_path: Path) -> None:
     """A daemon on built-in defaults and a database that refuses: the first lines are
-    written before the database is opened, and never show its password."""
+    written before the database is opened, and neither they nor the wait for it show its
+    password."""
     url = f"postgresql://tk:{SECRET}@127.0.0.1:1/tk"
     env = python_env(
         HOME=str(tmp_path),
         TURNKEEPER_CONFIG="",
         TURNKEEPER_STORE__URL=url,
+        TURNKEEPER_STORE__CONNECT_TIMEOUT="1",
         TURNKEEPER_DAEMON__STATE_DIR=str(tmp_path / "state"),
         TURNKEEPER_DAEMON__RUNTIME_DIR=str(tmp_path / "run"),
         TURNKEEPER_HTTP__LISTEN=f"unix:{tmp_path / 'api.sock'}",
@@ -139,6 +141,7 @@ def test_start_lines_of_built_in_defaults_mask_the_database_password(tmp_path: P
         "database: postgresql://tk:***@127.0.0.1:1/tk",
         f"listen: unix:{tmp_path / 'api.sock'}",
     ], output
+    assert "waiting for the database postgresql://tk:***@127.0.0.1:1/tk" in output
     assert "cannot start" in output
     assert SECRET not in output
 
