@@ -8,7 +8,9 @@ connections (bound, not listening) until it opens, as a server's does before it 
 
 from __future__ import annotations
 
+import configparser
 import contextlib
+import shutil
 import signal
 import socket
 import threading
@@ -20,6 +22,7 @@ import pytest
 
 from supervisor.store import Store
 from tests.daemon import Daemon, daemons, turnkeeper, wait_until
+from tests.lifecycle.test_deploy import Supervisord, wait_ready
 from tests.restarts.test_restart_daemon import NotifyListener
 
 __all__ = ["daemons"]  # the fixture
@@ -209,3 +212,38 @@ def test_a_database_that_refuses_what_the_url_names_is_a_configuration_error(
     assert not waiting_lines(daemon), daemon.log()
     assert "store.url: the database server refuses it" in daemon.log()
     assert 'database "no_such_database_tk" does not exist' in daemon.log()
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
+def test_under_supervisord_a_database_up_late_is_waited_for_not_fatal(
+    relay: Callable[[str], LateRelay], tmp_path: Path, db_url: str
+) -> None:
+    """The shipped program file: the daemon waiting for its database counts as started
+    (RUNNING after startsecs), where exiting at once would be retried into FATAL."""
+    if shutil.which("supervisord") is None or shutil.which("supervisorctl") is None:
+        pytest.skip("supervisord is not installed")
+    late = relay(db_url)
+    sup = Supervisord(tmp_path)
+    conf = configparser.ConfigParser(interpolation=None)
+    conf.read(sup.conf)
+    program = conf["program:turnkeeper"]
+    url = late.url(db_url).replace("%", "%%")  # supervisord expands %(...)s
+    program["environment"] += f',TURNKEEPER_STORE__URL="{url}"'
+    with sup.conf.open("w") as f:
+        conf.write(f)
+    sup.start()
+    try:
+        status = wait_until(
+            lambda: (s := sup.ctl("status", "turnkeeper").stdout).split()[1:2] == ["RUNNING"] and s,
+            60,
+            "supervisord to count the waiting daemon as started",
+        )
+        pid = int(status.split("pid ", 1)[1].split(",")[0])
+        assert "waiting for the database" in sup.log_path.read_text(), sup.logs()
+        assert not sup.ready()
+        late.open()
+        wait_ready(sup, "the daemon to start once its database answers")
+        assert f"pid {pid}," in sup.ctl("status", "turnkeeper").stdout  # never restarted
+    finally:
+        sup.stop()
