@@ -38,7 +38,14 @@ from supervisor.notify import Notifier
 from supervisor.pool.membership import Membership
 from supervisor.pool.pool import Pool
 from supervisor.pool.processes import start_resource_tracker
-from supervisor.preflight import PluginError, StartupError, check_plugins, take_files
+from supervisor.preflight import (
+    PluginError,
+    StartupError,
+    check_plugins,
+    take_files,
+    volatile_storage,
+    wait_for_database,
+)
 from supervisor.reloading import Reloader
 from supervisor.restarts.service import Restarter
 from supervisor.runtime.bus import Bus, Stopping
@@ -109,6 +116,10 @@ class Daemon:
         tokens = take_files(self.config, self.paths)
         (self.paths.runtime_dir / STOP_REQUEST).unlink(missing_ok=True)  # an earlier boot's
         self._announce()
+        timeout = self.config.store.connect_timeout
+        if not await wait_for_database(self.paths.db_url, timeout, self.notifier, self._stop):
+            log("shutdown").info("stopped while waiting for the database")
+            return 0
         store = await asyncio.to_thread(
             Store,
             self.paths.db_url,
@@ -178,6 +189,9 @@ class Daemon:
         )
         say.info("database: {}", mask_url(self.paths.db_url))
         say.info("listen: {}", self.config.http.listen)
+        say.info("{}", interrupted_turns_line(self.config))
+        for problem in volatile_storage(self.paths):  # tmpfs, a PrivateTmp=yes /tmp
+            say.warning("{}", problem)
         for warning in ignored_variables():
             say.warning("{}", warning)
 
@@ -401,3 +415,18 @@ class Daemon:
         """The longest the stop's steps after the drain may take, each at its cap, and the
         next start's own steps before it waits for its workers."""
         return teardown_budget(self.config, drain=0.0).total + 30.0
+
+
+def interrupted_turns_line(config: Config) -> str:
+    """Whether turns a stop or a crash interrupts are continued after the restart: a line
+    of the start, so that an operator reads it before the first restart, not after."""
+    recovery = config.recovery
+    if recovery.auto_continue:
+        return (
+            "interrupted turns: continued after a restart, when at most "
+            f"{recovery.freshness:g} s old (recovery.auto_continue = true)"
+        )
+    return (
+        "interrupted turns: NOT continued after a restart; they wait for their user's next "
+        "message (recovery.auto_continue = false)"
+    )

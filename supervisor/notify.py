@@ -94,6 +94,15 @@ class Notifier:
             found["WATCHDOG_PID"] = str(os.getpid())
         return found
 
+    def waiting(self, status: str, seconds: float) -> None:
+        """A start that waits (for the database): STATUS= says for what, and the start
+        timeout is extended by `seconds` from now (EXTEND_TIMEOUT_USEC, to be sent again
+        before they run out); the watchdog is fed meanwhile, for a start in place."""
+        fields: dict[str, str | int] = {"STATUS": status, "EXTEND_TIMEOUT_USEC": int(seconds * 1e6)}
+        if self.watchdog_usec:
+            fields["WATCHDOG"] = 1
+        self.send(**fields)
+
     def extend_timeout(self, seconds: float) -> None:
         """Ask for more stop time (during a drain): EXTEND_TIMEOUT_USEC."""
         self.send(EXTEND_TIMEOUT_USEC=int(seconds * 1e6))

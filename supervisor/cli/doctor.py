@@ -11,12 +11,16 @@ import configparser
 import re
 import shutil
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from supervisor import locks, trust
 from supervisor.teardown import SHIPPED_STOP_TIMEOUT, Budget, check_stop_timeout
+
+if TYPE_CHECKING:
+    from supervisor.preflight import Volatile
 
 PASS, WARN, FAIL = "PASS", "WARN", "FAIL"
 MIN_FREE_BYTES = 512 * 1024 * 1024
@@ -304,6 +308,29 @@ def _privacy(state_dir: Path, db_path: Path | None) -> list[Finding]:
         else:
             findings.append(Finding(PASS, "file modes", f"{path} is {mode:04o}"))
     return findings
+
+
+def private_tmp(unit_text: str) -> bool:
+    """Whether a systemd unit gives the service a /tmp of its own (`PrivateTmp=`): yes,
+    or `disconnected`; anything but a false boolean."""
+    value = unit_settings(unit_text).get("PrivateTmp", "no").lower()
+    return value not in ("no", "false", "off", "0", "")
+
+
+def check_storage(problems: Sequence[Volatile], state_dir: Path) -> list[Finding]:
+    """The state directory and the database on storage that survives a stop and a reboot:
+    each of `problems` (`supervisor.preflight.volatile_storage`) is a FAIL."""
+    if not problems:
+        return [Finding(PASS, "storage", f"{state_dir} is not on memory or in a private /tmp")]
+    return [
+        Finding(
+            FAIL,
+            "storage",
+            f"{p.what} {p.path} {p.reason}",
+            f"{p.fix}: what is committed there is lost",
+        )
+        for p in problems
+    ]
 
 
 def check_sqlite(journal_mode: str, synchronous: int) -> list[Finding]:

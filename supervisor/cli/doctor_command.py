@@ -6,6 +6,7 @@ Imports are taken inside the command: this module is loaded by every `turnkeeper
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
@@ -30,7 +31,8 @@ def register(group: click.Group) -> None:
 @click.option(
     "--unit",
     type=click.Path(exists=True, dir_okay=False),
-    help="A systemd unit file to check (TimeoutStopSec above the teardown budget, KillMode).",
+    help="A systemd unit file to check (TimeoutStopSec above the teardown budget, KillMode;"
+    " with PrivateTmp=yes, no state under /tmp or /var/tmp).",
 )
 @click.option(
     "--supervisord",
@@ -49,8 +51,10 @@ def doctor_command(
     classes are loaded in a child process; MCP servers are never started), each named by
     its configuration key. The teardown budget (`turnkeeper config show` prints its steps)
     must be below the stop timeout of the unit or program file given (a FAIL), or without
-    one, of the shipped files (a WARN). Exits 0 when nothing fails, 1 when something does,
-    78 when the configuration itself cannot be loaded.
+    one, of the shipped files (a WARN). A state directory or database on memory (tmpfs),
+    or in the /tmp the unit's PrivateTmp=yes removes at every stop, is a FAIL. Exits 0
+    when nothing fails, 1 when something does, 78 when the configuration itself cannot be
+    loaded.
     """
     from supervisor.cli import doctor
     from supervisor.contract.config import ConfigError, load_config, resolve_paths
@@ -66,6 +70,7 @@ def doctor_command(
     findings += _service_files(cfg, unit, supervisord)
     findings += _run_checks(cfg, paths, running)
     findings += _files_and_database(cfg, paths, running)
+    findings += _storage(paths, unit, running)
     _report(findings, as_json, doctor.exit_code(findings))
 
 
@@ -132,3 +137,17 @@ def _files_and_database(cfg: Config, paths: Paths, running: int | None) -> list[
         paths.state_dir, sqlite_path(paths.db_url), paths.runtime_dir, tokens
     )
     return findings + check_database(cfg, paths.db_url, daemon_running=running is not None)
+
+
+def _storage(paths: Paths, unit: str | None, running: int | None) -> list[Finding]:
+    """The state directory and the database on storage that survives a stop and a reboot,
+    judged by the running daemon's mount table when it can be read (its private /tmp, if
+    any, is its own), else by this process's, and by the unit's PrivateTmp=."""
+    from supervisor.cli import doctor
+    from supervisor.preflight import MOUNT_TABLE, volatile_storage
+
+    table = MOUNT_TABLE
+    if running is not None and os.access(f"/proc/{running}/mountinfo", os.R_OK):
+        table = Path(f"/proc/{running}/mountinfo")
+    private = unit is not None and doctor.private_tmp(Path(unit).read_text())
+    return doctor.check_storage(volatile_storage(paths, private, table), paths.state_dir)

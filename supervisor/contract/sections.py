@@ -69,6 +69,9 @@ class StoreConfig(_Section):
     # One event's payload at most (JSON, bytes); above http.max_body, model.max_response_bytes
     # and tools.max_result_bytes (a start checks it), so what they admit can be stored.
     max_event_bytes: Annotated[int, Field(ge=65536)] = 8 << 20
+    # How long `run` waits for a PostgreSQL or MySQL server that is not there yet (refused,
+    # timed out, starting up) before it exits 1; 0: it does not wait.
+    connect_timeout: Seconds = 120.0
 
 
 class HttpConfig(_Section):

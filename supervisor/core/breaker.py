@@ -6,11 +6,18 @@ the `BreakerState` it gets back.
 
 Rules
 -----
-- Each boot writes its `agent_boot_log` row before anything else. A clean stop ends it
-  `clean`; a failed start ends it `startup_failed`.
-- A boot is *unclean* unless it ended `clean`: it never ended (`ended_at` None: the
-  process died), or it ended `startup_failed` (or `unclean`, or any other outcome). The
-  current boot is never counted: it has not ended yet because it is running.
+- Each boot writes its `agent_boot_log` row once it holds its host id and its database
+  (a start refused before that, for its configuration, its lock, a database that did not
+  answer in time or another daemon on its host id, writes none). A clean stop ends it
+  `clean`; a start that failed before it served (a port taken, every worker slot fatal
+  before one was ready) ends it `startup_failed`.
+- A boot is *unclean* when it never ended (`ended_at` None: the process died) or ended
+  with any outcome but `clean` and `startup_failed` (`unclean`: a task of the supervisor
+  died, or every slot went fatal while it served). A `startup_failed` boot ran no session,
+  so it cannot be the crash loop the breaker guards against (a turn that kills the
+  daemon): a port conflict under `Restart=always` must not trip it and hold back the
+  interrupted turns once the port is free. The current boot is never counted: it has not
+  ended yet because it is running.
 - Window: a boot counts while `started_at + window > now`. A boot exactly `window`
   seconds old no longer counts; one a hair younger still does. There is no upper bound: a
   boot stamped after `now` (the clock stepped back) is recent, so it counts.
@@ -29,7 +36,8 @@ Rules
 | boot row                                   | counts toward the threshold |
 |--------------------------------------------|-----------------------------|
 | ended `clean`                              | no                          |
-| ended `startup_failed` (or `unclean`)      | yes                         |
+| ended `startup_failed`                     | no                          |
+| ended `unclean` (or any other outcome)     | yes                         |
 | never ended, an earlier boot               | yes                         |
 | the current boot                           | no                          |
 | `started_at + window <= now` (left window) | no                          |
@@ -42,8 +50,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from supervisor.core.vocabulary import BootOutcome
+
 RETENTION = 24 * 3600.0  # boot rows older than this (by started_at) are pruned
-CLEAN = "clean"  # the only outcome that is not unclean
+# The outcomes the breaker does not count: a clean stop, and a start that never served.
+NOT_UNCLEAN = frozenset({BootOutcome.CLEAN, BootOutcome.STARTUP_FAILED})
 
 
 @dataclass(frozen=True)
@@ -57,8 +68,9 @@ class BootRecord:
 
     @property
     def unclean(self) -> bool:
-        """True when this earlier boot did not end cleanly (the current boot never is)."""
-        return not self.is_current and (self.ended_at is None or self.outcome != CLEAN)
+        """True when this earlier boot died or ended unclean: not `clean`, not a start that
+        failed before it served (`startup_failed`); the current boot never is."""
+        return not self.is_current and (self.ended_at is None or self.outcome not in NOT_UNCLEAN)
 
 
 @dataclass(frozen=True)

@@ -13,12 +13,13 @@ import peewee
 from supervisor.store import migrations
 from supervisor.store.acl import PERMISSIONS, Acl
 from supervisor.store.boots import Boot, Boots, Child, Children
-from supervisor.store.db import backend, db_now, open_database, run_write, sqlite_path
+from supervisor.store.db import backend, db_now, open_database, probe, run_write, sqlite_path
 from supervisor.store.deliveries import Deliveries, DeliveryInfo, Outgoing
 from supervisor.store.errors import (
     BadStoreURL,
     IdempotencyConflict,
     LeaseLost,
+    NotAnswering,
     SchemaMissing,
     SchemaTooNew,
     SessionClosed,
@@ -67,6 +68,7 @@ __all__ = [
     "LeaseLost",
     "Leases",
     "Me",
+    "NotAnswering",
     "Outgoing",
     "RateLimited",
     "ReplayedSeq",
@@ -96,6 +98,7 @@ __all__ = [
     "TaskReported",
     "Tasks",
     "TooManySessions",
+    "probe",
     "request_digest",
     "scoped_key",
     "sqlite_path",

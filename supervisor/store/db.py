@@ -20,7 +20,7 @@ from playhouse import db_url
 
 from supervisor.contract.clock import SYSTEM
 from supervisor.core.backoff import Backoff
-from supervisor.store.errors import BadStoreURL, StoreBusy
+from supervisor.store.errors import BadStoreURL, NotAnswering, StoreBusy, StoreError
 
 T = TypeVar("T")
 
@@ -89,6 +89,100 @@ def open_database(url: str, synchronous: str = "full") -> peewee.Database:
         f"store.url: unsupported scheme {scheme!r}; use sqlite:///PATH, "
         "postgresql://USER@HOST/DB or mysql://USER@HOST/DB"
     )
+
+
+# One try's connect timeout while a start waits for the server (the URL's own wins).
+PROBE_CONNECT_TIMEOUT_S = 5
+# PostgreSQL: what libpq or the server says when the server is not there yet, or not yet
+# taking connections (the messages carry no SQLSTATE at connect time; these are English,
+# the language libpq and the server speak unless told otherwise).
+PG_NOT_ANSWERING = (
+    "connection refused",
+    "timeout expired",
+    "timed out",
+    "no such file or directory",  # its unix socket, before it starts
+    "the database system is starting up",
+    "the database system is shutting down",
+    "the database system is in recovery mode",
+    "the database system is not yet accepting connections",
+    "the database system is not accepting connections",
+    "too many clients",
+    "remaining connection slots are reserved",
+    "server closed the connection unexpectedly",
+    "temporary failure in name resolution",  # DNS not up yet (a name that is wrong is not)
+    "network is unreachable",
+    "no route to host",
+    "connection reset by peer",
+)
+# PostgreSQL: the server is up and refuses what store.url names: waiting would not help.
+PG_REFUSES = ("does not exist", "authentication failed", "no pg_hba.conf entry")
+# MySQL / MariaDB client and server error codes of the same two kinds.
+MYSQL_NOT_ANSWERING = frozenset(
+    {
+        1040,  # too many connections
+        1053,  # server shutdown in progress
+        1203,  # the user's max_user_connections
+        2002,  # cannot connect through the socket
+        2003,  # cannot connect over TCP (refused, timed out)
+        2006,  # server has gone away
+        2013,  # lost the connection during the handshake
+    }
+)
+MYSQL_REFUSES = frozenset({1044, 1045, 1049, 1251, 1698})  # access denied, unknown database
+
+
+def probe(url: str) -> None:
+    """Connect to the server database at `url` once and close (for a start that waits for
+    it). Raises NotAnswering when it is not there yet, BadStoreURL when it refuses what
+    `url` names (an unknown database or user, a wrong password), StoreError otherwise.
+    SQLite: nothing to wait for, returns at once (a file that cannot be opened is the
+    store's error, never a wait)."""
+    kind = urlsplit(url).scheme
+    if kind == "sqlite":
+        return
+    db = open_database(url)
+    db.connect_params.setdefault("connect_timeout", PROBE_CONNECT_TIMEOUT_S)
+    try:
+        db.connect()
+    except (peewee.OperationalError, peewee.InterfaceError) as exc:
+        said = first_line(exc)
+        if not_answering(exc, backend(db)):
+            raise NotAnswering(said) from exc
+        if refuses(exc, backend(db)):
+            raise BadStoreURL(f"store.url: the database server refuses it: {said}") from exc
+        raise StoreError(f"cannot open the database ({backend(db)}): {said}") from exc
+    db.close()
+
+
+def first_line(exc: BaseException) -> str:
+    """A driver's error on one line: MySQL's message without its code, PostgreSQL's
+    without its hint lines."""
+    args = exc.args
+    text = str(args[1]) if len(args) == 2 and isinstance(args[0], int) else str(exc)
+    return next((line.strip() for line in text.splitlines() if line.strip()), repr(exc))
+
+
+def _mysql_code(exc: BaseException) -> int | None:
+    return exc.args[0] if exc.args and isinstance(exc.args[0], int) else None
+
+
+def not_answering(exc: BaseException, kind: str) -> bool:
+    """Whether a failed connect means the server is not there yet: worth waiting for."""
+    if kind == "mysql":
+        code = _mysql_code(exc)
+        said = str(exc).lower()
+        unknown_host = code == 2003 and ("not known" in said or "nodename" in said)
+        return code in MYSQL_NOT_ANSWERING and not unknown_host
+    said = str(exc).lower()
+    return any(pattern in said for pattern in PG_NOT_ANSWERING)
+
+
+def refuses(exc: BaseException, kind: str) -> bool:
+    """Whether a failed connect means the server refuses what store.url names."""
+    if kind == "mysql":
+        return _mysql_code(exc) in MYSQL_REFUSES
+    said = str(exc).lower()
+    return any(pattern in said for pattern in PG_REFUSES)
 
 
 def _create_private_file(path: Path) -> None:

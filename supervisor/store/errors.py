@@ -11,6 +11,11 @@ class BadStoreURL(StoreError):
     """`store.url` names a database turnkeeper cannot use."""
 
 
+class NotAnswering(StoreError):
+    """The database server is not there yet: the connection was refused or timed out, or
+    the server is starting up. A start waits for it (`store.connect_timeout`)."""
+
+
 class SchemaTooNew(StoreError):
     """The database was migrated by a newer turnkeeper than this one."""
 

@@ -44,7 +44,7 @@ def judge(
     ("boot", "counts"),
     [
         pytest.param(died(NOW - 10), True, id="never-ended"),
-        pytest.param(ended(NOW - 10, "startup_failed"), True, id="startup-failed"),
+        pytest.param(ended(NOW - 10, "startup_failed"), False, id="startup-failed"),
         pytest.param(ended(NOW - 10, "unclean"), True, id="marked-unclean"),
         pytest.param(ended(NOW - 10, "clean"), False, id="clean"),
         pytest.param(BootRecord(NOW - 10, None, "clean"), True, id="clean-without-end-time"),
@@ -67,7 +67,8 @@ def test_what_counts_as_unclean(boot: BootRecord, counts: bool) -> None:
         ([died(NOW - 30), died(NOW - 20)], False),
         ([died(NOW - 30), died(NOW - 20), died(NOW - 10)], True),
         ([died(NOW - 40), died(NOW - 30), died(NOW - 20), died(NOW - 10)], True),
-        ([died(NOW - 30), ended(NOW - 20, "startup_failed"), died(NOW - 10)], True),
+        ([died(NOW - 30), ended(NOW - 20, "startup_failed"), died(NOW - 10)], False),
+        ([died(NOW - 30), ended(NOW - 20, "unclean"), died(NOW - 10)], True),
         ([died(NOW - 30), ended(NOW - 20, "clean"), died(NOW - 10)], False),
     ],
 )
@@ -77,6 +78,18 @@ def test_threshold_is_reached_on_the_fourth_boot(earlier: list[BootRecord], trip
     assert state.tripped is tripped
     assert (state.clears_at is not None) is tripped
     assert not state.fails_open
+
+
+def test_a_start_that_keeps_failing_before_it_serves_never_trips_it() -> None:
+    """A port taken under `Restart=always`: a boot a second, each `startup_failed`, then
+    the start that binds. Those boots ran no session: the breaker stays clear, and the
+    unclean boots around them still count as before."""
+    failed = [ended(NOW - 60 + i, "startup_failed") for i in range(50)]
+    assert judge([*failed, current()]) == BreakerState(
+        False, 0, "0 unclean boots in the last 300 s (threshold 3)"
+    )
+    state = judge([died(NOW - 100), *failed, died(NOW - 5), died(NOW - 2), current()])
+    assert (state.tripped, state.unclean_in_window) == (True, 3)
 
 
 def test_threshold_of_one() -> None:
@@ -197,7 +210,7 @@ def test_state_matches_a_plain_count(
         b
         for b in boots
         if not b.is_current
-        and not (b.ended_at is not None and b.outcome == "clean")
+        and not (b.ended_at is not None and b.outcome in ("clean", "startup_failed"))
         and NOW - b.started_at < window
         and (reset_at is None or b.started_at > reset_at)
     ]

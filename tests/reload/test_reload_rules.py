@@ -93,7 +93,7 @@ def test_each_key_has_the_effect_of_who_reads_it(
 # Every key, by what its change needs: who reads it, and when (a named entry's name is *).
 EXPECTED: dict[str, str] = {
     "restart": """daemon.state_dir daemon.runtime_dir daemon.host_id store.url store.synchronous
-        store.max_event_bytes
+        store.max_event_bytes store.connect_timeout
         http.listen http.max_body http.read_timeout http.max_connections http.write_timeout
         lease.stale_after
         shutdown.kill_grace attach.shutdown_timeout tasks.work_dir""",
