@@ -163,6 +163,12 @@ def test_under_a_low_limit_the_connection_cap_is_clamped_and_idle_clients_are_ev
     cap = int(found[1])
     assert "http.max_connections 1024 does not fit: the file descriptor limit is 256" in log
     assert cap < 256 - len(os.listdir(f"/proc/{daemon.pid}/fd"))
+    # `doctor` judges the running daemon's limit too, and says what it will serve.
+    report = turnkeeper(daemon, "doctor").stdout
+    assert (
+        f"WARN  file descriptors: the running daemon's (pid {daemon.pid}) limit: 256 holds "
+        f"{cap} connections"
+    ) in report, report
     held: list[socket.socket] = []
 
     def hold() -> bool:
