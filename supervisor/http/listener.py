@@ -140,10 +140,12 @@ class Starvation:
         if count is None:
             return
         name = errno.errorcode.get(exc.errno or 0, str(exc.errno))
+        short = "file descriptors" if exc.errno in (errno.EMFILE, errno.ENFILE) else "memory"
         log("http").warning(
-            "out of file descriptors accepting connections ({}: {}){}: accept pauses a "
-            "second each time and the clients wait in the backlog; told at most once a "
-            "minute (see `turnkeeper doctor`)",
+            "out of {} accepting connections ({}: {}){}: accept pauses a second each time "
+            "and the clients wait in the backlog; told at most once a minute (see "
+            "`turnkeeper doctor`)",
+            short,
             name,
             exc.strerror or exc,
             "" if count == 1 else f", {count} times since the last line",
