@@ -1,10 +1,10 @@
 """File descriptors on a real daemon (issue 32): started under a low soft limit it raises
 it to the hard one and says so, while the programs it runs get what they need (an MCP
 server and a task's command the original soft limit, a worker the raised one); under a
-low hard limit `http.max_connections` is clamped so that clients cannot run the daemon
-out of descriptors; and when it runs out all the same (a limit lowered under it), it
-stops accepting for a moment, logs one line and not a flood, and answers again once
-descriptors are free.
+low hard limit `http.max_connections` is clamped (and judged again when a reload grows
+the pool) so that clients cannot run the daemon out of descriptors; and when it runs out
+all the same (a limit lowered under it), it stops accepting for a moment, logs one line
+and not a flood, and answers again once descriptors are free.
 
 The limits are set as an operator's shell would (`prlimit` before the command, as
 `ulimit -n` does, and `prlimit --pid` on the running daemon) and read back from
@@ -22,6 +22,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import tomli_w
 
 from supervisor.store import Store
 from tests.conftest import PYTHON, REPO
@@ -202,6 +203,39 @@ def test_under_a_low_limit_the_connection_cap_is_clamped_and_idle_clients_are_ev
     log = daemon.log()
     assert "evicted the connection idle longest" in log
     assert STARVED_LINE not in log and "Too many open files" not in log
+
+
+def test_a_reload_that_grows_the_pool_judges_the_cap_again(daemons: Daemons) -> None:
+    daemon = under_prlimit(daemons(), 256, 256).start()
+    before = [int(n) for n in re.findall(r"serving at most (\d+) connections", daemon.log())]
+    assert len(before) == 1
+    config = {**daemon.config, "pool": {**daemon.config["pool"], "workers": 4}}
+    daemon.config_path.write_text(tomli_w.dumps(config))
+    reload = turnkeeper(daemon, "reload")
+    assert reload.returncode == 0, reload.stdout + reload.stderr
+    found = wait_until(
+        lambda: re.findall(r"serving at most (\d+) connections", daemon.log())[1:],
+        30,
+        "the cap judged again",
+    )
+    # Two more workers, each counted twice (a reload's replacements) at four descriptors.
+    cap = int(found[0])
+    assert cap == before[0] - 2 * 2 * 4
+    held: list[socket.socket] = []
+    try:
+        for _ in range(before[0]):
+            conn = connect(daemon)
+            ask(conn)
+            assert b"200 OK" in conn.recv(65536)
+            held.append(conn)
+        wait_until(
+            lambda: sum(not closed_by_peer(c) for c in held) <= cap,
+            30,
+            "the connections over the new cap to be closed",
+        )
+    finally:
+        for conn in held:
+            conn.close()
 
 
 def test_out_of_descriptors_accept_pauses_logs_one_line_and_serves_again_once_free(
