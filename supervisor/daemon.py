@@ -179,10 +179,10 @@ class Daemon:
             self.paths.state_dir,
             self.paths.runtime_dir,
         )
-        say.info("database: {}", mask_url(self.paths.db_url))
-        say.info("listen: {}", self.config.http.listen)
         if (raised := self.descriptors) is not None:
             say.log("WARNING" if raised.error else "INFO", "{}", raised.describe())
+        say.info("database: {}", mask_url(self.paths.db_url))
+        say.info("listen: {}", self.config.http.listen)
         for warning in ignored_variables():
             say.warning("{}", warning)
 
