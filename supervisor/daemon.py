@@ -21,6 +21,7 @@ from setproctitle import setproctitle
 
 from supervisor import __version__
 from supervisor.composition import Hooks, Tree, build
+from supervisor.contract import fdlimit
 from supervisor.contract.background import LoopDied, first_of, spawn
 from supervisor.contract.clock import SYSTEM
 from supervisor.contract.config import (
@@ -30,6 +31,7 @@ from supervisor.contract.config import (
     resolve_paths,
     resolved_host_id,
 )
+from supervisor.contract.limits import DB_THREADS
 from supervisor.contract.logs import log
 from supervisor.contract.origins import source_name
 from supervisor.contract.reaper import become_subreaper
@@ -53,8 +55,6 @@ from supervisor.runtime.root import Drains
 from supervisor.stopping import READY_TIMEOUT, STOP_REQUEST, StepLog
 from supervisor.store import RestartInfo, Store
 from supervisor.teardown import teardown_budget
-
-DB_THREADS = 8  # the supervisor's threads for blocking work, each with a connection
 
 __all__ = ["Daemon", "PluginError", "StartupError"]
 
@@ -92,6 +92,7 @@ class Daemon:
         self.reexec = False  # `run` replaces the process with a new start once this returns
         self.cancelled: str | None = None  # why the restart of `restart` did not happen
         self.restarter: Restarter | None = None
+        self.descriptors: fdlimit.Raised | None = None  # the start's raise of RLIMIT_NOFILE
 
     async def run(self) -> int:
         """Start, serve until SIGTERM or SIGINT, stop; returns the exit code.
@@ -103,6 +104,8 @@ class Daemon:
         (docs/architecture.md, "The stop"), with the drain before the first service that serves it.
         """
         setproctitle("turnkeeper: supervisor")
+        # Before any child starts: each gets the original soft limit back where it matters.
+        self.descriptors = fdlimit.raise_soft_limit()
         loop = asyncio.get_running_loop()
         # Each thread that touches the database keeps a connection: a bounded few.
         loop.set_default_executor(ThreadPoolExecutor(DB_THREADS, "turnkeeper-db"))
@@ -187,6 +190,8 @@ class Daemon:
             self.paths.state_dir,
             self.paths.runtime_dir,
         )
+        if (raised := self.descriptors) is not None:
+            say.log("WARNING" if raised.error else "INFO", "{}", raised.describe())
         say.info("database: {}", mask_url(self.paths.db_url))
         say.info("listen: {}", self.config.http.listen)
         say.info("{}", interrupted_turns_line(self.config))

@@ -21,7 +21,7 @@ import zmq
 import zmq.asyncio
 from loguru import logger
 
-from supervisor.contract import control
+from supervisor.contract import control, fdlimit
 from supervisor.contract.background import spawn
 from supervisor.contract.clock import SYSTEM, sleep_unless
 from supervisor.contract.config import Config
@@ -67,6 +67,7 @@ def main(spec: WorkerSpec) -> None:
     set_pdeathsig(signal.SIGKILL)
     exit_if_orphaned(spec.parent_pid)
     os.environ.pop("NOTIFY_SOCKET", None)
+    fdlimit.remember(spec.nofile_soft or None)  # for its MCP servers (`mcp_launch`)
     faulthandler.enable(all_threads=True)  # SIGABRT (a hang) prints every thread's stack
     config = Config.model_validate(spec.config)
     for target in config.delivery.targets:  # the supervisor signs; agents never see a key

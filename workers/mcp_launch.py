@@ -7,9 +7,10 @@ a `ClientSession` to the running process; a server that dies later is started ag
 `launch` alone. Nothing here imports the SDK.
 
 A process is started in its own process group with PR_SET_PDEATHSIG (it dies with the
-worker, even one that never got as far as connecting to it), with the minimal environment
-of `supervisor.contract.mcp_env.child_environment`, and with three pipes whose far ends
-only the child holds.
+worker, even one that never got as far as connecting to it), with the soft file
+descriptor limit the daemon started with (`supervisor.contract.fdlimit`: a server may use
+select()), with the minimal environment of `supervisor.contract.mcp_env.child_environment`,
+and with three pipes whose far ends only the child holds.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO
 
+from supervisor.contract import fdlimit
 from supervisor.contract.config import McpServer
 from supervisor.contract.mcp_env import child_environment
 from supervisor.contract.reaper import new_group_with_pdeathsig
@@ -44,6 +46,13 @@ class Launched:
             pipe.close()
 
 
+def _in_the_child() -> None:
+    """Between fork and exec: a group of its own, death with the worker, the soft file
+    descriptor limit the daemon started with."""
+    new_group_with_pdeathsig()
+    fdlimit.give_back()
+
+
 async def launch(command: Sequence[str], env: Mapping[str, str], cwd: str | None) -> Launched:
     """Start `command` in a new process group; raises OSError if it cannot be run."""
     in_r, in_w = os.pipe()
@@ -60,7 +69,7 @@ async def launch(command: Sequence[str], env: Mapping[str, str], cwd: str | None
             stderr=err_w,
             cwd=cwd or None,
             env=dict(env),
-            preexec_fn=new_group_with_pdeathsig,
+            preexec_fn=_in_the_child,
         )
     except BaseException:
         for pipe in (stdin, stdout, stderr):

@@ -31,8 +31,8 @@ def register(group: click.Group) -> None:
 @click.option(
     "--unit",
     type=click.Path(exists=True, dir_okay=False),
-    help="A systemd unit file to check (TimeoutStopSec above the teardown budget, KillMode;"
-    " with PrivateTmp=yes, no state under /tmp or /var/tmp).",
+    help="A systemd unit file to check (TimeoutStopSec above the teardown budget, KillMode,"
+    " LimitNOFILE; with PrivateTmp=yes, no state under /tmp or /var/tmp).",
 )
 @click.option(
     "--supervisord",
@@ -51,10 +51,12 @@ def doctor_command(
     classes are loaded in a child process; MCP servers are never started), each named by
     its configuration key. The teardown budget (`turnkeeper config show` prints its steps)
     must be below the stop timeout of the unit or program file given (a FAIL), or without
-    one, of the shipped files (a WARN). A state directory or database on memory (tmpfs),
-    or in the /tmp the unit's PrivateTmp=yes removes at every stop, is a FAIL. Exits 0
-    when nothing fails, 1 when something does, 78 when the configuration itself cannot be
-    loaded.
+    one, of the shipped files (a WARN). The file descriptor limit the daemon gets (the
+    unit's LimitNOFILE, else this shell's hard limit) must hold http.max_connections and
+    what the daemon keeps open besides (a WARN: it would serve fewer; a FAIL below that).
+    A state directory or database on memory (tmpfs), or in the /tmp the unit's
+    PrivateTmp=yes removes at every stop, is a FAIL. Exits 0 when nothing fails, 1 when
+    something does, 78 when the configuration itself cannot be loaded.
     """
     from supervisor.cli import doctor
     from supervisor.contract.config import ConfigError, load_config, resolve_paths
@@ -68,6 +70,7 @@ def doctor_command(
     paths = resolve_paths(cfg)
     running = daemon_pid(paths)
     findings += _service_files(cfg, unit, supervisord)
+    findings += _descriptors(cfg, unit, running)
     findings += _run_checks(cfg, paths, running)
     findings += _files_and_database(cfg, paths, running)
     findings += _storage(paths, unit, running)
@@ -104,6 +107,14 @@ def _service_files(cfg: Config, unit: str | None, supervisord: str | None) -> li
     if not unit and not supervisord:
         findings.append(doctor.check_shipped_stop_timeout(budget))
     return findings
+
+
+def _descriptors(cfg: Config, unit: str | None, running: int | None) -> list[Finding]:
+    """The file descriptor limit the daemon gets (the unit's, else this process's hard
+    limit; the running daemon's too) against http.max_connections and what it keeps."""
+    from supervisor.cli.doctor_descriptors import check_descriptors
+
+    return check_descriptors(cfg, (Path(unit).read_text(), unit) if unit else None, running)
 
 
 def _run_checks(cfg: Config, paths: Paths, running: int | None) -> list[Finding]:

@@ -24,3 +24,6 @@ class WorkerSpec:
     config: dict[str, Any]
     route: str = field(repr=False)  # the DEALER's routing identity, fresh and random
     secret: str = field(repr=False)  # fresh and random; the worker's hello proves it
+    # The soft RLIMIT_NOFILE the daemon started with, for the worker's MCP servers (0: the
+    # worker's own, inherited; `supervisor.contract.fdlimit`).
+    nofile_soft: int = 0

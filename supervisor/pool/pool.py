@@ -51,7 +51,7 @@ from typing import Any
 import multiprocess
 import psutil
 
-from supervisor.contract import control
+from supervisor.contract import control, fdlimit
 from supervisor.contract.background import Background
 from supervisor.contract.clock import SYSTEM, Clock
 from supervisor.contract.config import Config
@@ -314,6 +314,7 @@ class Pool(Service):
             config=self.config.model_dump(mode="json", by_alias=True),
             route=route,
             secret=secret,
+            nofile_soft=fdlimit.for_children() or 0,
         )
         process = self._spawn_context.Process(
             target=run_worker, args=(spec,), name=f"turnkeeper-{slot.identity}"

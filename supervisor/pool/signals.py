@@ -91,9 +91,12 @@ class Signals(Service):
         try:
             conn.autocommit = True
             conn.cursor().execute(f"LISTEN {self.channel}")
+            # poll(), not select(): the daemon raises its descriptor limit, and this
+            # connection's may be numbered above select()'s 1024 (many HTTP clients).
+            readable = select.poll()
+            readable.register(conn, select.POLLIN)
             while not self._stop.is_set():
-                readable, _, _ = select.select([conn], [], [], 0.5)
-                if not readable:
+                if not readable.poll(500):
                     continue
                 conn.poll()
                 while conn.notifies:

@@ -27,6 +27,7 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 from supervisor import __version__
+from supervisor.contract import fdlimit
 from supervisor.contract.clock import SYSTEM, Clock
 from supervisor.contract.config import Config, ConfigError, resolve_paths, resolved_host_id
 from supervisor.contract.errors import PluginError
@@ -311,6 +312,7 @@ def reexec(notifier: Notifier) -> None:
         with contextlib.suppress(Exception):
             stream.flush()
     os.closerange(3, _max_fd())  # nothing of this boot leaks into the next
+    fdlimit.give_back()  # the new start raises the soft limit from where the first did
     try:
         os.execve(sys.executable, argv, env)
     except OSError as exc:

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import psutil
 
-from supervisor.contract import reaper
+from supervisor.contract import fdlimit, reaper
 from supervisor.contract.clock import SYSTEM, Clock
 from supervisor.contract.mcp_env import child_environment
 from supervisor.contract.paths import make_private_dir
@@ -356,6 +356,9 @@ def main() -> int:
         print(f"task_runner: {exc}", file=sys.stderr)
         return 1
     say = logger(spec.task)
+    # The command gets the soft limit the daemon started with, not the one it raised.
+    fdlimit.remember(spec.nofile_soft or None)
+    fdlimit.give_back()
     store = retrying(lambda: Store(spec.store_url, migrate=False), BACKOFF, say, "opening")
     if store is None:
         say("the database cannot be opened: the command is not started")

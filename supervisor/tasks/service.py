@@ -35,6 +35,7 @@ from typing import Any
 
 import psutil
 
+from supervisor.contract import fdlimit
 from supervisor.contract.background import spawn
 from supervisor.contract.clock import SYSTEM, Clock
 from supervisor.contract.config import Config
@@ -354,6 +355,7 @@ class TaskKeeper(Service):
             host=self.host,
             create_cwd=not kind.cwd,
             lost_grace=self.config.tasks.lost_grace,
+            nofile_soft=fdlimit.for_children() or 0,
         )
 
     def _note_runner(self, task: TaskInfo, pid: int) -> None:

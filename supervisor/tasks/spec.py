@@ -60,6 +60,9 @@ class RunnerSpec:
     host: str
     create_cwd: bool = False  # `cwd` is the task's own directory: made (0700) if missing
     lost_grace: float = 0.0  # tasks.lost_grace: the runner fences itself before (0: never)
+    # The soft RLIMIT_NOFILE the daemon started with: the runner takes it back before it
+    # starts the command (0: keep the inherited one; `supervisor.contract.fdlimit`).
+    nofile_soft: int = 0
 
     def to_json(self) -> str:
         """The spec as the runner reads it on its stdin."""
@@ -76,7 +79,7 @@ class RunnerSpec:
             raise ValueError(f"the task spec is not JSON: {exc}") from None
         if not isinstance(data, dict):
             raise ValueError("the task spec must be a JSON object")
-        missing = sorted(set(_TYPES) - set(data) - {"create_cwd", "lost_grace"})
+        missing = sorted(set(_TYPES) - set(data) - {"create_cwd", "lost_grace", "nofile_soft"})
         unknown = sorted(set(data) - set(_TYPES))
         if missing or unknown:
             raise ValueError(f"the task spec lacks {missing} or has unknown fields {unknown}")
@@ -117,6 +120,7 @@ _TYPES: dict[str, type] = {
     "host": str,
     "create_cwd": bool,
     "lost_grace": float,
+    "nofile_soft": int,
 }
 
 

@@ -5,6 +5,8 @@ listener on PostgreSQL, on the channel of its own schema only; elsewhere nothing
 from __future__ import annotations
 
 import asyncio
+import os
+import resource
 
 import pytest
 
@@ -48,6 +50,42 @@ def test_an_announced_session_wakes_the_listener_of_the_same_database(db_url: st
 
     heard = asyncio.run(scenario())
     assert set(heard) == {"session-1", "session-2"}  # the malformed payload is dropped
+
+
+@pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
+def test_the_listener_hears_on_a_connection_numbered_above_what_select_takes(
+    db_url: str,
+) -> None:
+    # The daemon raises its descriptor limit (issue 32): with many HTTP clients open, the
+    # listener's connection may be numbered above 1023, where select() refuses it.
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < 2048:
+        pytest.skip(f"the soft file descriptor limit ({soft}) leaves no room above 1024")
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+
+    async def scenario() -> bool:
+        got = asyncio.Event()
+        with Store(db_url) as listening, Store(db_url) as sending:
+            listener = Signals(listening, lambda session_id: got.set())
+            sender = Signals(sending, lambda s: None)
+            await listener.start()
+            try:
+                for _ in range(100):  # LISTEN is issued in the listener's thread
+                    await asyncio.to_thread(sender.announce, "session-1")
+                    try:
+                        await asyncio.wait_for(got.wait(), 0.1)
+                        return True
+                    except TimeoutError:
+                        continue
+                return False
+            finally:
+                await listener.stop()
+
+    try:
+        assert asyncio.run(scenario()), "the wake was never heard"
+    finally:
+        for fd in held:
+            os.close(fd)
 
 
 @pytest.mark.parametrize("db_url", ["sqlite", "mysql"], indirect=True)
