@@ -8,21 +8,26 @@ directories, and its umask. Under all of it a real daemon runs a python and a no
 server (node's JIT included), which writes in its working directory and reaches the
 network, and a task that writes in its directory and fetches over TCP; and the same
 sandbox refuses a task what the unit forbids (writing /etc, a chown, a packet socket), so
-it is really in force. Then a SIGTERM stops the daemon cleanly, its tree reaped."""
+it is really in force. The unit's ExecReload= (`turnkeeper reload`), run in the same
+sandbox with the environment the unit gives it, applies a configuration and fails (78)
+on one the daemon refuses. Then a SIGTERM stops the daemon cleanly, its tree reaped."""
 
 from __future__ import annotations
 
 import json
 import shutil
 import signal
+import subprocess
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
+import tomli_w
 
+from supervisor.cli.doctor import unit_settings
 from supervisor.store import EventRecord, Store
-from tests.conftest import PYTHON, REPO
+from tests.conftest import PYTHON, REPO, python_env
 from tests.daemon import Daemon, LoopbackServer, daemons, events, wait_until
 from tests.restart_harness import inject, new_session
 from tests.support import free_port
@@ -78,8 +83,31 @@ class Api(BaseHTTPRequestHandler):
         pass
 
 
-def result(store: Store, session: str, kind: str) -> EventRecord | None:
-    return next((e for e in events(store, session) if e.type == kind), None)
+def unit_environment(daemon: Daemon) -> dict[str, str]:
+    """What the unit's StateDirectory=, RuntimeDirectory= and CacheDirectory= set, the
+    service user's HOME (the state directory), and the configuration file."""
+    return {
+        "STATE_DIRECTORY": str(daemon.state),
+        "RUNTIME_DIRECTORY": str(daemon.root / "run"),
+        "CACHE_DIRECTORY": str(daemon.root / "cache"),
+        "HOME": str(daemon.state),
+        "TURNKEEPER_CONFIG": str(daemon.config_path),
+    }
+
+
+def run_turnkeeper(
+    sandbox: list[str], args: list[str], env: dict[str, str]
+) -> subprocess.CompletedProcess[str]:
+    """`turnkeeper ARGS` in the sandbox, with the environment the unit gives its commands."""
+    return subprocess.run(
+        [*sandbox, PYTHON, "-m", "supervisor", *args],
+        cwd=REPO,
+        env=python_env(**env),
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
 
 
 @pytest.mark.skipif(bool(MISSING), reason=f"not on PATH: {', '.join(MISSING)}")
@@ -108,7 +136,6 @@ def test_mcp_servers_and_tasks_work_inside_the_units_sandbox(
             ]
         },
         tasks={
-            "work_dir": str(tmp_path / "d0" / "cache" / "tasks"),
             "kinds": [
                 {"name": "fetch", "command": [PYTHON, "-c", FETCH, "{url}"], "args": {"url": URL}},
                 {"name": "forbidden", "command": [PYTHON, "-c", FORBIDDEN]},
@@ -116,8 +143,13 @@ def test_mcp_servers_and_tasks_work_inside_the_units_sandbox(
         },
     )
     notes.mkdir(parents=True)
+    # The directories as the unit gives them: in the environment, none in the file.
+    del daemon.config["daemon"]
+    daemon.config_path.write_text(tomli_w.dumps(daemon.config))
+    daemon.env = unit_environment(daemon)
     allowed = write_allowed(UNIT.read_text(), daemon.root / "allowed-syscalls")
-    daemon.launcher = [*launcher(daemon.root, allowed, PYTHON), PYTHON, "-m", "supervisor"]
+    sandbox = launcher(daemon.root, allowed, PYTHON)
+    daemon.launcher = [*sandbox, PYTHON, "-m", "supervisor"]
     try:
         daemon.start()
         status = (Path("/proc") / str(daemon.pid) / "status").read_text()
@@ -163,12 +195,24 @@ def test_mcp_servers_and_tasks_work_inside_the_units_sandbox(
         fetched, forbidden = sorted(found, key=lambda e: e.payload["kind"])
         assert (fetched.payload["status"], fetched.payload["exit_code"]) == ("succeeded", 0)
         assert "fetched sksat" in fetched.payload["text"], fetched.payload
-        assert list((tmp_path / "d0" / "cache" / "tasks").glob("*/fetched.txt")), "no file"
+        assert list((daemon.root / "cache" / "tasks").glob("*/fetched.txt")), "no file"
         text = forbidden.payload["text"]
         assert "etc refused: Read-only file system" in text, text
         assert "chown refused: Operation not permitted" in text, text
         assert "packet refused: Operation not permitted" in text, text
         store.close()
+
+        # `systemctl reload`: the unit's ExecReload= in the same sandbox and environment.
+        reload = unit_settings(UNIT.read_text())["ExecReload"].split()[1:]
+        reloaded = run_turnkeeper(sandbox, reload, daemon.env)
+        assert reloaded.returncode == 0, reloaded
+        assert reloaded.stdout.splitlines()[-1] == "workers kept", reloaded
+        refused_config = dict(daemon.config, pool={"workers": 0})
+        daemon.config_path.write_text(tomli_w.dumps(refused_config))
+        refused = run_turnkeeper(sandbox, reload, daemon.env)
+        assert refused.returncode == 78, refused  # the reload fails; the daemon goes on
+        assert "pool.workers" in refused.stderr, refused
+        assert daemon.ready()
 
         daemon.signal(signal.SIGTERM)
         assert daemon.wait(60) == 0, daemon.log()
