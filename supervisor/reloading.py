@@ -89,6 +89,9 @@ class ReloadResult:
     # it), stopping (503) or failed (500: an error of the daemon's, in its log).
     code: str = "ok"
     revoked: list[str] = field(default_factory=list)  # principals no longer in the tokens file
+    # The MCP servers of the workers this reload started that did not start (worker,
+    # server, state): the workers run without their tools.
+    mcp_not_started: list[tuple[str, str, str]] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-safe: the API's `ReloadOut`."""
@@ -103,6 +106,10 @@ class ReloadResult:
             "revoked": list(self.revoked),
             "workers_replaced": self.workers_replaced,
             "incomplete": self.incomplete,
+            "mcp_not_started": [
+                {"worker": worker, "server": server, "state": state}
+                for worker, server, state in self.mcp_not_started
+            ],
         }
 
 
@@ -402,19 +409,32 @@ class Reloader(Service):
         pool = self.pool
         kept = [index for index in pool.slot_indexes() if index not in added]
         await pool.shrink(ROLL_TIMEOUT)
+        started = list(added)  # the slots whose workers this reload started
         if result.workers_replaced:
             stopped = await pool.rolling_restart(ROLL_TIMEOUT, only=kept)
             if stopped is None:
                 added = [*added, *pool.revive()]
+                started = [*kept, *added]
             else:
                 result.incomplete, result.workers_replaced = stopped, False
         if added and not await pool.settled(added, ROLL_TIMEOUT):
             self.log.warning("slot {} started, but not every worker there is ready yet", added)
         pool.settle_spares()
+        self._mcp_started(result, started)
         if result.incomplete is not None:
             self.log.error("configuration {} in force, but: {}", result.version, result.incomplete)
         elif result.version != result.version_before:
             self.log.info("configuration {} in force", result.version)
+
+    def _mcp_started(self, result: ReloadResult, started: list[int]) -> None:
+        """Whether the MCP servers of the workers the reload started are up: those that did
+        not start are named, and the pool is not as the configuration says."""
+        result.mcp_not_started = self.pool.mcp_not_started(started)
+        if result.mcp_not_started and result.incomplete is None:
+            result.incomplete = "MCP servers did not start: " + ", ".join(
+                f"{server} (worker {worker}: {state})"
+                for worker, server, state in result.mcp_not_started
+            )
 
 
 def _settle(applied: asyncio.Future[ReloadResult] | None, result: ReloadResult) -> None:

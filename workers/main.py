@@ -164,7 +164,7 @@ class Worker:
             # Ready means its servers are up (or failed their start once): the pool gives
             # sessions only to ready workers, so a spare is warm before it takes any.
             await self.mcp.start()  # bounded by each server's start_timeout; never raises
-        await self.send("ready")
+        await self.send("ready", mcp=self._mcp_states())
         self.log.info("ready as {} (pid {})", self.spec.identity, os.getpid())
         try:
             await self._stop.wait()
@@ -343,19 +343,23 @@ class Worker:
         while True:
             self._beat.clear()  # before the counts: a turn that ends from here on beats again
             self._forget_finished()
-            clients = self.mcp.clients if self.mcp is not None else ()
             await self.send(
                 "heartbeat",
                 sessions=len(self.runners),
                 turns=self._turns(),
                 turns_served=self.turns_served,
-                mcp={client.name: client.state.reported.value for client in clients},
+                mcp=self._mcp_states(),
                 append_latency=self.latency.take(),
                 model_down_since=self.health.down_since,
                 model_tokens=self.health.take(),
                 draining=self.draining,
             )
             await sleep_unless(SYSTEM, self.config.pool.heartbeat_interval, self._beat)
+
+    def _mcp_states(self) -> dict[str, str]:
+        """Each MCP server's state by name, as the supervisor is told it."""
+        clients = self.mcp.clients if self.mcp is not None else ()
+        return {client.name: client.state.reported.value for client in clients}
 
     def _served(self) -> None:
         """A runner ended a turn (any outcome): one more for the heartbeat's count."""

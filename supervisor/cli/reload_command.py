@@ -9,7 +9,9 @@
 
 A configuration a start would refuse is the start's one line and exit 78, and the daemon
 goes on with the one in force. A pool not yet as the configuration says (a new worker
-that could not start stopped the rolling restart) is exit 1, after what changed.
+that could not start stopped the rolling restart, or an MCP server of a worker the reload
+started did not start: `not done: MCP servers did not start: NAME (worker W: backoff)`)
+is exit 1, after what changed.
 
 The daemon is found by its lock in `daemon.state_dir`; if the file names another
 directory now (a change that needs a restart), as the process of this user that holds a
@@ -86,12 +88,14 @@ def reload(
     no turn lost, when a key they read changed (or always, with --workers).
     Keys that need a restart (daemon.*, store.*, http.*, ...) are named and
     left as they were.
-    Waits until the new configuration is in force and prints each change,
-    the configuration's version before and after, and whether the workers
-    were replaced. A configuration a start would refuse changes nothing:
-    its one line and exit 78. Exit 3 if the daemon is not running, 1 past
-    --timeout (the reload goes on) or when a new worker could not start
-    (`not done: ...`: the workers not yet replaced go on).
+    Waits until the new configuration is in force and the new workers' MCP
+    servers are up, and prints each change, the configuration's version
+    before and after, and whether the workers were replaced. A configuration
+    a start would refuse changes nothing: its one line and exit 78. Exit 3
+    if the daemon is not running, 1 past --timeout (the reload goes on),
+    when a new worker could not start (`not done: ...`: the workers not yet
+    replaced go on) or when an MCP server of a new worker did not start
+    (`not done: MCP servers did not start: ...`).
     """
     cfg = load(ctx)  # a file that does not load: the start's one line, exit 78
     found = locate(cfg)
@@ -261,12 +265,14 @@ def result_lines(result: dict[str, Any], *, waited: bool = True) -> list[str]:
     lines.append(
         f"configuration {before} -> {now}" if before != now else f"configuration {now} unchanged"
     )
-    if result.get("incomplete"):
-        lines.append(f"not done: {result['incomplete']}")
-    elif not result["workers_replaced"]:
-        lines.append("workers kept")
-    else:
-        lines.append("workers replaced" if waited else "workers being replaced")
+    incomplete = result.get("incomplete")
+    if not incomplete or result.get("mcp_not_started"):  # the pool was changed as asked
+        if not result["workers_replaced"]:
+            lines.append("workers kept")
+        else:
+            lines.append("workers replaced" if waited else "workers being replaced")
+    if incomplete:
+        lines.append(f"not done: {incomplete}")
     return lines
 
 

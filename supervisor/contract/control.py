@@ -154,6 +154,9 @@ class Hello(_FromWorker):
 
 class Ready(_FromWorker):
     type: Literal["ready"] = "ready"
+    # Its MCP servers by name, each ready or failed its start once: a reload that started
+    # the worker says which did not start.
+    mcp: Annotated[dict[ServerName, McpStateWord], Field(max_length=MAX_SERVERS)] = {}
 
 
 class Latency(_Message):

@@ -81,6 +81,14 @@ class ChangeOut(BaseModel):
     )
 
 
+class McpNotStarted(BaseModel):
+    """An MCP server of a worker the reload started that did not start."""
+
+    worker: str
+    server: str
+    state: str = Field(description="its state when the worker was ready: backoff or down")
+
+
 class ReloadOut(BaseModel):
     """What a reload did."""
 
@@ -102,7 +110,13 @@ class ReloadOut(BaseModel):
     incomplete: str | None = Field(
         description="why the pool is not yet as the configuration says, although it is in "
         "force: a new worker that could not start stopped the rolling restart (the workers "
-        "not yet replaced go on), or the daemon began to stop",
+        "not yet replaced go on), an MCP server of a worker it started did not start, or the "
+        "daemon began to stop",
+    )
+    mcp_not_started: list[McpNotStarted] = Field(
+        default_factory=list,
+        description="the MCP servers of the workers the reload started that did not start "
+        "(failed their first start: those workers run without their tools)",
     )
 
 
@@ -114,7 +128,7 @@ class ReloadRefused(BaseModel):
 
 
 REQUESTS: tuple[type[BaseModel], ...] = (ReloadBody,)
-ANSWERS: tuple[type[BaseModel], ...] = (ChangeOut, ReloadOut, ReloadRefused)
+ANSWERS: tuple[type[BaseModel], ...] = (ChangeOut, McpNotStarted, ReloadOut, ReloadRefused)
 STARTED = SYSTEM.time()  # this process's start: when its configuration was loaded, at the latest
 
 

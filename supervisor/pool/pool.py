@@ -60,7 +60,7 @@ from supervisor.contract.reaper import descendants, reap_orphans, terminate, wit
 from supervisor.contract.spawn import WorkerSpec
 from supervisor.core.engine import HEARTBEATS_MISSED
 from supervisor.core.slots import Slot, SlotState, all_fatal
-from supervisor.core.vocabulary import INPUT_EVENTS, AssignReason
+from supervisor.core.vocabulary import INPUT_EVENTS, AssignReason, McpState
 from supervisor.pool import drain
 from supervisor.pool.counting import Counts
 from supervisor.pool.handle import WorkerHandle
@@ -456,6 +456,7 @@ class Pool(Service):
                 worker.hello = True
             case control.Ready() if not worker.ready:
                 worker.ready = True
+                worker.mcp = dict(message.mcp)
                 worker.slot.ready(self.clock())
                 self.log.info("worker {} is ready", worker.identity)
                 self.held = []  # the first is up: the rest of the pool starts
@@ -592,6 +593,21 @@ class Pool(Service):
                 return False
             await self.timer.sleep(POLL)
         return False
+
+    def mcp_not_started(self, indexes: Collection[int]) -> list[tuple[str, str, str]]:
+        """The MCP servers of the ready workers in these slots that are not ready:
+        (worker, server, state) each. A worker is ready once each of its servers is ready
+        or failed its start once, so these are the ones that did not start."""
+        found = []
+        for index in sorted(indexes):
+            worker = self.current.get(index)
+            if worker is not None and worker.ready:
+                found += [
+                    (worker.identity, name, state)
+                    for name, state in worker.mcp.items()
+                    if state != McpState.READY
+                ]
+        return found
 
     async def wait_ready(self, timeout: float) -> bool:
         """Wait until every slot has a ready worker or is fatal; True if any is ready."""

@@ -130,13 +130,15 @@ def restart(
     together than restart.min_interval are refused (exit 1, saying when to
     try again); so is a restart whose configuration on disk does not load.
     Waits until the daemon is back and ready and the request is settled, then
-    prints how it went. Exits 0 if it went well, 1 if it failed or the wait
-    timed out, 3 if the daemon is not running.
+    prints how it went and how long it took until the new boot was ready.
+    Exits 0 if it went well, 1 if it failed or the wait timed out, 3 if the
+    daemon is not running.
     """
     cfg = load(ctx)
     seconds = drain if drain is None or drain >= 0 else None
     with connect(ctx) as client:
         answer = request_restart(client, reason, seconds)
+        asked_at = SYSTEM.monotonic()  # the request admitted: the restart's time runs from here
         asked, in_progress = answer["restart"], bool(answer["in_progress"])
         if not as_json:
             click.echo(_asked(asked, in_progress))
@@ -151,6 +153,7 @@ def restart(
         if sys.stderr.isatty() and not as_json:
             click.echo(f"waiting for the restart (up to {timeout:g} s)", err=True)
         settled, status = _wait(client, asked, deadline, timeout)
+        ready_after = SYSTEM.monotonic() - asked_at
     pid = _pid_now(cfg, status)
     same = None if pid is None else pid == settled["pid"]
     ok = settled["outcome"] == RestartOutcome.OK
@@ -162,10 +165,11 @@ def restart(
                 "done": True,
                 "pid": pid,
                 "same_process": same,
+                "ready_after": round(ready_after, 3),
             }
         )
     else:
-        click.echo("\n".join(_report(settled, pid)))
+        click.echo("\n".join(_report(settled, pid, ready_after)))
     if not ok:
         sys.exit(EX_FAILURE)
 
@@ -220,8 +224,14 @@ def _pid_now(cfg: Config, status: dict[str, Any]) -> int | None:
     return daemon_pid(resolve_paths(cfg))
 
 
-def _report(info: dict[str, Any], pid: int | None) -> list[str]:
-    """How the restart went: boots, pid, outcome and detail, version and configuration."""
+def _report(info: dict[str, Any], pid: int | None, ready_after: float) -> list[str]:
+    """How the restart went: boots, pid, the time until the new boot was ready, outcome and
+    detail, version and configuration.
+
+    The time is the one an operator waits: from the request admitted until this command
+    saw the new boot ready (its workers and their MCP servers up), within a look (POLL).
+    The request's own `seconds`, from the stop to its settlement by the next boot, which
+    settles it before its workers start, is given beside it."""
     ok = info["outcome"] == RestartOutcome.OK
     took = "?" if info["seconds"] is None else f"{info['seconds']:.1f}"
     if info["boot_after"] == info["boot"]:  # refused before it began: the same boot runs
@@ -230,7 +240,10 @@ def _report(info: dict[str, Any], pid: int | None) -> list[str]:
             first += f" (pid {pid})"
     else:
         done = "restarted" if ok else "the restart failed"
-        first = f"{done} in {took} s: boot {info['boot']} -> {info['boot_after']}"
+        first = (
+            f"{done}, ready {ready_after:.1f} s after the request (stopped and started in "
+            f"{took} s): boot {info['boot']} -> {info['boot_after']}"
+        )
         if pid is not None:
             kind = (
                 "the same process: re-executed in place" if pid == info["pid"] else "a new process"

@@ -29,6 +29,9 @@ from tests.daemon import wait_until
 from tests.support import free_port, plain
 
 UNIT = REPO / "systemd" / "turnkeeper.service"
+SANDBOXING = "# --- Sandboxing"
+OK_EXPOSURE = 3.0  # systemd-analyze's "OK" ends here; 7.7 was "EXPOSED"
+CONNECT_TIMEOUT = 120.0  # store.connect_timeout's default: how long a start waits for its database
 SYSUSERS = REPO / "systemd" / "turnkeeper.sysusers"
 PROGRAM = REPO / "etc" / "supervisord" / "turnkeeper.conf"
 NOT_INSTALLED = (
@@ -59,12 +62,42 @@ def test_the_shipped_unit_has_the_settings_restarts_rely_on() -> None:
     assert (
         float(service["TimeoutStopSec"]) == SHIPPED_STOP_TIMEOUT > teardown_budget(Config()).total
     )
-    assert service["ExecReload"].endswith("kill -HUP $MAINPID")
-    assert service["ProtectSystem"] in {"full", "strict"}
+    # `systemctl reload` is `turnkeeper reload` of the same installation, which waits and
+    # exits 78 for a configuration the daemon refuses, under the start timeout systemd
+    # gives ExecReload=.
+    start = service["ExecStart"].split()
+    reload = service["ExecReload"].split()
+    assert start[1:] == ["run"] and reload[:2] == [start[0], "reload"], service["ExecReload"]
+    assert float(reload[reload.index("--timeout") + 1]) < float(service["TimeoutStartSec"])
+    assert service["LimitNOFILE"] == "65536"
+    assert service["ProtectSystem"] == "strict"
     assert service["ProtectHome"] in {"yes", "read-only", "tmpfs"}
+    # A start that waits store.connect_timeout for its database before it exits 1 is
+    # started again RestartSec later: fewer such starts fit in StartLimitIntervalSec than
+    # StartLimitBurst, so a database down for long never leaves the unit failed for good.
+    unit = unit_settings(UNIT.read_text(), "Unit")
+    each = CONNECT_TIMEOUT + float(service["RestartSec"])
+    starts = int(float(unit["StartLimitIntervalSec"]) // each) + 1
+    assert starts < int(unit["StartLimitBurst"]), unit
     # A dedicated user, the one the sysusers entry creates.
     assert service.get("User") not in {None, "", "root", "0"}
     assert re.search(rf"^u {re.escape(service['User'])} ", SYSUSERS.read_text(), re.M)
+
+
+def installed_copy(root: Path) -> Path:
+    """The shipped unit with ExecStart= and ExecReload= naming a stand-in for turnkeeper:
+    they name where it is installed on a host (/opt/turnkeeper), and `systemd-analyze`
+    insists that the binary exists."""
+    stand_in = root / "turnkeeper"
+    stand_in.write_text("#!/bin/sh\nexit 0\n")
+    stand_in.chmod(0o755)
+    text, count = re.subn(
+        r"^(ExecStart|ExecReload)=\S+", rf"\1={stand_in}", UNIT.read_text(), flags=re.M
+    )
+    assert count == 2, "the unit has no ExecStart= or no ExecReload= line"
+    unit = root / "turnkeeper.service"
+    unit.write_text(text)
+    return unit
 
 
 def verify(unit: Path) -> subprocess.CompletedProcess[str]:
@@ -79,18 +112,10 @@ def verify(unit: Path) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not on PATH")
 def test_systemd_analyze_verifies_the_shipped_unit(tmp_path: Path) -> None:
-    # ExecStart names where turnkeeper is installed on a host (/opt/turnkeeper); verify
-    # insists that the binary exists, so the copy points at a stand-in here. ExecReload
-    # (/bin/kill) is a system binary and is checked as shipped. User= is kept:
-    # `systemd-analyze verify` does not look users up (that happens when the service
-    # starts), so the missing turnkeeper user of this machine is not its concern.
-    stand_in = tmp_path / "turnkeeper"
-    stand_in.write_text("#!/bin/sh\nexit 0\n")
-    stand_in.chmod(0o755)
-    text, count = re.subn(r"^ExecStart=\S+", f"ExecStart={stand_in}", UNIT.read_text(), flags=re.M)
-    assert count == 1, "the unit has no ExecStart= line"
-    unit = tmp_path / "turnkeeper.service"
-    unit.write_text(text)
+    # User= is kept: `systemd-analyze verify` does not look users up (that happens when
+    # the service starts), so the missing turnkeeper user of this machine is not its concern.
+    unit = installed_copy(tmp_path)
+    text = unit.read_text()
     result = verify(unit)
     output = result.stdout + result.stderr
     print(output)
@@ -101,6 +126,67 @@ def test_systemd_analyze_verifies_the_shipped_unit(tmp_path: Path) -> None:
     unit.write_text(text.replace("KillMode=mixed", "KillMod=mixed"))
     result = verify(unit)
     assert "KillMod" in result.stdout + result.stderr, result.stderr
+
+
+def exposure(unit: Path) -> float:
+    """The overall exposure `systemd-analyze security --offline=yes` rates `unit` at
+    (0 is the safest, 10 the most exposed); skips if this systemd cannot rate a file."""
+    result = subprocess.run(
+        ["systemd-analyze", "security", "--offline=yes", "--no-pager", str(unit)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "SYSTEMD_LOG_COLOR": "0", "SYSTEMD_COLORS": "0", "SYSTEMD_PAGER": ""},
+    )
+    output = result.stdout + result.stderr
+    if "--offline" in output and ("unrecognized" in output or "Unknown" in output):
+        pytest.skip(f"this systemd-analyze has no --offline (systemd 250 or later has): {output}")
+    found = re.search(r"Overall exposure level for \S+: (\d+(?:\.\d+)?) (\w+)", output)
+    assert found, output
+    print(f"{unit.name}: {found[1]} {found[2]}")
+    return float(found[1])
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not on PATH")
+def test_systemd_analyze_rates_the_shipped_unit_ok(tmp_path: Path) -> None:
+    unit = installed_copy(tmp_path)
+    assert exposure(unit) <= OK_EXPOSURE
+
+    # The check can fail: without its sandboxing section the unit is exposed.
+    text = unit.read_text()
+    unit.write_text(text[: text.index(SANDBOXING)] + text[text.index("[Install]") :])
+    assert exposure(unit) > OK_EXPOSURE
+
+
+def sandboxing() -> list[tuple[str, list[str]]]:
+    """Each setting of the unit's sandboxing section, with the comment lines above its
+    paragraph (a paragraph: lines with no blank line between them)."""
+    text = UNIT.read_text()
+    section = text[text.index(SANDBOXING) : text.index("[Install]")]
+    found: list[tuple[str, list[str]]] = []
+    comments: list[str] = []
+    for line in section.splitlines()[1:]:
+        if not line.strip():
+            comments = []
+        elif line.startswith("#"):
+            comments.append(line)
+        else:
+            found.append((line.split("=", 1)[0], list(comments)))
+    return found
+
+
+def test_each_sandboxing_setting_is_explained_in_the_unit_and_the_readme() -> None:
+    settings = sandboxing()
+    assert len(settings) >= 25, settings
+    unexplained = [key for key, comments in settings if not comments]
+    assert unexplained == [], f"settings with no comment above them: {unexplained}"
+    readme = REPO / "README.md"
+    section = readme.read_text().split("## Run as a systemd service", 1)[1].split("\n## ", 1)[0]
+    missing = sorted({key for key, _ in settings if f"`{key}=" not in section})
+    assert missing == [], f"the README's systemd section does not name: {missing}"
+    # What the unit leaves out on purpose is said too, with why.
+    for left_out in ("ProcSubset=", "MemoryDenyWriteExecute=", "PrivateNetwork="):
+        assert left_out in UNIT.read_text() and left_out in section, left_out
 
 
 def test_the_supervisord_program_restarts_like_the_unit() -> None:

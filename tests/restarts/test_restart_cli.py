@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import socket
 import subprocess
 import threading
@@ -181,10 +182,15 @@ def test_restart_rides_out_the_restart_and_says_how_it_went(served: Served) -> N
     assert first == f"restart requested ({made})"
     settled = served.store.restarts.get(made)
     assert settled is not None and settled.seconds is not None
-    assert took == (
-        f"restarted in {settled.seconds:.1f} s: boot {BOOT} -> {NEXT_BOOT}, "
-        f"pid {PID} (the same process: re-executed in place)"
+    ready = re.fullmatch(
+        rf"restarted, ready (\d+\.\d) s after the request \(stopped and started in "
+        rf"{settled.seconds:.1f} s\): boot {BOOT} -> {NEXT_BOOT}, "
+        rf"pid {PID} \(the same process: re-executed in place\)",
+        took,
     )
+    assert ready, took
+    # The new boot was held starting after the request was settled: it was ready later.
+    assert float(ready[1]) >= float(f"{settled.seconds:.1f}")
     assert outcome == "outcome: ok"
     assert versions == f"version 0.9.0 -> 0.9.1, configuration ab12cd34ef56 -> {CONFIG_AFTER}"
 
@@ -209,6 +215,7 @@ def test_restart_json_of_a_restart_that_failed_in_a_new_process(served: Served) 
     )
     assert (document["done"], document["in_progress"]) == (True, False)
     assert (document["pid"], document["same_process"]) == (PID + 1, False)
+    assert document["ready_after"] > 0
     assert document["restart"]["outcome"] == "failed"
     assert "did not stop cleanly" in document["restart"]["detail"]
     assert err == ""
