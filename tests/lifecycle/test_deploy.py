@@ -31,7 +31,8 @@ from tests.support import free_port, plain
 UNIT = REPO / "systemd" / "turnkeeper.service"
 SANDBOXING = "# --- Sandboxing"
 OK_EXPOSURE = 3.0  # systemd-analyze's "OK" ends here; 7.7 was "EXPOSED"
-CONNECT_TIMEOUT = 120.0  # store.connect_timeout's default: how long a start waits for its database
+# store.connect_timeout's default: how long a start waits for its database
+CONNECT_TIMEOUT = Config().store.connect_timeout
 SYSUSERS = REPO / "systemd" / "turnkeeper.sysusers"
 PROGRAM = REPO / "etc" / "supervisord" / "turnkeeper.conf"
 NOT_INSTALLED = (
