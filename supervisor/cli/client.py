@@ -270,6 +270,8 @@ class Client:
                     ) from None
                 if not failures:
                     reconnect.lost(exc.reason)
+                if deadline is not None and SYSTEM.monotonic() >= deadline:
+                    raise ClientTimeout("the deadline passed") from None
                 failures, idle = failures + 1, 0
                 reconnect.sleep(reconnect.backoff.delay(failures))
                 continue
