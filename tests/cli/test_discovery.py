@@ -22,7 +22,6 @@ import psutil
 import pytest
 import tomli_w
 
-from supervisor.contract.paths import SERVICE_RUNTIME_DIR, SERVICE_STATE_DIR
 from supervisor.store import Store
 from tests.cli.test_cli_daemon import Lines, popen, stop
 from tests.cli.test_client import new_session, one_line
@@ -35,6 +34,9 @@ __all__ = ["daemons"]  # the fixture
 Daemons = Callable[..., Daemon]
 SMALL = {"pool": {"workers": 1, "spare": 0}}
 NOBODY = 65534
+# The shipped unit's StateDirectory= and RuntimeDirectory=.
+SERVICE_STATE_DIR = Path("/var/lib/turnkeeper")
+SERVICE_RUNTIME_DIR = Path("/run/turnkeeper")
 SERVICE_LOCK = Path(tempfile.gettempdir()) / "turnkeeper-tests-service-directories.lock"
 
 
