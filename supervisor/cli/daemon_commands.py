@@ -292,7 +292,11 @@ def interrupt(ctx: click.Context, session_id: str, as_json: bool) -> None:
 def status(ctx: click.Context, as_json: bool) -> None:
     """Show the daemon: boot, the configuration in force, breaker, worker slots and their
     MCP servers, restarts, sessions, attach streams, its host id and the other hosts on the
-    database, if any (--json: the /v1/status document)."""
+    database, if any (--json: the /v1/status document).
+
+    The daemon is found where it published itself (README: "How the command line finds
+    the daemon"). Exit 3 if none runs, 4 if this user cannot tell (it may not read the
+    daemon's directories or token)."""
     with connect(ctx) as client:
         data = client.status()
     if as_json:
