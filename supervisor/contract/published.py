@@ -4,7 +4,8 @@ Once its API listens, the daemon writes its pid, boot, version, host id, listen 
 state and runtime directories and configuration file into `daemon.json` in its runtime
 directory and, for a command line that knows only the state directory, in that too. It
 is written atomically (a temporary file renamed over it), so a reader sees the old file
-or the new one, never half of one, and it is removed at a clean stop.
+or the new one, never half of one, and it is removed when the daemon stops. A reload
+changes nothing it holds (each of its keys needs a restart), so it is written once a boot.
 
 A reader must not trust it blindly: a daemon killed with SIGKILL leaves it behind, and
 its pid may be reused. It is the daemon's only while that pid holds the state
