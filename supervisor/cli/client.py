@@ -72,6 +72,9 @@ class Reconnect:
 
     lost: Callable[[str], None]  # the reason, once per loss
     back: Callable[[int], None]  # the seq the stream resumes after
+    # Also when the first connection fails: the caller knows the daemon was there (`send
+    # --wait`, whose message it has just committed), so it is restarting, not absent.
+    from_start: bool = False
     backoff: Backoff = RECONNECT_BACKOFF
     sleep: Callable[[float], None] = SYSTEM.sleep_blocking
 
@@ -246,9 +249,10 @@ class Client:
         repeated. If the daemon is gone once a stream was open (it stopped, or the
         connection broke), `reconnect` says so and tries again with its backoff until the
         daemon is back; without it, DaemonNotRunning is raised. A first connection that
-        fails always raises. `deadline` (SYSTEM.monotonic()) raises ClientTimeout; it is
-        checked on every line, and an idle stream carries a keep-alive comment every 15 s,
-        so it can be passed by up to that much.
+        fails raises, unless `reconnect.from_start`. `deadline` (SYSTEM.monotonic()) raises
+        ClientTimeout; it is checked on every line and between attempts to reconnect, and
+        an idle stream carries a keep-alive comment every 15 s, so it can be passed by up
+        to that much.
         """
         last, idle, failures, opened = after, 0, 0, False
         while True:
@@ -262,7 +266,7 @@ class Client:
                         last, delivered = int(event["seq"]), True
                         yield event
             except DaemonUnavailable as exc:
-                if not opened:
+                if not opened and (reconnect is None or not reconnect.from_start):
                     raise
                 if reconnect is None:
                     raise DaemonNotRunning(

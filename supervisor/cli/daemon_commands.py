@@ -115,7 +115,7 @@ def send(
                 emit_json({"seq": seq})
             return
         deadline = SYSTEM.monotonic() + timeout
-        reconnect = reconnecting(client.address)
+        reconnect = reconnecting(client.address, from_start=True)  # it was there just now
         reply = wait_for_reply(
             client, session_id, seq, deadline, echo=not as_json, reconnect=reconnect
         )
@@ -244,7 +244,7 @@ def attach(
         pass
 
 
-def reconnecting(where: str) -> Reconnect:
+def reconnecting(where: str, *, from_start: bool = False) -> Reconnect:
     """How `attach` and `send --wait` ride out a restart of the daemon: a line on stderr
     when they lose it and one when they are back."""
     from supervisor.cli.client import Reconnect
@@ -257,6 +257,7 @@ def reconnecting(where: str) -> Reconnect:
             f"turnkeeper: reconnected to the daemon at {where}; resuming after seq {seq}",
             err=True,
         ),
+        from_start=from_start,
     )
 
 

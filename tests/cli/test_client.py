@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.cli.client import Client, ClientError, SseMessage, parse_sse, token_of
+from supervisor.cli.client import Client, ClientError, Reconnect, SseMessage, parse_sse, token_of
 from supervisor.contract.config import load_config
 from tests.conftest import PYTHON, REPO
 from tests.daemon import Daemon, cli_env, wait_until
@@ -298,3 +298,32 @@ def test_parse_sse_delivers_events_and_skips_comments() -> None:
         SseMessage("7", "user_message", '{"seq": 7}'),
         SseMessage("7", "message", "first\nsecond"),
     ]
+
+
+# --- reconnecting from the start (send --wait) ------------------------------------------
+
+
+def test_a_stream_told_the_daemon_was_there_waits_for_it_from_the_first_attempt(
+    tmp_path: Path,
+) -> None:
+    listen = f"unix:{tmp_path / 'api.sock'}"  # nobody listens: the daemon is restarting
+    said: list[str] = []
+    waits: list[float] = []
+
+    class GaveUp(Exception):
+        pass
+
+    def sleep(seconds: float) -> None:
+        waits.append(seconds)
+        if len(waits) == 3:
+            raise GaveUp
+
+    with Client(listen, "t") as client:
+        with pytest.raises(ClientError, match="not running"):  # attach's first attempt
+            next(client.stream("s" * 32, reconnect=Reconnect(said.append, print, sleep=sleep)))
+        assert said == [] and waits == []
+        waiting = Reconnect(said.append, print, sleep=sleep, from_start=True)
+        with pytest.raises(GaveUp):
+            next(client.stream("s" * 32, reconnect=waiting))
+    assert said == ["no socket"]  # once, however many attempts
+    assert waits == pytest.approx([0.2, 0.4, 0.8])
