@@ -216,12 +216,10 @@ def find_daemon(ctx: click.Context) -> Search:
 def connect(ctx: click.Context) -> Client:
     """A client of the running daemon, where it publishes that it listens, with its token.
 
-    None found: the address and token of the configuration, as before this daemon ever
-    published (a daemon on another host, reached with $TURNKEEPER_TOKEN); one that never
-    started (no token written) is DaemonNotRunning at once. A place this user may not read
-    is CannotTell, unless $TURNKEEPER_TOKEN is set to try the configured address with.
+    None found: DaemonNotRunning, unless $TURNKEEPER_TOKEN is set, which is tried at
+    `http.listen` (a daemon of another host, or in a place this user may not read). A
+    place this user may not read, without that token, is CannotTell.
     """
-    from supervisor.cli import discovery
     from supervisor.cli.client import (
         TOKEN_VARIABLE,
         CannotTell,
@@ -236,23 +234,17 @@ def connect(ctx: click.Context) -> Client:
     if found.running is not None:
         token, source = token_of(found.running.token_file)
         return Client(found.running.listen, token, source, advice)
-    unknown = found.unknown
-    if unknown is not None:
-        if not os.environ.get(TOKEN_VARIABLE, "").strip():
+    told = bool(os.environ.get(TOKEN_VARIABLE, "").strip())
+    if found.unknown is not None:
+        if not told:
             raise CannotTell(
-                f"cannot tell whether the daemon runs: {unknown}: run as the service user "
-                f"or set ${TOKEN_VARIABLE}"
+                f"cannot tell whether the daemon runs: {found.unknown}: run as the service "
+                f"user or set ${TOKEN_VARIABLE}"
             )
-        ctx.ensure_object(dict)["unknown"] = unknown
-    place = next((p for p in found.places if p.state_dir.is_dir()), found.places[-1])
-    try:
-        token, source = token_of(place.state_dir / discovery.ADMIN_TOKEN)
-    except CannotTell:
-        raise
-    except Exception as exc:
-        if not (place.state_dir / discovery.ADMIN_TOKEN).exists():  # it never started here
-            raise DaemonNotRunning(found.not_running(), "never started") from exc
-        raise
+        ctx.ensure_object(dict)["unknown"] = found.unknown
+    elif not told:  # no process holds a lock where it could run: it does not
+        raise DaemonNotRunning(found.not_running(), "not running")
+    token, source = token_of(Path(), os.environ)  # $TURNKEEPER_TOKEN
     return Client(cfg.http.listen, token, source, advice)
 
 
