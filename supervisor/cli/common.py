@@ -8,6 +8,7 @@ import contextlib
 import functools
 import io
 import os
+import re
 import secrets
 import sys
 from collections.abc import Callable
@@ -105,8 +106,6 @@ def broken_file_warning(exc: ConfigError) -> str:
 
 def key_line(key: str, message: str) -> int | None:
     """The line of `section.key` in the file a message ends with `[file PATH]`, if found."""
-    import re
-
     match = re.search(r"\[file (.+)\]$", message)
     section, _, name = key.partition(".")
     name = re.split(r"[.\[]", name)[0]
@@ -192,7 +191,11 @@ def reports_errors(command: Callable[P, R]) -> Callable[P, R]:
             ctx = click.get_current_context(silent=True)
             unknown = ctx.ensure_object(dict).get("unknown") if ctx is not None else None
             if unknown is not None:  # it may run elsewhere, in the place it could not read
-                fail(f"cannot tell whether the daemon runs: {exc}; and {unknown}", EX_UNKNOWN)
+                fail(
+                    f"cannot tell whether the daemon runs: {unknown} ({exc.reason}): run as "
+                    "the service user",
+                    EX_UNKNOWN,
+                )
             not_running(str(exc))
         except CannotTell as exc:
             fail(str(exc), EX_UNKNOWN)
@@ -241,7 +244,8 @@ def connect(ctx: click.Context) -> Client:
                 f"cannot tell whether the daemon runs: {found.unknown}: run as the service "
                 f"user or set ${TOKEN_VARIABLE}"
             )
-        ctx.ensure_object(dict)["unknown"] = found.unknown
+        unknown = f"{found.unknown}, and nothing answers at {cfg.http.listen}"
+        ctx.ensure_object(dict)["unknown"] = unknown
     elif not told:  # no process holds a lock where it could run: it does not
         raise DaemonNotRunning(found.not_running(), "not running")
     token, source = token_of(Path(), os.environ)  # $TURNKEEPER_TOKEN
