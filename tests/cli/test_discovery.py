@@ -195,6 +195,16 @@ def test_status_before_any_daemon_ever_started_exits_3(tmp_path: Path) -> None:
         f"turnkeeper: the daemon is not running (none in {daemon.state}); "
         "start it with `turnkeeper run`"
     )
+    # $TURNKEEPER_STATE_DIR and `--state-dir` (which wins) name the place to look in.
+    elsewhere, there = tmp_path / "elsewhere", tmp_path / "there"
+    for args, env in (
+        (["status"], {"TURNKEEPER_STATE_DIR": str(elsewhere)}),
+        (["status", "--state-dir", str(there)], {"TURNKEEPER_STATE_DIR": str(elsewhere)}),
+    ):
+        shown = turnkeeper(daemon, *args, **env)
+        assert shown.returncode == 3, shown
+        looked = there if "--state-dir" in args else elsewhere
+        assert f"(none in {looked});" in one_line(shown.stderr), args
 
 
 def line_of(path: Path, text: str) -> int:
