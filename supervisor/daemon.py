@@ -21,7 +21,7 @@ from setproctitle import setproctitle
 
 from supervisor import __version__
 from supervisor.composition import Hooks, Tree, build
-from supervisor.contract import fdlimit
+from supervisor.contract import fdlimit, published, titles
 from supervisor.contract.background import LoopDied, first_of, spawn
 from supervisor.contract.clock import SYSTEM
 from supervisor.contract.config import (
@@ -103,7 +103,8 @@ class Daemon:
         `startup_failed`; a stop stops them all in reverse, each step capped and timed
         (docs/architecture.md, "The stop"), with the drain before the first service that serves it.
         """
-        setproctitle("turnkeeper: supervisor")
+        others = titles.other_supervisors(os.getpid())
+        setproctitle(titles.supervisor_title(self.host, self.paths.state_dir, others=bool(others)))
         # Before any child starts: each gets the original soft limit back where it matters.
         self.descriptors = fdlimit.raise_soft_limit()
         loop = asyncio.get_running_loop()
@@ -147,6 +148,7 @@ class Daemon:
         self.bus = tree.bus
         try:
             await tree.root.start(self.steps)  # HostTaken, SingleHost, a port in use: raised
+            self._publish()  # it listens: the command line can find it
             tree.root.run(self._service_ended)
             pool = tree.pool
             ready = await self._until_stop(pool.wait_ready(READY_TIMEOUT))
@@ -168,6 +170,7 @@ class Daemon:
                 await asyncio.gather(self.watchdog, return_exceptions=True)
             serving = self.outcome != "startup_failed"
             await tree.root.stop(self.steps, self._drain_step if serving else None)
+            published.withdraw(self.paths.state_dir, self.paths.runtime_dir, os.getpid())
         failed = self.outcome != "clean"
         log("shutdown").info(
             "stopped {} in {:.2f} s",
@@ -199,6 +202,24 @@ class Daemon:
             say.warning("{}", problem)
         for warning in ignored_variables():
             say.warning("{}", warning)
+
+    def _publish(self) -> None:
+        """Say where this daemon is, in `daemon.json` (`supervisor.contract.published`)."""
+        source = self.config.source
+        where = published.Published(
+            pid=os.getpid(),
+            boot_id=self.boot_id,
+            version=__version__,
+            host_id=self.host,
+            listen=self.config.http.listen,
+            state_dir=str(self.paths.state_dir),
+            runtime_dir=str(self.paths.runtime_dir),
+            config=None if source is None else str(source.absolute()),
+        )
+        try:
+            published.publish(where)
+        except OSError as exc:  # the API serves all the same; the CLI falls back on the file
+            log("daemon").warning("cannot publish where the daemon is: {}", exc)
 
     async def _serve_ready(self, pool: Pool, backend: str, boot_id: str) -> None:
         """Ready: say so, start the watchdog, serve until a stop."""

@@ -14,7 +14,9 @@ def run_worker(spec: WorkerSpec) -> None:
     """The spawn target: run the worker in this (new) process, named for `ps` and `top`."""
     from setproctitle import setproctitle
 
-    setproctitle(f"turnkeeper: worker {spec.identity}")
+    from supervisor.contract.titles import worker_title
+
+    setproctitle(worker_title(spec.identity, spec.parent_pid))
     from workers.main import main
 
     main(spec)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
-import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +23,7 @@ from supervisor.contract.clock import SYSTEM
 from supervisor.contract.config import Config, parse_listen, resolve_paths
 from supervisor.core.backoff import Backoff
 
-TOKEN_VARIABLE = "TURNKEEPER_TOKEN"
+TOKEN_VARIABLE = "TURNKEEPER_TOKEN"  # also supervisor.cli.discovery's
 TIMEOUT = 30.0  # seconds for a request; an attach stream has no read timeout
 UNIX_HOST = "http://turnkeeper"  # the host name does not matter on a unix socket
 # An attach stream the daemon ends (a client too slow, a shutdown) is resumed; after this
@@ -61,6 +60,11 @@ class DaemonNotRunning(DaemonUnavailable):
     """Nothing listens at the daemon's address, or a stream lost it: the CLI exits 3."""
 
 
+class CannotTell(ClientError):
+    """This user may not read what would tell whether the daemon runs, or its token: the
+    CLI exits 4 (LSB's "status unknown" and "insufficient privilege")."""
+
+
 @dataclass(frozen=True)
 class Reconnect:
     """How a stream outlives a restart of the daemon: it says when it lost the daemon and
@@ -68,6 +72,9 @@ class Reconnect:
 
     lost: Callable[[str], None]  # the reason, once per loss
     back: Callable[[int], None]  # the seq the stream resumes after
+    # Also when the first connection fails: the caller knows the daemon was there (`send
+    # --wait`, whose message it has just committed), so it is restarting, not absent.
+    from_start: bool = False
     backoff: Backoff = RECONNECT_BACKOFF
     sleep: Callable[[float], None] = SYSTEM.sleep_blocking
 
@@ -109,46 +116,38 @@ def parse_sse(lines: Iterable[str]) -> Iterator[SseMessage]:
 
 
 def find_token(cfg: Config, environ: Mapping[str, str] | None = None) -> tuple[str, str]:
-    """The bearer token and where it came from: $TURNKEEPER_TOKEN, else the admin token file.
+    """The bearer token and where it came from: $TURNKEEPER_TOKEN, else the admin token
+    file of `cfg`'s state directory (see `token_of`)."""
+    return token_of(resolve_paths(cfg, environ).admin_token_file, environ)
 
-    An empty or whitespace token counts as none: `Authorization: Bearer` is never sent bare.
-    """
-    env = os.environ if environ is None else environ
-    if env.get(TOKEN_VARIABLE, "").strip():
-        return env[TOKEN_VARIABLE].strip(), f"${TOKEN_VARIABLE}"
-    path = resolve_paths(cfg, env).admin_token_file
+
+def token_of(token_file: Path, environ: Mapping[str, str] | None = None) -> tuple[str, str]:
+    """$TURNKEEPER_TOKEN, else the token in `token_file`, and where it came from; a token
+    this user may not read is CannotTell (exit 4), any other failure a ClientError."""
+    from supervisor.cli.discovery import TokenDenied, TokenError, read_token
+
     try:
-        # O_NOFOLLOW: a link would send another file's contents to whatever listens.
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
-        with os.fdopen(fd, "rb") as stream:
-            token = stream.read().decode(errors="replace").strip()
-    except FileNotFoundError:
-        raise ClientError(
-            f"no admin token at {path}; the daemon writes it on first start "
-            f"(`turnkeeper run` with this configuration), or set ${TOKEN_VARIABLE}"
-        ) from None
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise ClientError(
-                f"the admin token {path} is a symbolic link; remove it and restart the daemon "
-                f"(it writes a new one), or set ${TOKEN_VARIABLE}"
-            ) from None
-        raise ClientError(f"cannot read the admin token {path}: {exc.strerror or exc}") from None
-    if not token:
-        raise ClientError(
-            f"the admin token file {path} is empty; the daemon writes a fresh one when it "
-            f"starts, or set ${TOKEN_VARIABLE}"
-        )
-    return token, str(path)
+        return read_token(token_file, environ)
+    except TokenDenied as exc:
+        raise CannotTell(str(exc)) from None
+    except TokenError as exc:
+        raise ClientError(str(exc)) from None
 
 
 class Client:
     """The daemon's API, one method per route the command line uses."""
 
-    def __init__(self, listen: str, token: str, token_source: str = "the token") -> None:
+    def __init__(
+        self,
+        listen: str,
+        token: str,
+        token_source: str = "the token",
+        start_advice: str = "`turnkeeper run`",
+    ) -> None:
         where = parse_listen(listen)
         self.address = listen
         self.token_source = token_source
+        self.start_advice = start_advice  # how to start the daemon, when it is not running
         # Plain HTTP on loopback or a socket: no certificate store to load (~50 ms a command).
         if isinstance(where, Path):
             transport = httpx.HTTPTransport(uds=str(where), verify=False)
@@ -250,9 +249,10 @@ class Client:
         repeated. If the daemon is gone once a stream was open (it stopped, or the
         connection broke), `reconnect` says so and tries again with its backoff until the
         daemon is back; without it, DaemonNotRunning is raised. A first connection that
-        fails always raises. `deadline` (SYSTEM.monotonic()) raises ClientTimeout; it is
-        checked on every line, and an idle stream carries a keep-alive comment every 15 s,
-        so it can be passed by up to that much.
+        fails raises, unless `reconnect.from_start`. `deadline` (SYSTEM.monotonic()) raises
+        ClientTimeout; it is checked on every line and between attempts to reconnect, and
+        an idle stream carries a keep-alive comment every 15 s, so it can be passed by up
+        to that much.
         """
         last, idle, failures, opened = after, 0, 0, False
         while True:
@@ -266,7 +266,7 @@ class Client:
                         last, delivered = int(event["seq"]), True
                         yield event
             except DaemonUnavailable as exc:
-                if not opened:
+                if not opened and (reconnect is None or not reconnect.from_start):
                     raise
                 if reconnect is None:
                     raise DaemonNotRunning(
@@ -274,6 +274,8 @@ class Client:
                     ) from None
                 if not failures:
                     reconnect.lost(exc.reason)
+                if deadline is not None and SYSTEM.monotonic() >= deadline:
+                    raise ClientTimeout("the deadline passed") from None
                 failures, idle = failures + 1, 0
                 reconnect.sleep(reconnect.backoff.delay(failures))
                 continue
@@ -290,7 +292,7 @@ class Client:
         """One attach request: its events, once the daemon has accepted it."""
         read = None if deadline is None else max(deadline - SYSTEM.monotonic(), 0.01)
         with (
-            _transport_errors(self.address, deadline),
+            _transport_errors(self.address, deadline, self.start_advice),
             self._http.stream(
                 "GET",
                 f"/v1/sessions/{session_id}/attach",
@@ -307,7 +309,7 @@ class Client:
     # --- plumbing -------------------------------------------------------------------
 
     def _json(self, method: str, path: str, **kwargs: Any) -> Any:
-        with _transport_errors(self.address):
+        with _transport_errors(self.address, start_advice=self.start_advice):
             response = self._http.request(method, path, **kwargs)
         if response.status_code >= 400:
             raise self._api_error(response)
@@ -339,7 +341,9 @@ class Client:
 
 
 @contextlib.contextmanager
-def _transport_errors(address: str, deadline: float | None = None) -> Iterator[None]:
+def _transport_errors(
+    address: str, deadline: float | None = None, start_advice: str = "`turnkeeper run`"
+) -> Iterator[None]:
     """Turn httpx's transport errors into one-line ClientErrors."""
     try:
         yield
@@ -347,8 +351,7 @@ def _transport_errors(address: str, deadline: float | None = None) -> Iterator[N
         reason = _nobody_listens(exc)
         if reason is not None:
             raise DaemonNotRunning(
-                f"the daemon is not running at {address} ({reason}); "
-                "start it with `turnkeeper run`",
+                f"the daemon is not running at {address} ({reason}); start it with {start_advice}",
                 reason,
             ) from None
         raise DaemonUnavailable(

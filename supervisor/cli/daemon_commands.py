@@ -6,7 +6,8 @@ the functions, so that httpx does not slow down every other command.
 
 Exit codes (the README's table): 0 success; 1 a failure (an API error, a turn that failed
 or was interrupted under `send --wait`); 2 a usage error; 3 the daemon is not running
-(nothing listens at `http.listen`, or a stream without reconnection lost it).
+(none found, nothing listens where it was, or a stream without reconnection lost it); 4
+this user cannot tell (it may not read the daemon's directories or its token).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from supervisor.contract.clock import SYSTEM
 from supervisor.core.vocabulary import McpState, Permission, SessionKind, SlotState, TurnOutcome
 
 if TYPE_CHECKING:
-    from supervisor.cli.client import Client
+    from supervisor.cli.client import Client, Reconnect
 
 KINDS = [kind.value for kind in SessionKind]
 PERMISSIONS = [*(permission.value for permission in Permission), "none"]
@@ -76,7 +77,11 @@ def new(ctx: click.Context, title: str, kind: str, deliver_to: str | None, as_js
 @click.command("send")
 @session_argument
 @click.argument("text")
-@click.option("--wait", is_flag=True, help="Print the reply of the turn that follows.")
+@click.option(
+    "--wait",
+    is_flag=True,
+    help="Print the reply of the turn that follows, across a restart of the daemon.",
+)
 @click.option("--key", default=None, help="Idempotency key: the same key is committed once.")
 @click.option(
     "--timeout",
@@ -98,7 +103,8 @@ def send(
     as_json: bool,
 ) -> None:
     """Send a user message TEXT (- reads it from standard input); it is committed before
-    this returns. With --wait, exits 1 if the turn that follows fails or is interrupted."""
+    this returns. With --wait, exits 1 if the turn that follows fails or is interrupted;
+    a restart of the daemon meanwhile is ridden out as `attach` does (said on stderr)."""
     message = read_stdin() if text == STDIN else text
     with connect(ctx) as client:
         seq = client.inject(session_id, message, key)
@@ -109,7 +115,10 @@ def send(
                 emit_json({"seq": seq})
             return
         deadline = SYSTEM.monotonic() + timeout
-        reply = wait_for_reply(client, session_id, seq, deadline, echo=not as_json)
+        reconnect = reconnecting(client.address, from_start=True)  # it was there just now
+        reply = wait_for_reply(
+            client, session_id, seq, deadline, echo=not as_json, reconnect=reconnect
+        )
     if reply is None:
         fail(f"no reply within {timeout:g} s")
     if as_json:
@@ -146,18 +155,27 @@ class Reply:
 
 
 def wait_for_reply(
-    client: Client, session_id: str, after: int, deadline: float, *, echo: bool
+    client: Client,
+    session_id: str,
+    after: int,
+    deadline: float,
+    *,
+    echo: bool,
+    reconnect: Reconnect | None = None,
 ) -> Reply | None:
     """Follow the turn that starts after seq `after` until it ends (printing it as it goes
     if `echo`); None on timeout.
 
-    Events of a turn already in flight (which did not read the message) are skipped.
+    Events of a turn already in flight (which did not read the message) are skipped. With
+    `reconnect`, a restart of the daemon is ridden out: the stream resumes after the last
+    event it saw, so each line is printed once, and a turn the restart cut is followed into
+    its continuation (the same turn).
     """
     from supervisor.cli.client import ClientTimeout
 
     reply = Reply()
     try:
-        for event in client.stream(session_id, after, deadline=deadline):
+        for event in client.stream(session_id, after, deadline=deadline, reconnect=reconnect):
             kind, payload, turn_id = event["type"], event["payload"], event["turn_id"]
             if reply.turn_id is None and kind == "turn_started":
                 reply.turn_id = turn_id
@@ -217,29 +235,30 @@ def attach(
     """
     import json
 
-    from supervisor.cli.client import Reconnect
-
     try:
         with connect(ctx) as client:
-            where = client.address
-            reconnect = (
-                None
-                if no_reconnect
-                else Reconnect(
-                    lost=lambda why: click.echo(
-                        f"turnkeeper: lost the daemon at {where} ({why}); reconnecting", err=True
-                    ),
-                    back=lambda seq: click.echo(
-                        f"turnkeeper: reconnected to the daemon at {where}; "
-                        f"resuming after seq {seq}",
-                        err=True,
-                    ),
-                )
-            )
+            reconnect = None if no_reconnect else reconnecting(client.address)
             for event in client.stream(session_id, after, reconnect=reconnect):
                 click.echo(json.dumps(event, sort_keys=True) if as_json else event_line(event))
     except KeyboardInterrupt:
         pass
+
+
+def reconnecting(where: str, *, from_start: bool = False) -> Reconnect:
+    """How `attach` and `send --wait` ride out a restart of the daemon: a line on stderr
+    when they lose it and one when they are back."""
+    from supervisor.cli.client import Reconnect
+
+    return Reconnect(
+        lost=lambda why: click.echo(
+            f"turnkeeper: lost the daemon at {where} ({why}); reconnecting", err=True
+        ),
+        back=lambda seq: click.echo(
+            f"turnkeeper: reconnected to the daemon at {where}; resuming after seq {seq}",
+            err=True,
+        ),
+        from_start=from_start,
+    )
 
 
 def event_line(event: dict[str, Any]) -> str:
@@ -274,7 +293,11 @@ def interrupt(ctx: click.Context, session_id: str, as_json: bool) -> None:
 def status(ctx: click.Context, as_json: bool) -> None:
     """Show the daemon: boot, the configuration in force, breaker, worker slots and their
     MCP servers, restarts, sessions, attach streams, its host id and the other hosts on the
-    database, if any (--json: the /v1/status document)."""
+    database, if any (--json: the /v1/status document).
+
+    The daemon is found where it published itself (README: "How the command line finds
+    the daemon"). Exit 3 if none runs, 4 if this user cannot tell (it may not read the
+    daemon's directories or token)."""
     with connect(ctx) as client:
         data = client.status()
     if as_json:

@@ -25,18 +25,21 @@ from supervisor.cli import (
 )
 from supervisor.cli.common import (
     CONFIG_HELP,
+    EX_UNKNOWN,
+    STATE_DIR_HELP,
     accept_config_everywhere,
     config_error,
     daemon_pid,
     emit_json,
     escape_output,
     fail,
+    find_daemon,
     json_option,
     load,
     open_store,
+    remember_state_dir,
 )
 from supervisor.contract.clock import SYSTEM
-from supervisor.contract.config import Config, resolve_paths
 from supervisor.deliveries import cli as deliveries_command
 from supervisor.restarts import cli as restart_command
 from supervisor.schedules import cli as schedules_command
@@ -51,6 +54,16 @@ from supervisor.tasks import cli as tasks_command
     type=str,
     default=None,
     help=CONFIG_HELP,
+)
+@click.option(
+    "--state-dir",
+    "state_dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    expose_value=False,
+    is_eager=True,
+    callback=remember_state_dir,
+    help=STATE_DIR_HELP,
 )
 @click.version_option(__version__, prog_name="turnkeeper")
 @click.pass_context
@@ -116,18 +129,26 @@ def run(ctx: click.Context) -> None:
 def stop(ctx: click.Context, drain: float | None, timeout: float) -> None:
     """Stop the daemon (SIGTERM) and wait until it has exited.
 
-    A daemon that is not running is not an error (exit 0, as `systemctl stop`). Under
+    The daemon is found as every command finds it (README, "How the command line finds
+    the daemon"). A daemon that is not running is not an error (exit 0, as `systemctl
+    stop`); one this user cannot see or signal is exit 4, naming what is lacking. Under
     systemd or supervisord this refuses (exit 1) and names the command to use instead:
     the service manager would start the daemon again at once.
     """
     from supervisor.cli import service
 
-    cfg = load(ctx)
-    paths = resolve_paths(cfg)
-    pid = daemon_pid(paths)
-    if pid is None:
+    cfg = load(ctx, lenient=True)  # a broken file: a warning; the daemon is found all the same
+    found = find_daemon(ctx)
+    if found.running is None:
+        if found.unknown is not None:
+            fail(
+                f"cannot tell whether the daemon runs: {found.unknown}: run as the service user",
+                EX_UNKNOWN,
+            )
         click.echo("the daemon is not running; nothing to stop")
         return
+    running = found.running
+    pid = running.pid
     manager = service.inspect(pid)
     if manager is not None:
         fail(
@@ -136,13 +157,16 @@ def stop(ctx: click.Context, drain: float | None, timeout: float) -> None:
         )
     if drain is not None:
         seconds = drain if drain >= 0 else (cfg.shutdown.drain_budget or 15.0)
-        request = paths.runtime_dir / "stop-request.json"
+        request = running.runtime_dir / "stop-request.json"
         request.write_text(json.dumps({"drain": seconds}))
         click.echo(f"draining for up to {seconds:g} s", err=True)
-    os.kill(pid, signal.SIGTERM)
-    progress = _DrainProgress(cfg) if drain is not None and sys.stderr.isatty() else None
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except PermissionError:
+        fail(f"permission denied signalling the daemon (pid {pid}): run as its user", EX_UNKNOWN)
+    progress = _DrainProgress(ctx) if drain is not None and sys.stderr.isatty() else None
     deadline = SYSTEM.monotonic() + timeout
-    while daemon_pid(paths) == pid:
+    while daemon_pid(running.state_dir) == pid:
         if SYSTEM.monotonic() > deadline:
             fail(f"pid {pid} has not exited after {timeout:g} s")
         if progress is not None:
@@ -156,17 +180,18 @@ def stop(ctx: click.Context, drain: float | None, timeout: float) -> None:
 class _DrainProgress:
     """`stop --drain` on a terminal: the turns still in flight, on one updated line."""
 
-    def __init__(self, cfg: Config) -> None:
-        self.cfg, self.shown, self.next_at = cfg, False, 0.0
+    def __init__(self, ctx: click.Context) -> None:
+        self.ctx, self.shown, self.next_at = ctx, False, 0.0
 
     def show(self) -> None:
         if SYSTEM.monotonic() < self.next_at:
             return
         self.next_at = SYSTEM.monotonic() + 0.5
-        from supervisor.cli.client import Client, ClientError
+        from supervisor.cli.client import ClientError
+        from supervisor.cli.common import connect
 
         try:
-            with Client.from_config(self.cfg) as client:
+            with connect(self.ctx) as client:
                 slots = client.status()["slots"]
         except (ClientError, KeyError, TypeError):
             return  # it stopped listening: the drain is over, or it is not ours to read

@@ -13,9 +13,9 @@ that could not start stopped the rolling restart, or an MCP server of a worker t
 started did not start: `not done: MCP servers did not start: NAME (worker W: backoff)`)
 is exit 1, after what changed.
 
-The daemon is found by its lock in `daemon.state_dir`; if the file names another
-directory now (a change that needs a restart), as the process of this user that holds a
-daemon's lock elsewhere and says it runs from this file. The admin token goes only to
+The daemon is found as every command finds it (`supervisor.cli.discovery`); if the file
+names another directory now (a change that needs a restart), as the process of this user
+that holds a daemon's lock elsewhere and says it runs from this file. The admin token goes only to
 an address that process listens on: `http.listen` if it is one of them (a changed
 address, which needs a restart, is not), else the one it listens on.
 """
@@ -29,9 +29,10 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from supervisor.cli import discovery
 from supervisor.cli.common import (
+    EX_UNKNOWN,
     config_error,
-    daemon_pid,
     emit_json,
     fail,
     json_option,
@@ -39,7 +40,7 @@ from supervisor.cli.common import (
     not_running,
     reports_errors,
 )
-from supervisor.contract.config import Config, parse_listen, resolve_paths
+from supervisor.contract.config import Config, parse_listen
 
 if TYPE_CHECKING:
     from supervisor.cli.client import Client
@@ -115,18 +116,28 @@ def reload(
 
 def locate(cfg: Config) -> tuple[int, Config] | None:
     """The daemon `cfg`'s file is for: its pid, and `cfg` with the state directory it
-    holds (where its admin token is). None: none runs."""
-    pid = daemon_pid(resolve_paths(cfg))
-    if pid is not None:
-        return pid, cfg
-    if cfg.source is None:
-        return None
-    for pid, state_dir in lock_holders():
-        moved = cfg.model_copy(
-            update={"daemon": cfg.daemon.model_copy(update={"state_dir": str(state_dir)})}
+    holds (where its admin token is) and the address it published. None: none runs.
+
+    Found as every command finds it (`supervisor.cli.discovery`); a place this user may
+    not read is exit 4, naming it."""
+    found = discovery.find(cfg)
+    if found.running is not None:
+        running = found.running
+        daemon = cfg.daemon.model_copy(update={"state_dir": str(running.state_dir)})
+        http = cfg.http.model_copy(update={"listen": running.listen})
+        return running.pid, cfg.model_copy(update={"daemon": daemon, "http": http})
+    if cfg.source is not None:
+        for pid, state_dir in lock_holders():
+            moved = cfg.model_copy(
+                update={"daemon": cfg.daemon.model_copy(update={"state_dir": str(state_dir)})}
+            )
+            if runs_from(moved, pid, cfg.source):
+                return pid, moved
+    if found.unknown is not None:
+        fail(
+            f"cannot tell whether the daemon runs: {found.unknown}: run as the service user",
+            EX_UNKNOWN,
         )
-        if runs_from(moved, pid, cfg.source):
-            return pid, moved
     return None
 
 

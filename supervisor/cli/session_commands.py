@@ -15,9 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from supervisor.cli.common import connect, daemon_pid, json_option, load, reports_errors, when
+from supervisor.cli.common import connect, find_daemon, json_option, load, reports_errors, when
 from supervisor.contract.clock import SYSTEM
-from supervisor.contract.config import resolve_paths
 from supervisor.core.vocabulary import SessionCount, SessionStatus, SubagentStatus
 
 if TYPE_CHECKING:
@@ -125,7 +124,7 @@ def sessions_show(
     the events after that seq. With --follow --json: one event a line (JSON Lines), the
     session itself not printed.
     """
-    from supervisor.cli.common import emit_json, fail, load, open_store
+    from supervisor.cli.common import emit_json, fail, open_store
     from supervisor.store import SessionNotFound
 
     with open_store(ctx, migrate=False) as store:
@@ -398,7 +397,8 @@ def sessions_close(ctx: click.Context, session_id: str, as_json: bool) -> None:
     """
     from supervisor.cli.common import not_running
 
-    if daemon_pid(resolve_paths(load(ctx))) is None:
+    found = find_daemon(ctx)
+    if found.running is None and found.unknown is None:  # unknown: connect says why
         not_running("the daemon is not running; `sessions close` needs it (`turnkeeper run`)")
     with connect(ctx) as client:
         already = client.get_session(session_id)["status"] == SessionStatus.CLOSED
@@ -424,7 +424,8 @@ def sessions_release(ctx: click.Context, session_id: str, as_json: bool) -> None
     Through the daemon when it runs (for anyone with write access to the session, e.g.
     its owner with $TURNKEEPER_TOKEN); else in the database, as the operator.
     """
-    if daemon_pid(resolve_paths(load(ctx))) is None:
+    found = find_daemon(ctx)
+    if found.running is None and found.unknown is None:
         released, status = _release_in_database(ctx, session_id)
         via = "database"
     else:

@@ -20,9 +20,10 @@ from pydantic.fields import FieldInfo
 
 ENV_PREFIX = "TURNKEEPER_"
 
-# Variables with the prefix that are not configuration: the file, the CLI's token, and
-# the test suite's and benchmarks' own settings. Add a new one here, or it is warned about.
-OTHER_USES = ("TURNKEEPER_CONFIG", "TURNKEEPER_TOKEN")
+# Variables with the prefix that are not configuration: the file, the CLI's token and
+# state directory (`--state-dir`), and the test suite's and benchmarks' own settings. Add
+# a new one here, or it is warned about.
+OTHER_USES = ("TURNKEEPER_CONFIG", "TURNKEEPER_TOKEN", "TURNKEEPER_STATE_DIR")
 OTHER_PREFIXES = ("TURNKEEPER_TEST_", "TURNKEEPER_BENCH_", "TURNKEEPER_CHAOS_")
 
 Sections = Mapping[str, Mapping[str, FieldInfo]]

@@ -35,6 +35,12 @@ def parse_listen(value: str) -> tuple[str, int] | Path:
     return match["host"], int(match["port"])
 
 
+# Where the shipped systemd unit has the daemon keep its files (StateDirectory= and
+# RuntimeDirectory=); the supervisord program's state directory is the same.
+SERVICE_STATE_DIR = Path("/var/lib/turnkeeper")
+SERVICE_RUNTIME_DIR = Path("/run/turnkeeper")
+
+
 @dataclass(frozen=True)
 class Paths:
     """Where the daemon keeps its files, resolved from the configuration and environment."""

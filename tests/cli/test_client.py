@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.cli.client import Client, SseMessage, parse_sse
+from supervisor.cli.client import Client, ClientError, Reconnect, SseMessage, parse_sse, token_of
 from supervisor.contract.config import load_config
 from tests.conftest import PYTHON, REPO
 from tests.daemon import Daemon, cli_env, wait_until
@@ -268,11 +268,11 @@ def test_a_refused_token_names_where_it_came_from(daemon: Daemon) -> None:
 
 
 def test_a_missing_admin_token_names_the_file(tmp_path: Path) -> None:
-    daemon = Daemon(tmp_path, http={"listen": f"unix:{tmp_path / 'api.sock'}"})
-    result = turnkeeper(daemon.config_path, "status")
-    assert result.returncode == 1
-    line = one_line(result.stderr)
-    assert str(daemon.state / "admin.token") in line and "first start" in line
+    # (With no daemon running, the command says that first: exit 3.)
+    missing = tmp_path / "state" / "admin.token"
+    with pytest.raises(ClientError) as raised:
+        token_of(missing, {})
+    assert str(missing) in str(raised.value) and "first start" in str(raised.value)
 
 
 # --- the SSE parser ---------------------------------------------------------------------
@@ -298,3 +298,32 @@ def test_parse_sse_delivers_events_and_skips_comments() -> None:
         SseMessage("7", "user_message", '{"seq": 7}'),
         SseMessage("7", "message", "first\nsecond"),
     ]
+
+
+# --- reconnecting from the start (send --wait) ------------------------------------------
+
+
+def test_a_stream_told_the_daemon_was_there_waits_for_it_from_the_first_attempt(
+    tmp_path: Path,
+) -> None:
+    listen = f"unix:{tmp_path / 'api.sock'}"  # nobody listens: the daemon is restarting
+    said: list[str] = []
+    waits: list[float] = []
+
+    class GaveUp(Exception):
+        pass
+
+    def sleep(seconds: float) -> None:
+        waits.append(seconds)
+        if len(waits) == 3:
+            raise GaveUp
+
+    with Client(listen, "t") as client:
+        with pytest.raises(ClientError, match="not running"):  # attach's first attempt
+            next(client.stream("s" * 32, reconnect=Reconnect(said.append, print, sleep=sleep)))
+        assert said == [] and waits == []
+        waiting = Reconnect(said.append, print, sleep=sleep, from_start=True)
+        with pytest.raises(GaveUp):
+            next(client.stream("s" * 32, reconnect=waiting))
+    assert said == ["no socket"]  # once, however many attempts
+    assert waits == pytest.approx([0.2, 0.4, 0.8])

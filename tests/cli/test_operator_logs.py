@@ -61,14 +61,19 @@ def test_start_lines_tags_titles_and_exit_statuses(daemons: Daemons, tmp_path: P
     daemon.start()
     workers = daemon.worker_pids(ready=True)
     assert workers
-    # Process titles, as ps and top show them.
+    # Process titles, as ps and top show them; with the daemon's host id and state
+    # directory when another daemon ran at its start (a test beside it).
+    supervisor = Path(f"/proc/{daemon.pid}/cmdline").read_bytes().rstrip(b"\0").decode()
+    bracket = re.fullmatch(
+        rf"turnkeeper: supervisor( \[host \S+ {re.escape(str(daemon.state))}\])?", supervisor
+    )
+    assert bracket, supervisor
     for identity, pid in workers.items():
-        title = f"turnkeeper: worker {identity}"
+        title = f"turnkeeper: worker {identity}{bracket[1] or ''}"
         assert Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0") == title.encode()
         assert " ".join(psutil.Process(pid).cmdline()).strip() == title  # NUL-padded
-        assert psutil.Process(pid).name() == title
-    supervisor = Path(f"/proc/{daemon.pid}/cmdline").read_bytes().rstrip(b"\0")
-    assert supervisor == b"turnkeeper: supervisor"
+        if not bracket[1]:
+            assert psutil.Process(pid).name() == title
     stderr_line = re.compile(
         r"\[mcp\] worker=(w\d+\.\d+) server=basic basic\[\d+\]: basic: refusing to start"
     )
