@@ -143,11 +143,15 @@ class Client:
         token: str,
         token_source: str = "the token",
         start_advice: str = "`turnkeeper run`",
+        holder: int | None = None,
     ) -> None:
         where = parse_listen(listen)
         self.address = listen
         self.token_source = token_source
         self.start_advice = start_advice  # how to start the daemon, when it is not running
+        # The pid that holds the daemon's lock, when one does: nothing listening then means
+        # it is starting (waiting for its database, say) or stopping, never "not running".
+        self.holder = holder
         # Plain HTTP on loopback or a socket: no certificate store to load (~50 ms a command).
         if isinstance(where, Path):
             transport = httpx.HTTPTransport(uds=str(where), verify=False)
@@ -292,7 +296,7 @@ class Client:
         """One attach request: its events, once the daemon has accepted it."""
         read = None if deadline is None else max(deadline - SYSTEM.monotonic(), 0.01)
         with (
-            _transport_errors(self.address, deadline, self.start_advice),
+            _transport_errors(self.address, deadline, self.start_advice, self.holder),
             self._http.stream(
                 "GET",
                 f"/v1/sessions/{session_id}/attach",
@@ -309,7 +313,7 @@ class Client:
     # --- plumbing -------------------------------------------------------------------
 
     def _json(self, method: str, path: str, **kwargs: Any) -> Any:
-        with _transport_errors(self.address, start_advice=self.start_advice):
+        with _transport_errors(self.address, None, self.start_advice, self.holder):
             response = self._http.request(method, path, **kwargs)
         if response.status_code >= 400:
             raise self._api_error(response)
@@ -342,13 +346,23 @@ class Client:
 
 @contextlib.contextmanager
 def _transport_errors(
-    address: str, deadline: float | None = None, start_advice: str = "`turnkeeper run`"
+    address: str,
+    deadline: float | None = None,
+    start_advice: str = "`turnkeeper run`",
+    holder: int | None = None,
 ) -> Iterator[None]:
-    """Turn httpx's transport errors into one-line ClientErrors."""
+    """Turn httpx's transport errors into one-line ClientErrors. Nothing listening is
+    DaemonNotRunning, unless a process `holder` holds the daemon's lock."""
     try:
         yield
     except httpx.ConnectError as exc:
         reason = _nobody_listens(exc)
+        if reason is not None and holder is not None:
+            raise DaemonUnavailable(
+                f"the daemon (pid {holder}) runs but does not answer at {address} ({reason}): "
+                "it is starting (waiting for its database, say) or stopping; its log says which",
+                "not answering yet",
+            ) from None
         if reason is not None:
             raise DaemonNotRunning(
                 f"the daemon is not running at {address} ({reason}); start it with {start_advice}",

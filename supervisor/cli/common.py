@@ -236,7 +236,7 @@ def connect(ctx: click.Context) -> Client:
     advice = found.start_advice()
     if found.running is not None:
         token, source = token_of(found.running.token_file)
-        return Client(found.running.listen, token, source, advice)
+        return Client(found.running.listen, token, source, advice, found.running.pid)
     told = bool(os.environ.get(TOKEN_VARIABLE, "").strip())
     if found.unknown is not None:
         if not told:

@@ -67,6 +67,7 @@ def doctor_command(
         fix = "correct the file or variable named; `turnkeeper config show` checks it"
         _report([doctor.Finding(doctor.FAIL, "config", str(exc), fix)], as_json, EX_CONFIG)
     findings = [doctor.Finding(doctor.PASS, "config", "loads")]
+    cfg = _of_the_running_daemon(cfg)
     paths = resolve_paths(cfg)
     running = daemon_pid(paths)
     findings += _service_files(cfg, unit, supervisord)
@@ -75,6 +76,23 @@ def doctor_command(
     findings += _files_and_database(cfg, paths, running)
     findings += _storage(paths, unit, running)
     _report(findings, as_json, doctor.exit_code(findings))
+
+
+def _of_the_running_daemon(cfg: Config) -> Config:
+    """`cfg` with the directories of the daemon that runs where every command looks
+    (`supervisor.cli.discovery`: the service's /var/lib/turnkeeper before the user's), so
+    that doctor run on a service's host without its environment checks that daemon's
+    files; `cfg` as it is when none runs or it names its own directories."""
+    from supervisor.cli import discovery
+
+    try:
+        running = discovery.find(cfg).running
+    except OSError:
+        return cfg
+    if running is None:
+        return cfg
+    update = {"state_dir": str(running.state_dir), "runtime_dir": str(running.runtime_dir)}
+    return cfg.model_copy(update={"daemon": cfg.daemon.model_copy(update=update)})
 
 
 def _report(findings: list[Finding], as_json: bool, code: int) -> NoReturn:

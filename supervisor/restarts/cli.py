@@ -23,6 +23,7 @@ from supervisor.cli.common import (
     daemon_pid,
     emit_json,
     fail,
+    find_daemon,
     json_option,
     load,
     reports_errors,
@@ -31,7 +32,6 @@ from supervisor.cli.common import (
 )
 from supervisor.cli.session_commands import clip
 from supervisor.contract.clock import SYSTEM
-from supervisor.contract.config import Config, resolve_paths
 from supervisor.core.vocabulary import RestartOutcome, RestartState
 
 if TYPE_CHECKING:
@@ -154,7 +154,7 @@ def restart(
             click.echo(f"waiting for the restart (up to {timeout:g} s)", err=True)
         settled, status = _wait(client, asked, deadline, timeout)
         ready_after = SYSTEM.monotonic() - asked_at
-    pid = _pid_now(cfg, status)
+    pid = _pid_now(ctx, status)
     same = None if pid is None else pid == settled["pid"]
     ok = settled["outcome"] == RestartOutcome.OK
     if as_json:
@@ -215,13 +215,15 @@ def _wait(
         SYSTEM.sleep_blocking(POLL)
 
 
-def _pid_now(cfg: Config, status: dict[str, Any]) -> int | None:
-    """The daemon's pid now: its host row of this boot in the status, else its lock."""
+def _pid_now(ctx: click.Context, status: dict[str, Any]) -> int | None:
+    """The daemon's pid now: its host row of this boot in the status, else the holder of
+    the lock of the state directory it was found in."""
     me, boot = status["host"]["id"], status["boot"]["id"]
     for host in status.get("hosts") or []:
         if host["id"] == me and host["boot"] == boot:
             return int(host["pid"])
-    return daemon_pid(resolve_paths(cfg))
+    found = find_daemon(ctx).running
+    return None if found is None else daemon_pid(found.state_dir)
 
 
 def _report(info: dict[str, Any], pid: int | None, ready_after: float) -> list[str]:

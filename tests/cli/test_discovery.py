@@ -167,6 +167,13 @@ def test_the_service_daemon_is_found_with_an_empty_environment_and_never_denied(
             assert "not running" not in err
         assert daemon.ready()  # nobody stopped it
 
+        # doctor, without the unit's environment, checks that daemon's files, not the
+        # user's directories.
+        doctor = bare("doctor", "--json")
+        checked = json.loads(doctor.stdout)["findings"]
+        assert any(str(SERVICE_STATE_DIR) in f["detail"] for f in checked), checked
+        assert not any("/.local/state/turnkeeper" in f["detail"] for f in checked), checked
+
         stopped = bare("stop")
         assert stopped.returncode == 0, stopped.stderr
         assert stopped.stdout == f"stopped (pid {daemon.pid})\n"

@@ -199,6 +199,26 @@ def test_a_sigterm_during_the_wait_stops_the_daemon(
         notify.close()
 
 
+@pytest.mark.timeout(120)
+def test_status_and_stop_during_the_wait_know_the_daemon_runs(
+    daemons: Daemons, relay: Callable[[str], LateRelay]
+) -> None:
+    """A daemon waiting for its database holds its lock but does not listen yet: `status`
+    says it runs and does not answer (exit 1), never "not running" (3); `stop` stops it."""
+    never = relay("postgresql://tk@127.0.0.1:5432/tk")
+    daemon = daemons(store={"url": never.url("postgresql://tk@x/tk")})  # waits up to 120 s
+    daemon.start(wait=False)
+    wait_until(lambda: waiting_lines(daemon), 60, "the daemon to wait for the database")
+    status = turnkeeper(daemon, "status")
+    assert status.returncode == 1, status
+    assert f"the daemon (pid {daemon.pid}) runs but does not answer" in status.stderr, status
+    assert "not running" not in status.stderr, status
+    stop = turnkeeper(daemon, "stop")
+    assert stop.returncode == 0, stop
+    assert f"stopped (pid {daemon.pid})" in stop.stdout, stop
+    assert daemon.wait(30) == 0, daemon.log()
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
 def test_a_database_that_refuses_what_the_url_names_is_a_configuration_error(
