@@ -69,3 +69,29 @@ class FakeClock:
             for _ in range(5):
                 await asyncio.sleep(0)
         self._now = target
+
+
+class SteppingClock:
+    """Time that moves only when a coroutine sleeps: each sleep advances it at once, and is
+    kept in `slept` (to the hundredth). For loops whose waits a test reads back."""
+
+    def __init__(self, start: float = 0.0) -> None:
+        self.now = start
+        self.slept: list[float] = []
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def time(self) -> float:
+        return self.now
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    async def sleep(self, seconds: float) -> None:
+        self.slept.append(round(seconds, 2))
+        self.now += seconds
+        await asyncio.sleep(0)
+
+    def sleep_blocking(self, seconds: float) -> None:
+        self.now += seconds

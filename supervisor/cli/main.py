@@ -26,7 +26,6 @@ from supervisor.cli import (
 from supervisor.cli.common import (
     CONFIG_HELP,
     EX_UNKNOWN,
-    STATE_DIR_HELP,
     accept_config_everywhere,
     config_error,
     daemon_pid,
@@ -37,7 +36,7 @@ from supervisor.cli.common import (
     json_option,
     load,
     open_store,
-    remember_state_dir,
+    state_dir_option,
 )
 from supervisor.contract.clock import SYSTEM
 from supervisor.deliveries import cli as deliveries_command
@@ -55,22 +54,15 @@ from supervisor.tasks import cli as tasks_command
     default=None,
     help=CONFIG_HELP,
 )
-@click.option(
-    "--state-dir",
-    "state_dir",
-    type=click.Path(file_okay=False),
-    default=None,
-    expose_value=False,
-    is_eager=True,
-    callback=remember_state_dir,
-    help=STATE_DIR_HELP,
-)
 @click.version_option(__version__, prog_name="turnkeeper")
 @click.pass_context
 def main(ctx: click.Context, config_path: str | None) -> None:
     """turnkeeper: a supervisor for AI-agent daemons whose restarts are boring."""
     ctx.ensure_object(dict)["config_path"] = config_path
     escape_output(ctx)  # what others wrote is shown, never obeyed by the terminal
+
+
+main.params.insert(1, state_dir_option())  # after --config, as every command has them
 
 
 @main.command("run")

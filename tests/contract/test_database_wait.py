@@ -15,34 +15,10 @@ from supervisor.contract.errors import StartupError
 from supervisor.notify import Notifier
 from supervisor.preflight import AFTER_THE_WAIT, wait_for_database
 from supervisor.store import BadStoreURL, NotAnswering, probe
+from tests.clock import SteppingClock
 
 URL = "postgresql://tk:s3cr3t@db.internal:5432/tk"
 MASKED = "postgresql://tk:***@db.internal:5432/tk"
-
-
-class Clock:
-    """Monotonic time that a sleep moves on at once; every sleep is kept."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-        self.slept: list[float] = []
-
-    def monotonic(self) -> float:
-        return self.now
-
-    def time(self) -> float:
-        return self.now
-
-    def perf_counter(self) -> float:
-        return self.now
-
-    async def sleep(self, seconds: float) -> None:
-        self.slept.append(seconds)
-        self.now += seconds
-        await asyncio.sleep(0)
-
-    def sleep_blocking(self, seconds: float) -> None:
-        self.now += seconds
 
 
 class Heard(Notifier):
@@ -57,7 +33,7 @@ class Heard(Notifier):
         return True
 
 
-def refused_until(clock: Clock, up_at: float) -> Callable[[str], None]:
+def refused_until(clock: SteppingClock, up_at: float) -> Callable[[str], None]:
     """A connection try refused until `up_at` on `clock`."""
 
     def try_once(url: str) -> None:
@@ -77,7 +53,7 @@ def lines() -> Iterator[list[str]]:
 
 
 def wait(
-    clock: Clock, try_once: Callable[[str], None], timeout: float = 120.0, **kw: Any
+    clock: SteppingClock, try_once: Callable[[str], None], timeout: float = 120.0, **kw: Any
 ) -> tuple[bool, Heard]:
     heard = Heard()
 
@@ -93,7 +69,7 @@ def wait(
 def test_it_tries_again_with_a_backoff_and_starts_as_soon_as_the_server_answers(
     lines: list[str],
 ) -> None:
-    clock = Clock()
+    clock = SteppingClock()
     done, heard = wait(clock, refused_until(clock, 33.0))
     assert done is True
     # 0.5 s doubling to 5 s; the server is up at 33 s, so the try at 37.5 s is the one.
@@ -117,13 +93,13 @@ def test_it_tries_again_with_a_backoff_and_starts_as_soon_as_the_server_answers(
 
 
 def test_a_server_there_at_once_is_not_waited_for(lines: list[str]) -> None:
-    clock = Clock()
+    clock = SteppingClock()
     done, heard = wait(clock, refused_until(clock, 0.0))
     assert (done, clock.slept, heard.sent, lines) == (True, [], [], [])
 
 
 def test_past_the_timeout_the_start_fails_with_one_line() -> None:
-    clock = Clock()
+    clock = SteppingClock()
     with pytest.raises(StartupError) as failed:
         wait(clock, refused_until(clock, 1e9), timeout=3.0)
     assert str(failed.value) == (
@@ -134,7 +110,7 @@ def test_past_the_timeout_the_start_fails_with_one_line() -> None:
 
 
 def test_no_wait_at_all_with_a_timeout_of_0() -> None:
-    clock = Clock()
+    clock = SteppingClock()
     with pytest.raises(StartupError, match=r"within store.connect_timeout \(0 s\)"):
         wait(clock, refused_until(clock, 1.0), timeout=0.0)
     assert clock.slept == []
@@ -145,13 +121,13 @@ def test_a_refusal_of_what_the_url_names_ends_the_start_at_once() -> None:
         raise BadStoreURL('store.url: the database server refuses it: database "tk" does not exist')
 
     with pytest.raises(BadStoreURL):
-        wait(Clock(), refuses)
+        wait(SteppingClock(), refuses)
 
 
 def test_a_stop_during_the_wait_ends_it() -> None:
     stopping = asyncio.Event()
 
-    class Stopped(Clock):
+    class Stopped(SteppingClock):
         async def sleep(self, seconds: float) -> None:
             await super().sleep(seconds)
             if self.now > 10:

@@ -24,6 +24,7 @@ from supervisor.runtime.loops import Wake, reconcile
 from supervisor.runtime.root import Root, order
 from supervisor.runtime.service import Service
 from supervisor.store import Store
+from tests.clock import SteppingClock
 
 ROOT = Path(__file__).resolve().parents[2]
 SOURCES = [ROOT / "supervisor", ROOT / "workers"]
@@ -296,25 +297,6 @@ def test_a_handler_that_raises_does_not_keep_the_event_from_the_others() -> None
     assert heard == ["s1"]
 
 
-class Clock:
-    """Time that moves only when every loop waits: each sleep advances it."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-        self.slept: list[float] = []
-
-    def monotonic(self) -> float:
-        return self.now
-
-    def time(self) -> float:
-        return self.now
-
-    async def sleep(self, seconds: float) -> None:
-        self.slept.append(round(seconds, 2))
-        self.now += seconds
-        await asyncio.sleep(0)
-
-
 class Passes:
     def __init__(self, outcomes: list[Any]) -> None:
         self.outcomes = outcomes
@@ -333,7 +315,7 @@ class Passes:
 def test_the_reconcile_loop_survives_failing_passes_logging_once_per_streak(
     caplog_lines: list[str],
 ) -> None:
-    clock, wake = Clock(), Wake()
+    clock, wake = SteppingClock(), Wake()
     passes = Passes([OSError("gone"), OSError("gone"), 7.0, None])
 
     async def scenario() -> None:
@@ -365,7 +347,7 @@ def caplog_lines() -> Iterator[list[str]]:
 
 
 def test_a_wake_during_a_pass_cuts_the_next_rest_short() -> None:
-    clock, wake = Clock(), Wake()
+    clock, wake = SteppingClock(), Wake()
 
     async def scenario() -> list[float]:
         async def step() -> float:
@@ -389,7 +371,7 @@ def test_a_wake_during_a_pass_cuts_the_next_rest_short() -> None:
 class RealSleep:
     """A clock whose sleeps never end by themselves (only a wake ends a rest)."""
 
-    def __init__(self, clock: Clock) -> None:
+    def __init__(self, clock: SteppingClock) -> None:
         self.clock = clock
 
     def monotonic(self) -> float:
