@@ -89,6 +89,22 @@ def run_turnkeeper(
     )
 
 
+def start_turnkeeper(
+    *args: str, config: Path, env: dict[str, str] | None = None
+) -> subprocess.Popen[str]:
+    """`python -m supervisor --config CONFIG ARGS` started as a user runs it (the caller's
+    TURNKEEPER_* variables left out, unless `env` is given), its output read as text."""
+    return subprocess.Popen(
+        [PYTHON, "-m", "supervisor", "--config", str(config), *args],
+        cwd=REPO,
+        env=cli_env() if env is None else env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
 _seq = itertools.count(1)
 
 

@@ -23,8 +23,9 @@ import pytest
 import tomli_w
 
 from supervisor.store import Store
-from tests.conftest import PYTHON, REPO
-from tests.daemon import Daemon, cli_env, daemons, events, turnkeeper, wait_until
+from tests.conftest import PYTHON
+from tests.daemon import Daemon, daemons, events, turnkeeper, wait_until
+from tests.support import start_turnkeeper
 
 __all__ = ["daemons"]  # the fixture
 Daemons = Callable[..., Daemon]
@@ -67,15 +68,7 @@ def test_a_reload_resizes_the_pool_and_replaces_workers_for_a_new_mcp_command(
         wait_until(lambda: store.sessions.get(sid).active_turn_id, 30, "the turn to start")
         owner = str(store.sessions.get(sid).owner).rsplit("/", 1)[-1]
         edit(daemon, pool={"workers": 3}, mcp={"servers": [{"name": "tiny", "command": TINY_UTF8}]})
-        reload = subprocess.Popen(
-            [PYTHON, "-m", "supervisor", "--config", str(daemon.config_path), "reload"],
-            cwd=REPO,
-            env=cli_env(),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        reload = start_turnkeeper("reload", config=daemon.config_path)
         try:
             # Applied to the supervisor: a new version, three slots, the turn still running.
             wait_until(lambda: version(daemon) != before, 30, "the new configuration")

@@ -33,9 +33,9 @@ from supervisor.metrics import Metrics
 from supervisor.restarts.routes import RestartOut, RestartRefused
 from supervisor.store import Me, Store
 from supervisor.store.models import RestartRequest
-from tests.conftest import PYTHON, REPO
 from tests.daemon import cli_env, wait_until
 from tests.restarts.test_restart_api import BOOT, HOST, NEXT_BOOT, PID, Desk
+from tests.support import start_turnkeeper
 
 T = TypeVar("T")
 CONFIG_AFTER = "0123456789ab"
@@ -127,15 +127,8 @@ def served(tmp_path: Path) -> Iterator[Served]:
 
 
 def start(served: Served, *args: str, token: str = "admin-token") -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [PYTHON, "-m", "supervisor", "--config", str(served.config), *args],
-        cwd=REPO,
-        env=cli_env(TURNKEEPER_TOKEN=token, COLUMNS="200"),
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    env = cli_env(TURNKEEPER_TOKEN=token, COLUMNS="200")
+    return start_turnkeeper(*args, config=served.config, env=env)
 
 
 def finish(proc: subprocess.Popen[str]) -> tuple[int, str, str]:

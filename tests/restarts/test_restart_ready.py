@@ -5,7 +5,6 @@ ready, not until the request was settled: the new boot's MCP server is held at i
 from __future__ import annotations
 
 import re
-import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -14,7 +13,8 @@ import pytest
 
 from supervisor.store import Store
 from tests.conftest import PYTHON, REPO
-from tests.daemon import Daemon, cli_env, daemons, wait_until
+from tests.daemon import Daemon, daemons, wait_until
+from tests.support import start_turnkeeper
 
 __all__ = ["daemons"]
 
@@ -35,15 +35,7 @@ def test_restart_reports_the_time_until_the_new_boot_is_ready(
     daemon = daemons(pool={"workers": 1, "spare": 0}, mcp={"servers": [held_server(gate)]}).start()
     boot = daemon.status()["boot"]["id"]
     gate.unlink()  # the next boot's MCP server waits
-    proc = subprocess.Popen(
-        [PYTHON, "-m", "supervisor", "--config", str(daemon.config_path), "restart"],
-        cwd=REPO,
-        env=cli_env(),
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = start_turnkeeper("restart", config=daemon.config_path)
     try:
         with Store(daemon.url, migrate=False) as store:
             settled = wait_until(
