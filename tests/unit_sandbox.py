@@ -34,6 +34,7 @@ import sys
 from pathlib import Path
 
 from supervisor.cli.doctor import unit_settings
+from tests.conftest import REPO
 
 SCMP_ACT_ALLOW = 0x7FFF0000
 SCMP_CMP_EQ = 4
@@ -45,25 +46,30 @@ FAMILIES = {
 }
 
 # Run by `sh` in the new mount namespace: /tmp and /var/tmp are empty and the service's
-# own (PrivateTmp=; the daemon's root, which may be under /tmp, is moved into the new one),
-# the daemon's root stays writable (the unit's StateDirectory, CacheDirectory and
-# RuntimeDirectory), every other mount but /proc, /sys and /dev becomes read-only; then no
-# new privileges, no capabilities, and the filter.
+# own (PrivateTmp=; the daemon's root and the checkout the daemon runs from, either of
+# which may be under /tmp, are moved into the new ones), the daemon's root stays writable
+# (the unit's StateDirectory, CacheDirectory and RuntimeDirectory), every other mount but
+# /proc, /sys and /dev becomes read-only (the checkout too, as ProtectSystem=strict makes
+# an installation); then no new privileges, no capabilities, and the filter.
 MOUNTS = """set -e
-root=$1; python=$2; allowed=$3; shift 3
-hold=/mnt  # outside /tmp: it keeps the root while a new /tmp is mounted
-mount --bind "$root" "$hold"
+root=$1; code=$2; python=$3; allowed=$4; shift 4
+mount -t tmpfs tmpfs /mnt  # outside /tmp: it holds both while the new /tmp is mounted
+mkdir /mnt/root /mnt/code
+mount --bind "$root" /mnt/root
+mount --bind "$code" /mnt/code
 mount -t tmpfs -o mode=1777 tmpfs /tmp
 mount -t tmpfs -o mode=1777 tmpfs /var/tmp
-mkdir -p "$root"
-mount --move "$hold" "$root"
+mkdir -p "$root" "$code"
+mount --move /mnt/root "$root"
+mount --move /mnt/code "$code"
+umount /mnt  # what was mounted below it shows again
 findmnt -rno TARGET | while read -r target; do
     case "$target" in
         /proc|/proc/*|/sys|/sys/*|/dev|/dev/*|/tmp|/var/tmp|"$root") ;;
         *) mount -o remount,bind,ro "$target" || exit 1 ;;
     esac
 done
-exec setpriv --no-new-privs --bounding-set=-all --inh-caps=-all \
+exec setpriv --no-new-privs --bounding-set=-all --inh-caps=-all \\
     "$python" -m tests.unit_sandbox "$allowed" -- "$@"
 """
 
@@ -118,8 +124,9 @@ def write_allowed(unit_text: str, path: Path) -> Path:
     return path
 
 
-def launcher(root: Path, allowed: Path, python: str) -> list[str]:
-    """The command that starts what follows it inside the unit's sandbox."""
+def launcher(root: Path, allowed: Path, python: str, code: Path = REPO) -> list[str]:
+    """The command that starts what follows it inside the unit's sandbox: the daemon's
+    `root` writable, the checkout `code` (with its virtualenv) read-only."""
     return [
         "unshare",
         "--mount",
@@ -130,6 +137,7 @@ def launcher(root: Path, allowed: Path, python: str) -> list[str]:
         MOUNTS,
         "sh",
         str(root),
+        str(code),
         python,
         str(allowed),
     ]

@@ -86,20 +86,21 @@ def test_start_lines_tags_titles_and_exit_statuses(daemons: Daemons, tmp_path: P
     # Where the test's directory is on tmpfs, the start warns of it too: not the point here.
     lines = [line for line in run_lines(daemon) if "(memory, mounted at" not in line]
     state, run = daemon.state, daemon.root / "run"
-    first = [line.split("] ", 1)[1] for line in lines[:7]]
+    first = [line.split("] ", 1)[1] for line in lines[:8]]
     assert first == [
         f"turnkeeper {__version__} starting (pid {daemon.pid})",
         f"configuration: {daemon.config_path}",
         f"state directory: {state}; runtime directory: {run}",
+        descriptors_line(first),
         f"database: sqlite:///{state / 'turnkeeper.db'}",
         f"listen: {daemon.listen}",
         "interrupted turns: continued after a restart, when at most 3600 s old"
         " (recovery.auto_continue = true)",
         "TURNKEEPER_HTTP_LISTEN is not a configuration variable and is ignored;"
         " did you mean TURNKEEPER_HTTP__LISTEN?",
-    ], lines[:7]
-    assert all(TEXT_LINE.match(line) for line in lines[:7])
-    assert "WARNING" in lines[6]
+    ], lines[:8]
+    assert all(TEXT_LINE.match(line) for line in lines[:8])
+    assert "WARNING" in lines[7]
     assert sum("TURNKEEPER_HTTP_LISTEN" in line for line in lines) == 1  # once, not per worker
     # Every line a worker or its MCP server wrote names the worker.
     tagged = [line for line in lines if re.search(r"\[(worker|mcp)\]", line)]
@@ -111,6 +112,19 @@ def test_start_lines_tags_titles_and_exit_statuses(daemons: Daemons, tmp_path: P
     assert len(exits) >= len(workers)
     assert all(NAMED_EXIT.search(line) for line in exits), exits
     assert "unknown" not in "\n".join(lines)
+
+
+def descriptors_line(lines: list[str]) -> str:
+    """The start's line about the file descriptor limit, which depends on the machine's
+    limits: raised, or nothing to raise. The test's list compares it in its place."""
+    found = [line for line in lines if line.startswith("file descriptors: soft limit ")]
+    assert len(found) == 1, lines
+    assert re.fullmatch(
+        r"file descriptors: soft limit (raised from \d+ to \d+ \(hard \d+\)"
+        r"|\d+ \(hard \d+\), nothing to raise)",
+        found[0],
+    ), found
+    return found[0]
 
 
 def test_start_lines_of_built_in_defaults_mask_the_database_password(tmp_path: Path) -> None:
@@ -142,10 +156,11 @@ def test_start_lines_of_built_in_defaults_mask_the_database_password(tmp_path: P
         proc.wait()
     assert proc.returncode == 1, output
     lines = [line.split("] ", 1)[1] for line in output.splitlines() if TEXT_LINE.match(line)]
-    assert lines[:5] == [
+    assert lines[:6] == [
         f"turnkeeper {__version__} starting (pid {proc.pid})",
         "configuration: built-in defaults",
         f"state directory: {tmp_path / 'state'}; runtime directory: {tmp_path / 'run'}",
+        descriptors_line(lines),
         "database: postgresql://tk:***@127.0.0.1:1/tk",
         f"listen: unix:{tmp_path / 'api.sock'}",
     ], output
