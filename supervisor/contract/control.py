@@ -17,6 +17,12 @@ worker -> supervisor (every one also names its `worker`, `w<slot>.<generation>`)
     committed   {session, seq, event_type}     an event was committed (a signal: readers
                                                read the event from the database)
     released    {session}                      stopped at an event boundary, lease released
+    delta       {session, turn, index, text,   live output of a turn in flight: text the
+                 tool_call, elapsed}           model streamed since the last delta, or the
+                                               name of a tool call it makes; never stored,
+                                               coalesced (at most one per DELTA_INTERVAL a
+                                               turn), safe to lose (the committed
+                                               model_response carries the whole text)
     lease_lost  {session}                      fenced out: the session is someone else's
 
 supervisor -> worker:
@@ -75,6 +81,10 @@ MAX_FRAME = 64 * 1024  # bytes; a peer that sends a bigger frame is disconnected
 MAX_SEQ = 2**62  # beyond any seq or lease token, and within every backend's BIGINT
 MAX_COUNT = 1_000_000  # sessions, turns, observations per heartbeat
 MAX_ASSIGN = 500  # sessions in one `assign`: 500 fit in a `MAX_FRAME`; a pass assigns fewer
+# Live output: a worker sends at most one `delta` a turn per DELTA_INTERVAL seconds, each
+# with at most MAX_DELTA characters (more text waiting is sent in the next ones).
+DELTA_INTERVAL = 0.05
+MAX_DELTA = 8192  # characters; 4 bytes each at most in UTF-8, escaped: within MAX_FRAME
 
 
 class Histogram:
@@ -202,6 +212,20 @@ class Released(_AboutSession):
     type: Literal["released"] = "released"
 
 
+class Delta(_AboutSession):
+    """Live output of the turn `turn`: `text` the model streamed since the previous delta
+    (may be empty), or `tool_call`, the name of a tool the model calls. `index` counts
+    the turn's deltas from 0, so a reader sees a gap; `elapsed` is the seconds since the
+    model call began (the time to the first delta, on index 0)."""
+
+    type: Literal["delta"] = "delta"
+    turn: Id
+    index: Annotated[int, Field(ge=0, le=MAX_SEQ)]
+    text: Annotated[str, StringConstraints(max_length=MAX_DELTA)] = ""
+    tool_call: ServerName | None = None
+    elapsed: Annotated[float, Field(ge=0.0, le=1e6, allow_inf_nan=False)] = 0.0
+
+
 class LeaseLost(_AboutSession):
     type: Literal["lease_lost"] = "lease_lost"
 
@@ -244,7 +268,7 @@ class Stop(_Message):
 
 
 FromWorker = Annotated[
-    Hello | Ready | Heartbeat | Committed | Released | LeaseLost,
+    Hello | Ready | Heartbeat | Committed | Released | LeaseLost | Delta,
     Field(discriminator="type"),
 ]
 FromSupervisor = Annotated[
@@ -254,7 +278,7 @@ WORKER_MESSAGES: TypeAdapter[FromWorker] = TypeAdapter(FromWorker)
 SUPERVISOR_MESSAGES: TypeAdapter[FromSupervisor] = TypeAdapter(FromSupervisor)
 
 _ALL: list[type[_Message]] = [Hello, Ready, Heartbeat, Committed, Released]
-_ALL += [LeaseLost, Assign, Release, Wake, Interrupt, Drain, Stop]
+_ALL += [LeaseLost, Delta, Assign, Release, Wake, Interrupt, Drain, Stop]
 _MODELS: dict[str, type[_Message]] = {m.model_fields["type"].default: m for m in _ALL}
 
 M = TypeVar("M")

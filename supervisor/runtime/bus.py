@@ -45,6 +45,18 @@ class Published:
 
 
 @dataclass(frozen=True)
+class Delta:
+    """Live output of a turn in flight, from its worker (`supervisor.contract.control.
+    Delta`): for attach streams only. Never stored, never replayed, never delivered."""
+
+    session: str
+    turn: str
+    index: int
+    text: str = ""
+    tool_call: str | None = None
+
+
+@dataclass(frozen=True)
 class WorkerExited:
     """A worker process is gone (its sentinel fired); its sessions are being adopted."""
 
