@@ -220,14 +220,17 @@ def mark_daemon_tests(items: list[pytest.Item]) -> None:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> Any:
-    """Mark the tests that start processes (`daemon`), and make `--dist loadgroup` keep an
-    `xdist_group` on one xdist worker again.
+    """Mark the tests that start processes (`daemon`), run the `slow` ones first, and make
+    `--dist loadgroup` keep an `xdist_group` on one xdist worker again.
 
     pytest-xdist names a test's group by appending `@group` to `item._nodeid`, which
     pytest 9.2 no longer reads (the node id comes from `item._id`); the scheduler then
     sees no groups. Set the id it reads, on the workers where xdist would have.
     """
     mark_daemon_tests(items)
+    # The longest tests first: xdist hands tests out in this order, and one of a minute or
+    # two handed out last would end the run that much after the others.
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
     result = yield
     if getattr(config.option, "loadgroup", False):
         try:

@@ -69,6 +69,7 @@ def test_fifty_turns_on_a_1024_token_window_all_complete(
         assert f"did not fit the context window ({N_CTX})" in daemon.log()
 
 
+@pytest.mark.slow
 def test_a_model_server_stopped_for_a_minute_during_a_turn(
     daemons: Daemons, server: ModelServer
 ) -> None:

@@ -72,6 +72,7 @@ def test_a_second_daemon_on_the_same_state_dir_is_refused(daemons: Daemons) -> N
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_sigkill_of_a_worker_mid_turn_twenty_times(daemons: Daemons, tmp_path: Path) -> None:
     # Five slots, so that 20 kills stay below the crash-loop backoff's long delays.
     daemon = daemons(pool={"workers": 4, "spare": 1}).start()

@@ -48,6 +48,7 @@ class NotifyListener:
 
 
 @pytest.mark.timeout(420)
+@pytest.mark.slow
 def test_five_agent_restarts_in_the_foreground(
     daemons: Callable[..., Daemon], tmp_path: Path
 ) -> None:

@@ -43,6 +43,7 @@ def program_pid(sup: Supervisord) -> int:
 
 
 @pytest.mark.timeout(420)
+@pytest.mark.slow
 def test_five_agent_restarts_under_supervisord(supervised: Supervisord, tmp_path: Path) -> None:
     sup = supervised
     wait_for(sup.ready, 60, "the daemon under supervisord", sup.logs)
