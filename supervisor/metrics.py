@@ -313,6 +313,23 @@ class Metrics:
             buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 15, 60, 300, 1800),
             registry=r,
         )
+        self.first_delta = Histogram(
+            "turnkeeper_first_delta_seconds",
+            "From the start of a model call to its first live output (a delta), as the "
+            "worker measured it: the time a user waits before the answer starts to appear.",
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+            registry=r,
+        )
+        self.deltas_dropped = Counter(
+            "turnkeeper_deltas_dropped",
+            "Deltas (live output, never stored) that did not reach a client, by where: "
+            "stream (an attach stream's client was too slow to take them), worker (a gap in "
+            "a turn's deltas: lost before the supervisor had them).",
+            ["where"],
+            registry=r,
+        )
+        for where in ("stream", "worker"):
+            self.deltas_dropped.labels(where)
         self.breaker_tripped = Gauge(
             "turnkeeper_breaker_tripped",
             "1 while the crash-loop breaker suppresses side work, else 0.",

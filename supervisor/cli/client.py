@@ -24,6 +24,7 @@ from supervisor.contract.config import Config, parse_listen, resolve_paths
 from supervisor.core.backoff import Backoff
 
 TOKEN_VARIABLE = "TURNKEEPER_TOKEN"  # also supervisor.cli.discovery's
+DELTA = "delta"  # the SSE event name of a turn's live output (not an event: no seq)
 TIMEOUT = 30.0  # seconds for a request; an attach stream has no read timeout
 UNIX_HOST = "http://turnkeeper"  # the host name does not matter on a unix socket
 # An attach stream the daemon ends (a client too slow, a shutdown) is resumed; after this
@@ -113,6 +114,15 @@ def parse_sse(lines: Iterable[str]) -> Iterator[SseMessage]:
             event = value
         elif name == "id" and "\0" not in value:
             last_id = value
+
+
+def _message(message: SseMessage) -> dict[str, Any]:
+    """A message of an attach stream: an event as the API shapes it, or a delta as
+    `{"type": "delta", "turn", "text", "index", "tool_call"}`."""
+    data: dict[str, Any] = json.loads(message.data)
+    if message.event == DELTA:
+        return {"type": DELTA, **data}
+    return data
 
 
 def find_token(cfg: Config, environ: Mapping[str, str] | None = None) -> tuple[str, str]:
@@ -245,8 +255,11 @@ class Client:
         *,
         deadline: float | None = None,
         reconnect: Reconnect | None = None,
+        deltas: bool = False,
     ) -> Iterator[dict[str, Any]]:
         """Events with seq > `after` as they are committed: the stored ones, then live.
+        With `deltas`, also the live output of turns as it streams, between them: each
+        `{"type": "delta", "turn", "text", "index", "tool_call"}` (no seq: never stored).
 
         Runs until the caller stops iterating. A stream the daemon ends is resumed at once
         with Last-Event-ID (the seq of the last event yielded), so no event is missed or
@@ -267,6 +280,10 @@ class Client:
                         reconnect.back(last)
                     opened, failures = True, 0
                     for event in events:
+                        if event["type"] == DELTA:
+                            if deltas:
+                                yield event
+                            continue
                         last, delivered = int(event["seq"]), True
                         yield event
             except DaemonUnavailable as exc:
@@ -308,7 +325,7 @@ class Client:
                 response.read()
                 raise self._api_error(response)
             lines = _until(response.iter_lines(), deadline)
-            yield (json.loads(message.data) for message in parse_sse(lines))
+            yield (_message(message) for message in parse_sse(lines))
 
     # --- plumbing -------------------------------------------------------------------
 

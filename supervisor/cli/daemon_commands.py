@@ -35,12 +35,14 @@ from supervisor.core.vocabulary import McpState, Permission, SessionKind, SlotSt
 
 if TYPE_CHECKING:
     from supervisor.cli.client import Client, Reconnect
+    from supervisor.cli.live import Live
 
 KINDS = [kind.value for kind in SessionKind]
 PERMISSIONS = [*(permission.value for permission in Permission), "none"]
 # The outcomes of a turn that `send --wait` calls a success (exit 0); any other exits 1.
 ANSWERED = (TurnOutcome.COMPLETED, TurnOutcome.TRUNCATED)
 STDIN = "-"  # TEXT that means: read the message from standard input
+DELTA = "delta"  # the type of a turn's live output among the events (`client.DELTA`)
 
 
 def register(group: click.Group) -> None:
@@ -84,6 +86,11 @@ def new(ctx: click.Context, title: str, kind: str, deliver_to: str | None, as_js
 )
 @click.option("--key", default=None, help="Idempotency key: the same key is committed once.")
 @click.option(
+    "--no-stream",
+    is_flag=True,
+    help="With --wait: print only committed events, not the text as the model streams it.",
+)
+@click.option(
     "--timeout",
     default=120.0,
     show_default=True,
@@ -99,12 +106,17 @@ def send(
     text: str,
     wait: bool,
     key: str | None,
+    no_stream: bool,
     timeout: float,
     as_json: bool,
 ) -> None:
     """Send a user message TEXT (- reads it from standard input); it is committed before
     this returns. With --wait, exits 1 if the turn that follows fails or is interrupted;
-    a restart of the daemon meanwhile is ridden out as `attach` does (said on stderr)."""
+    a restart of the daemon meanwhile is ridden out as `attach` does (said on stderr).
+
+    With --wait the reply's text is printed as the model streams it (on a terminal), then
+    the committed answer; --wait --json prints each delta as one JSON line, then the
+    document on one line. --no-stream prints only what is committed."""
     message = read_stdin() if text == STDIN else text
     with connect(ctx) as client:
         seq = client.inject(session_id, message, key)
@@ -116,15 +128,47 @@ def send(
             return
         deadline = SYSTEM.monotonic() + timeout
         reconnect = reconnecting(client.address, from_start=True)  # it was there just now
+        live = streaming(as_json, no_stream)
         reply = wait_for_reply(
-            client, session_id, seq, deadline, echo=not as_json, reconnect=reconnect
+            client, session_id, seq, deadline, echo=not as_json, reconnect=reconnect, live=live
         )
     if reply is None:
         fail(f"no reply within {timeout:g} s")
-    if as_json:
+    if as_json and live is not None:
+        json_line({"seq": seq, **reply.document()})  # after delta lines: JSON Lines
+    elif as_json:
         emit_json({"seq": seq, **reply.document()})
     if reply.outcome not in ANSWERED:
         ctx.exit(EX_FAILURE)
+
+
+def streaming(as_json: bool, no_stream: bool) -> Live | JsonDeltas | None:
+    """How a turn's live output is printed: as JSON lines (--json), as text on a
+    terminal, or not at all (--no-stream; text piped elsewhere)."""
+    from supervisor.cli.live import Live
+
+    if no_stream:
+        return None
+    if as_json:
+        return JsonDeltas()
+    return Live() if sys.stdout.isatty() else None
+
+
+class JsonDeltas:
+    """--json's live output: each delta as one JSON line; committed events unchanged."""
+
+    def delta(self, delta: dict[str, Any]) -> None:
+        json_line(delta)
+
+    def shown(self, kind: str, payload: dict[str, Any]) -> bool:
+        return False
+
+
+def json_line(data: dict[str, Any]) -> None:
+    """One JSON object on one line (JSON Lines), keys sorted."""
+    import json
+
+    click.echo(json.dumps(data, sort_keys=True, ensure_ascii=False))
 
 
 def read_stdin() -> str:
@@ -162,9 +206,10 @@ def wait_for_reply(
     *,
     echo: bool,
     reconnect: Reconnect | None = None,
+    live: Live | JsonDeltas | None = None,
 ) -> Reply | None:
     """Follow the turn that starts after seq `after` until it ends (printing it as it goes
-    if `echo`); None on timeout.
+    if `echo`, and its live output with `live`); None on timeout.
 
     Events of a turn already in flight (which did not read the message) are skipped. With
     `reconnect`, a restart of the daemon is ridden out: the stream resumes after the last
@@ -175,14 +220,22 @@ def wait_for_reply(
 
     reply = Reply()
     try:
-        for event in client.stream(session_id, after, deadline=deadline, reconnect=reconnect):
+        events = client.stream(
+            session_id, after, deadline=deadline, reconnect=reconnect, deltas=live is not None
+        )
+        for event in events:
+            if event["type"] == DELTA:
+                if live is not None and event["turn"] == reply.turn_id:
+                    live.delta(event)
+                continue
             kind, payload, turn_id = event["type"], event["payload"], event["turn_id"]
             if reply.turn_id is None and kind == "turn_started":
                 reply.turn_id = turn_id
             if turn_id is not None and turn_id != reply.turn_id:
                 continue
             line = reply_line(reply, kind, payload)
-            if echo and line is not None:
+            shown = live is not None and live.shown(kind, payload)
+            if echo and line is not None and not shown:
                 click.echo(line)
             if kind == "turn_ended":
                 return reply
@@ -221,24 +274,43 @@ def reply_line(reply: Reply, kind: str, payload: dict[str, Any]) -> str | None:
     is_flag=True,
     help="Exit (code 3) when the daemon goes away, instead of waiting for it to come back.",
 )
+@click.option(
+    "--no-stream",
+    is_flag=True,
+    help="Print only committed events, not the text of turns as the model streams it.",
+)
 @json_option
 @click.pass_context
 @reports_errors
 def attach(
-    ctx: click.Context, session_id: str, after: int, no_reconnect: bool, as_json: bool
+    ctx: click.Context,
+    session_id: str,
+    after: int,
+    no_reconnect: bool,
+    no_stream: bool,
+    as_json: bool,
 ) -> None:
     """Print a session's events as they are committed, until Ctrl-C.
 
     When the daemon restarts, attach says so on stderr, waits for it and resumes after the
-    last event it printed: nothing is printed twice or missed. --json prints each event as
-    one JSON object a line.
+    last event it printed: nothing is printed twice or missed. On a terminal the text of a
+    turn is printed as the model streams it, before its committed events. --json prints
+    each event as one JSON object a line, and each delta of live output as one too
+    (`"type": "delta"`, no seq). --no-stream prints only committed events.
     """
     import json
 
+    live = streaming(as_json, no_stream)
     try:
         with connect(ctx) as client:
             reconnect = None if no_reconnect else reconnecting(client.address)
-            for event in client.stream(session_id, after, reconnect=reconnect):
+            events = client.stream(session_id, after, reconnect=reconnect, deltas=live is not None)
+            for event in events:
+                if event["type"] == DELTA and live is not None:
+                    live.delta(event)
+                    continue
+                if live is not None:
+                    live.shown(event["type"], event["payload"])  # ends a streamed line
                 click.echo(json.dumps(event, sort_keys=True) if as_json else event_line(event))
     except KeyboardInterrupt:
         pass

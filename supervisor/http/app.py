@@ -49,7 +49,7 @@ from supervisor.http.session_routes import SessionRoutes
 from supervisor.http.storage import StorageHealth
 from supervisor.metrics import CONTENT_TYPE, Metrics
 from supervisor.restarts.routes import RestartDesk, RestartRoutes
-from supervisor.runtime.bus import Bus, Published, Stopping
+from supervisor.runtime.bus import Bus, Delta, Published, Stopping
 from supervisor.schedules.routes import ScheduleRoutes
 from supervisor.store import (
     EVENT_TYPES,
@@ -131,6 +131,7 @@ class Api:
         self.log = log("intake")
         if bus is not None:
             bus.subscribe(Published, self._published)
+            bus.subscribe(Delta, self._delta)
             bus.subscribe(Stopping, self._stopping)
 
     def app(self) -> web.Application:
@@ -193,6 +194,12 @@ class Api:
 
     def _published(self, event: Published) -> None:
         self.publish(event.session, event.event)
+
+    def _delta(self, delta: Delta) -> None:
+        """A turn's live output: to the session's attach streams only (never stored)."""
+        dropped = self.hub.delta(delta)
+        if dropped:
+            self.metrics.deltas_dropped.labels("stream").inc(dropped)
 
     def _stopping(self, event: Stopping) -> None:
         if event.restart:

@@ -12,6 +12,14 @@ open and behind: it reads again every `IDLE_CHECK` seconds until it has caught u
 client too slow to keep up is dropped (it reconnects with Last-Event-ID) instead of
 being buffered without bound.
 
+A turn's live output (`bus.Delta`: text the model streams, the name of a tool it calls)
+goes to the streams of its session as it comes, in line with the signals, as
+`event: delta` with no `id:`: a delta is not an event. It is never stored, so a replay
+(`Last-Event-ID`) never holds one, and the committed `model_response` that follows carries
+the whole text. A stream holds at most `DELTA_LIMIT` deltas its client has not taken yet;
+more are dropped (and counted) rather than buffered, so a slow client never holds up the
+turn, the supervisor's loop, or the committed events, which are never dropped for a delta.
+
 The log is read a page at a time (keyset paging on seq), each page read and encoded on a
 reader thread (`pages.Pages`); the loop writes each page's bytes in one write, and awaits
 the client draining them before it asks for the next page.
@@ -30,8 +38,11 @@ from supervisor.contract.background import spawn
 from supervisor.contract.clock import SYSTEM, Clock
 from supervisor.contract.logs import log
 from supervisor.http.follow import READ_ERRORS, Follow, ReadHeads
+from supervisor.http.pages import sse_bytes, string
+from supervisor.runtime.bus import Delta
 
 QUEUE_LIMIT = 1000  # live events buffered per stream before the client counts as too slow
+DELTA_LIMIT = 256  # deltas buffered per stream; more are dropped until the client reads
 KEEPALIVE = 15.0  # seconds between keep-alive comments on an idle stream
 # Seconds between database reads for writes by others (other hosts): of the heads of the
 # attached sessions, and of a stream's log while a read failed. The pool's PROBE.
@@ -46,11 +57,19 @@ ReadPage = Callable[[str, int, int], Awaitable[tuple[bytes, int, bool]]]
 _CLOSE: dict[str, Any] = {}
 
 
+def _queue() -> asyncio.Queue[dict[str, Any] | Delta]:
+    return asyncio.Queue(QUEUE_LIMIT + DELTA_LIMIT)
+
+
 @dataclass(eq=False)
 class Subscription:
+    """One stream's place in the hub: the signals and deltas it has yet to send, in the
+    order they came; `deltas` of them are deltas."""
+
     session_id: str
     principal: str = ""
-    queue: asyncio.Queue[dict[str, Any]] = field(default_factory=lambda: asyncio.Queue(QUEUE_LIMIT))
+    queue: asyncio.Queue[dict[str, Any] | Delta] = field(default_factory=_queue)
+    deltas: int = 0
     dropped: bool = False
 
 
@@ -111,11 +130,23 @@ class Hub:
 
     def _signal(self, session_id: str, event: dict[str, Any]) -> None:
         for sub in list(self._subs.get(session_id, ())):
-            try:
-                sub.queue.put_nowait(event)
-            except asyncio.QueueFull:
-                sub.dropped = True
+            if sub.queue.qsize() - sub.deltas >= QUEUE_LIMIT:
+                sub.dropped = True  # too slow for the committed events: it resumes later
                 self.unsubscribe(sub)
+            else:
+                sub.queue.put_nowait(event)  # room: at most DELTA_LIMIT of it are deltas
+
+    def delta(self, delta: Delta) -> int:
+        """Pass a turn's live output to every stream on its session; returns how many
+        streams dropped it (they hold `DELTA_LIMIT` their clients have not taken yet)."""
+        dropped = 0
+        for sub in self._subs.get(delta.session, ()):
+            if sub.deltas >= DELTA_LIMIT:
+                dropped += 1
+            else:
+                sub.deltas += 1
+                sub.queue.put_nowait(delta)
+        return dropped
 
     def close_all(self) -> None:
         """End every stream (shutdown)."""
@@ -186,7 +217,7 @@ class Hub:
                 self._signal(session_id, {"seq": head, "type": ""})
 
 
-def with_room(queue: asyncio.Queue[dict[str, Any]]) -> None:
+def with_room(queue: asyncio.Queue[dict[str, Any] | Delta]) -> None:
     """Make room for one more item by dropping the oldest."""
     if queue.full():
         queue.get_nowait()
@@ -231,6 +262,11 @@ async def stream(
                 continue
             if event is _CLOSE or sub.dropped:
                 break
+            if isinstance(event, Delta):
+                sub.deltas -= 1
+                await response.write(delta_sse(event))  # waits while the client is behind
+                quiet_since = SYSTEM.monotonic()
+                continue
             if int(event["seq"]) <= last:
                 continue  # already read with an earlier signal
             last, behind = await _replay(response, session_id, last, read, hub)
@@ -240,6 +276,16 @@ async def stream(
     finally:
         hub.unsubscribe(sub)
     return response
+
+
+def delta_sse(delta: Delta) -> bytes:
+    """A delta as sent: `event: delta` and its JSON, with no `id:` (it is not an event:
+    a client's Last-Event-ID stays the seq of the last committed event it got)."""
+    data = (
+        f'{{"turn":{string(delta.turn)},"index":{delta.index},"text":{string(delta.text)},'
+        f'"tool_call":{"null" if delta.tool_call is None else string(delta.tool_call)}}}'
+    )
+    return sse_bytes(f"event: delta\ndata: {data}\n\n")
 
 
 async def _replay(

@@ -169,7 +169,11 @@ PATHS: list[tuple[str, str, str, str, list[Any], str | None, dict[int, Answer], 
      "401 403 404 422", AUTH),
     ("get", "/v1/sessions/{id}/attach", "attach",
      "Server-Sent Events: replay after Last-Event-ID (or ?after=), then live. "
-     "`id:` is the seq, `event:` the type.",
+     "`id:` is the seq, `event:` the type. Between them, live: a turn's output as the "
+     "model streams it, `event: delta` with `data: {\"turn\", \"text\", \"index\", "
+     "\"tool_call\"}` (tool_call: the name of a tool it calls, else null) and no `id:`: "
+     "never stored, never replayed, dropped for a client too slow to take it; the "
+     "committed model_response carries the whole text.",
      [SESSION_ID, AFTER, LAST_EVENT_ID], None, {200: ("text/event-stream", "The stream.")},
      "401 403 404 422 429 503", AUTH),
     ("put", "/v1/sessions/{id}/acl", "setAcl", "Grant or revoke a principal's access.",

@@ -36,7 +36,7 @@ READERS = 1
 SSE_BUDGET = 1 << 20  # payload characters per page of a stream (at least one event)
 PAUSE_S = 0.0001  # a reader's pause between batches of rows (`reading.FETCH`)
 
-_string = json.JSONEncoder(ensure_ascii=False).encode
+string = json.JSONEncoder(ensure_ascii=False).encode  # a str as JSON (UTF-8)
 _LINE_ENDS = (("\x85", "\\u0085"), ("\u2028", "\\u2028"), ("\u2029", "\\u2029"))
 
 # (session id, after, limit, budget) -> the rows in batches (`EventRows.batches`)
@@ -48,9 +48,9 @@ SsePage = tuple[bytes, int, bool]  # the SSE bytes, the last seq in them, whethe
 def event_json(row: EventRow) -> str:
     """The API shape of an event as JSON text (UTF-8; the payload as stored)."""
     seq, kind, turn_id, payload, created_at = row
-    turn = "null" if turn_id is None else _string(turn_id)
+    turn = "null" if turn_id is None else string(turn_id)
     return (
-        f'{{"seq":{seq},"type":{_string(kind)},"turn_id":{turn},'
+        f'{{"seq":{seq},"type":{string(kind)},"turn_id":{turn},'
         f'"payload":{payload},"created_at":{created_at!r}}}'
     )
 

@@ -11,6 +11,8 @@ class Counts(Protocol):
 
     model_tokens: Any  # Counter{kind}
     append_latency: Any  # the workers' append latency, added from heartbeats
+    first_delta: Any  # Histogram: a model call's time to its first delta
+    deltas_dropped: Any  # Counter{where}
     breaker_tripped: Any  # Gauge
     recovery: Any  # Counter{action, cause, outcome}
     recovery_age: Any  # Histogram

@@ -60,9 +60,10 @@ from supervisor.contract.reaper import descendants, reap_orphans, terminate, wit
 from supervisor.contract.spawn import WorkerSpec
 from supervisor.core.engine import HEARTBEATS_MISSED
 from supervisor.core.slots import Slot, SlotState, all_fatal
-from supervisor.core.vocabulary import INPUT_EVENTS, AssignReason, McpState
+from supervisor.core.vocabulary import INPUT_EVENTS, AssignReason, EventType, McpState
 from supervisor.pool import drain
 from supervisor.pool.counting import Counts
+from supervisor.pool.deltas import DeltaIndexes
 from supervisor.pool.handle import WorkerHandle
 from supervisor.pool.housekeeping import Tending
 from supervisor.pool.ownership import Ownership
@@ -80,6 +81,7 @@ from supervisor.pool.recoverer import Recoverer
 from supervisor.runtime.bus import (
     Bus,
     Committed,
+    Delta,
     Published,
     Stopping,
     TurnEnded,
@@ -157,6 +159,7 @@ class Pool(Service):
         self.restarting = False  # a restart in place: the task runners outlive the stop
         self.fatal = asyncio.Event()
         self.restarts = 0
+        self.delta_indexes = DeltaIndexes()  # of the turns streaming: gaps are lost deltas
         self.log = log("pool")
         self._spawn_context = multiprocess.get_context("spawn")
         self.background = Background("pool")  # handoffs, exit statuses; awaited by stop
@@ -367,6 +370,8 @@ class Pool(Service):
         worker.exited = True
         self.burying.add(worker.pid)
         self.plane.bury(worker)
+        for session_id in worker.sessions:
+            self.delta_indexes.forget(session_id)
         self.ownership.orphaned(worker)
         self.bus.publish(WorkerExited(worker.identity))  # a child it ran may be over
         if worker.child_row is not None:
@@ -474,14 +479,36 @@ class Pool(Service):
                 latency = message.append_latency
                 self.metrics.append_latency.add(latency.counts, latency.sum)
             case control.Committed():
+                if message.event_type == EventType.TURN_ENDED:
+                    self.delta_indexes.forget(message.session)
                 self.bus.publish(Committed(message.session, message.seq, message.event_type))
+            case control.Delta():
+                self._delta(worker, message)
             case control.Released() | control.LeaseLost():
+                self.delta_indexes.forget(message.session)
                 owned = self.ownership.let_go(worker, message.session)
                 if owned and message.type == "released" and not self.stopping:
                     handoff = self.ownership.adopt([message.session], AssignReason.HANDOFF)
                     self.background.start(handoff)
                 elif owned:
                     self.ownership.want()  # fenced out: the session may need another owner
+
+    def _delta(self, worker: WorkerHandle, message: control.Delta) -> None:
+        """A turn's live output: for the attach streams (`Delta` on the bus), if the
+        sender owns the session (a worker that lost it may still be finishing a model
+        call); its time to first delta and any deltas lost on the way are counted."""
+        if message.session not in worker.sessions:
+            return  # not its session (any more): its output is no one's to see
+        missed = self.delta_indexes.missed(
+            worker.identity, message.session, message.turn, message.index
+        )
+        if missed:
+            self.metrics.deltas_dropped.labels("worker").inc(missed)
+        if message.index == 0:
+            self.metrics.first_delta.observe(message.elapsed)
+        self.bus.publish(
+            Delta(message.session, message.turn, message.index, message.text, message.tool_call)
+        )
 
     # --- what requests and the other services tell it about sessions ----------------
 

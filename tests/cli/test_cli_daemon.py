@@ -200,7 +200,7 @@ def test_send_wait_exits_1_when_the_turn_fails_or_is_interrupted(
     finally:
         stop(waiting)
     assert waiting.returncode == 1, err
-    reply = json.loads(out)
+    reply = json.loads(out.splitlines()[-1])  # after the deltas, if any: JSON Lines
     assert reply["outcome"] == "interrupted_by_operator" and reply["reply"] == ""
     assert err == b""  # --json: no "committed as" line either
 
@@ -330,7 +330,7 @@ def test_json_documents_of_new_send_interrupt_and_grant(daemons: Daemons) -> Non
     assert json.loads(sent.stdout) == {"seq": 1}
     waited = turnkeeper(daemon, "send", session_id, "hello", "--wait", "--json")
     assert waited.returncode == 0, waited.stderr
-    reply = json.loads(waited.stdout)
+    reply = json.loads(waited.stdout.splitlines()[-1])  # the document: the last line
     assert reply == {
         "seq": reply["seq"],
         "turn_id": reply["turn_id"],

@@ -145,13 +145,14 @@ class Sse:
 
 
 def parse_sse(lines: Iterable[str]) -> Iterator[Sse]:
-    """Events from the lines of an SSE body; comments (keep-alives) are skipped."""
+    """Events from the lines of an SSE body; comments (keep-alives) are skipped, and so are
+    deltas (a turn's live output: no `id:`, not an event; tests/http/test_attach_deltas.py)."""
     fields: dict[str, str] = {}
     for line in lines:
         if not line:
-            if fields:
+            if fields and fields.get("event") != "delta":
                 yield Sse(int(fields["id"]), fields["event"], json.loads(fields["data"]))
-                fields = {}
+            fields = {}
             continue
         if line.startswith(":"):
             continue

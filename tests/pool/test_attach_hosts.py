@@ -107,7 +107,7 @@ class Stream:
                             name, _, value = line.partition(":")
                             fields[name] = value.removeprefix(" ")
                         continue
-                    if fields:
+                    if fields and fields.get("event") != "delta":  # deltas are no events
                         data = json.loads(fields["data"])
                         seen = Seen(
                             int(fields["id"]), data["seq"], data["type"], data, time.monotonic()
