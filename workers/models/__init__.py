@@ -8,10 +8,12 @@ from typing import TYPE_CHECKING, Any
 
 from supervisor.contract.config import ModelConfig
 from workers.models.base import (
+    SILENT,
     Message,
     Model,
     ModelError,
     ModelResponse,
+    Stream,
     ToolCall,
     ToolSpec,
 )
@@ -21,12 +23,14 @@ if TYPE_CHECKING:
     from workers.models.openai import OpenAIModel
 
 __all__ = [
+    "SILENT",
     "EchoModel",
     "Message",
     "Model",
     "ModelError",
     "ModelResponse",
     "OpenAIModel",
+    "Stream",
     "ToolCall",
     "ToolSpec",
     "make_model",
