@@ -418,6 +418,8 @@ class SessionRunner:
             session=log.session_tokens,
         )
 
+        live = self._live_output(turn_id)
+
         def compactor(turn: turns.TurnContext) -> Compactor:
             return Compactor(
                 events=log,
@@ -447,7 +449,7 @@ class SessionRunner:
             self._health,
             budget,
             clock=self._clock,
-            live=self._live_output(turn_id),
+            live=live,
             interrupted=self.interrupted,
         )
         started = self._clock.time()
@@ -456,6 +458,7 @@ class SessionRunner:
             ending = await turns.agent_ending(agent, context)
         finally:
             self._context = None
+            self._streamed(turn_id, live)
         return await self._continuer.after(turn_id, ending, started, self._run)
 
     def _live_output(self, turn_id: str) -> LiveOutput | None:
@@ -465,6 +468,15 @@ class SessionRunner:
             return None
         session_id = self.session_id
         return LiveOutput(lambda piece: send(session_id, turn_id, piece), self._clock)
+
+    def _streamed(self, turn_id: str, live: LiveOutput | None) -> None:
+        """Say what a turn's live output lost to a full queue (readers see the gaps)."""
+        if live is not None and live.dropped:
+            self.log.bind(turn=turn_id).info(
+                "live output: {} deltas sent, {} dropped (the queue to the supervisor was full)",
+                live.sent,
+                live.dropped,
+            )
 
     async def _commit_keyed(
         self, type: str, payload: dict[str, Any], turn_id: str | None, key: str | None

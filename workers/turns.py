@@ -260,7 +260,7 @@ class TurnContext:
                     await self._commit(EventType.NOTICE, payload, self.turn_id)
                 if self._health is not None:
                     self._health.down(outage.since)
-                await sleep_unless(self._clock, delay, self._released)
+                await sleep_unless(self._clock, delay, self._released, self._interrupted)
                 self._boundary()
                 continue
             if outage is not None:
