@@ -260,7 +260,9 @@ class SessionRunner:
         self._store.leases.release(Lease(self.session_id, "", self.token, 0.0))
 
     async def _run_available(self) -> None:
-        while not self.released.is_set():
+        # An interrupted runner starts nothing more, not even a turn for a message that
+        # came meanwhile: the pool forgot the session, and its next owner runs that.
+        while not (self.released.is_set() or self.interrupted.is_set()):
             token = self.token
             info = await self._row()
             if self.token != token:

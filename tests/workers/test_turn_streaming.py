@@ -173,6 +173,7 @@ def test_an_interrupt_mid_stream_commits_the_text_so_far_then_ends_the_turn(
             while "".join(p.text for _, p in session.deltas) != "The answer so far":
                 session.first.clear()
                 await asyncio.wait_for(session.first.wait(), GUARD)
+            await session.inject("and another thing")  # waits for the next owner
             interrupted_at = SYSTEM.time()  # the clock the runner stamps events with
             session.runner.interrupt()
             assert session.runner.task is not None
@@ -192,6 +193,7 @@ def test_an_interrupt_mid_stream_commits_the_text_so_far_then_ends_the_turn(
     assert tail[1][1]["outcome"] == "interrupted_by_operator"
     assert closed  # the HTTP request to the model server was closed
     assert session.runner.task is not None and session.runner.task.exception() is None
+    assert [e.type for e in events].count("turn_started") == 1  # the runner started no more
     print(f"interrupt to turn_ended: {(ended_at - interrupted_at) * 1000:.1f} ms")
 
 
