@@ -14,8 +14,17 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from supervisor.contract.config import ModelConfig
 from tests.clock import SteppingClock
-from workers.models import EchoModel, Message, ModelError, ModelResponse, OpenAIModel, ToolCall
+from workers.models import (
+    EchoModel,
+    Message,
+    ModelError,
+    ModelResponse,
+    OpenAIModel,
+    ToolCall,
+    make_model,
+)
 
 
 @dataclass
@@ -233,3 +242,24 @@ def test_cancelling_a_streamed_call_closes_its_request() -> None:
     disconnected, watcher = asyncio.run(scenario())
     assert disconnected
     assert watcher.texts == ["so far"]
+
+
+def test_with_stream_off_no_stream_is_asked_for_and_the_whole_answer_is_read() -> None:
+    async def handler(request: web.Request) -> web.StreamResponse:
+        usage = {"prompt_tokens": 4, "completion_tokens": 1}
+        message = {"role": "assistant", "content": "whole"}
+        return web.json_response({"choices": [{"message": message}], "usage": usage})
+
+    response, watcher, [body] = call(handler, stream=False)
+    assert response == ModelResponse(
+        "whole", [], "stop", {"prompt_tokens": 4, "completion_tokens": 1}
+    )
+    assert "stream" not in body and "stream_options" not in body
+    assert watcher.told == []
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_model_stream_is_the_clients(stream: bool) -> None:
+    config = ModelConfig(provider="openai", model="m", stream=stream)
+    client = make_model(config)
+    assert isinstance(client, OpenAIModel) and client.stream is stream

@@ -73,4 +73,5 @@ def make_model(cfg: ModelConfig, environ: Mapping[str, str] | None = None) -> Mo
         timeout=cfg.timeout,
         max_tokens=cfg.max_tokens,
         max_response_bytes=cfg.max_response_bytes,
+        stream=cfg.stream,
     )

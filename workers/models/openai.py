@@ -4,11 +4,12 @@ Ollama, vLLM and the llama.cpp server all speak it. One POST to
 `{base_url}/chat/completions` per call, streamed (`stream: true`, with the usage asked
 for in the last chunk): the text and the tool calls are told to the call's `Stream` as
 the server sends them, and the whole response is returned at the end as before. A server
-that ignores `stream` and answers with one JSON body is read as such. Either answer is
-read up to `model.max_response_bytes` and no further. A call cancelled mid-answer (a
-release, an interrupt) closes its HTTP request, so the server stops generating. Every
-failure becomes a `ModelError` whose one-line message names the server; the API key is
-never part of one.
+that ignores `stream` and answers with one JSON body is read as such; with `model.stream`
+off, no stream is asked for (a server that counts no tokens in a stream counts them
+then). Either answer is read up to `model.max_response_bytes` and no further. A call
+cancelled mid-answer (a release, an interrupt) closes its HTTP request, so the server
+stops generating. Every failure becomes a `ModelError` whose one-line message names the
+server; the API key is never part of one.
 
 A `user:password@` in `base_url` is taken out of the URL before any request and any
 message: the API key is the only credential sent when one is configured (httpx would
@@ -63,12 +64,14 @@ class OpenAIModel:
         max_tokens: int,
         transport: httpx.AsyncBaseTransport | None = None,
         max_response_bytes: int = DEFAULT_MAX_RESPONSE,
+        stream: bool = True,
     ) -> None:
         self.base_url, self._userinfo = without_userinfo(base_url.rstrip("/"))
         self.model = model
         self.timeout = timeout
         self.max_tokens = max_tokens
         self.max_response_bytes = max_response_bytes
+        self.stream = stream  # ask for a stream (`model.stream`)
         self._api_key = api_key or None
         self._transport = transport
         self._client: httpx.AsyncClient | None = None
@@ -81,7 +84,7 @@ class OpenAIModel:
     ) -> ModelResponse:
         """Send the conversation and the tools; parse the first choice of the answer,
         telling `stream` its text and tool calls as they come."""
-        body = request_body(self.model, messages, tools, self.max_tokens)
+        body = request_body(self.model, messages, tools, self.max_tokens, self.stream)
         headers = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
         try:
             async with asyncio.timeout(self.timeout):
@@ -274,17 +277,22 @@ def without_userinfo(url: str) -> tuple[str, tuple[str, str] | None]:
 
 
 def request_body(
-    model: str, messages: list[Message], tools: list[ToolSpec], max_tokens: int
+    model: str,
+    messages: list[Message],
+    tools: list[ToolSpec],
+    max_tokens: int,
+    stream: bool = True,
 ) -> dict[str, Any]:
-    """The JSON body of a chat-completions request."""
+    """The JSON body of a chat-completions request (one asking for a stream: `stream`)."""
     body: dict[str, Any] = {
         "model": model,
         "messages": [_message(message) for message in messages],
         "max_tokens": max_tokens,
-        # Servers that do not know `stream_options` ignore it, and send no usage then.
-        "stream": True,
-        "stream_options": {"include_usage": True},
     }
+    if stream:
+        # Servers that do not know `stream_options` ignore it, and send no usage then.
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True}
     if tools:
         body["tools"] = [
             {
