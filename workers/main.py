@@ -205,6 +205,9 @@ class Worker:
         """Send a turn's live output now, never waiting: False (dropped) when the queue
         to the supervisor is full. A delta is safe to lose; a turn must never wait on a
         slow reader of its output."""
+        # A tool's name is the model's to make up: shown escaped and cut, as names are.
+        name = piece.tool_call
+        tool_call = None if name is None else control.printable(name, control.MAX_NAME)
         try:
             frame = control.encode(
                 "delta",
@@ -213,10 +216,10 @@ class Worker:
                 turn=turn,
                 index=piece.index,
                 text=piece.text,
-                tool_call=piece.tool_call,
+                tool_call=tool_call,
                 elapsed=piece.elapsed,
             )
-        except control.ProtocolError as exc:  # a bug here (a tool name past the limit?)
+        except control.ProtocolError as exc:  # a bug here; the supervisor would refuse it
             self.log.error("control plane: not sending a delta that does not fit: {}", exc)
             return False
         try:

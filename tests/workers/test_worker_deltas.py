@@ -110,6 +110,19 @@ def test_a_worker_streams_an_echo_answer_as_deltas_before_it_commits_it(
     assert deltas[0].elapsed <= deltas[-1].elapsed
 
 
+def test_a_tool_call_streams_by_name_cut_to_a_name_the_control_plane_takes(
+    tmp_path: Path,
+) -> None:
+    name = "look\x01up" + "n" * 300  # the model's to make up: long, a control character
+    said, store, session = run_turn(tmp_path, {"provider": "echo"}, f"/tool {name} {{}}")
+    with store:
+        deltas, answer = deltas_and_answer(said, store, session)
+    [call] = [d.tool_call for d in deltas if d.tool_call]
+    assert call.startswith("look\\x01upnnn") and call.endswith("…")
+    assert len(call) == control.MAX_NAME
+    assert answer.startswith("echo: ")  # the turn went on: the unknown tool's error echoed
+
+
 @pytest.fixture
 def model_server(tmp_path: Path) -> Iterator[ModelServer]:
     require()
