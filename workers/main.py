@@ -41,6 +41,7 @@ from workers.restarting import RestartScope
 from workers.runner import SessionRunner
 from workers.spawning import TOOL as SPAWN_TOOL
 from workers.spawning import Limits
+from workers.streaming import Piece
 from workers.tasking import TOOL as TASK_TOOL
 from workers.tasking import Kinds
 from workers.tools import BuiltinTools, Toolbox, Toolboxes
@@ -56,6 +57,12 @@ class _FailingAgent:
 
     async def run_turn(self, turn: Any) -> str:
         raise AgentLoadError(self.reason)
+
+
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    """Read a future's outcome, so that a failed send nobody awaited is not reported."""
+    if not future.cancelled():
+        future.exception()
 
 
 SHUTDOWN_MARGIN = 0.3  # seconds before the supervisor's SIGKILL deadline
@@ -194,6 +201,39 @@ class Worker:
         except control.ProtocolError as exc:  # a bug here; the supervisor would refuse it
             self.log.error("control plane: not sending a {} that does not fit: {}", type, exc)
 
+    def send_delta(self, session: str, turn: str, piece: Piece) -> bool:
+        """Send a turn's live output now, never waiting: False (dropped) when the queue
+        to the supervisor is full. A delta is safe to lose; a turn must never wait on a
+        slow reader of its output."""
+        # A tool's name is the model's to make up: shown escaped and cut, as names are.
+        name = piece.tool_call
+        tool_call = None if name is None else control.printable(name, control.MAX_NAME)
+        try:
+            frame = control.encode(
+                "delta",
+                worker=self.spec.identity,
+                session=session,
+                turn=turn,
+                index=piece.index,
+                text=piece.text,
+                tool_call=tool_call,
+                elapsed=piece.elapsed,
+            )
+        except control.ProtocolError as exc:  # a bug here; the supervisor would refuse it
+            self.log.error("control plane: not sending a delta that does not fit: {}", exc)
+            return False
+        try:
+            sent = self.socket.send(frame, flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            return False
+        if not isinstance(sent, asyncio.Future) or not sent.done():
+            # Queued behind sends that wait (the queue was full a moment ago): it goes in
+            # order after them, or fails; either way nobody waits for it.
+            if isinstance(sent, asyncio.Future):
+                sent.add_done_callback(_retrieve)
+            return True
+        return sent.exception() is None
+
     async def _receive(self) -> None:
         while True:
             frames = await self.socket.recv_multipart()
@@ -268,6 +308,7 @@ class Worker:
                     model.max_tokens, model.context_margin, model.compaction_prompt
                 ),
                 prefetch=self._prefetch(a),
+                send_delta=self.send_delta,
             )
             self.runners[a.session] = runner
             if self.draining:

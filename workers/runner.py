@@ -46,6 +46,7 @@ from workers.outage import Health, Outage, outage_since
 from workers.prefetch import Prefetch
 from workers.restarting import Requester, RestartScope
 from workers.spawning import Limits, Spawner
+from workers.streaming import LiveOutput, Piece
 from workers.tasking import Kinds, Starter
 from workers.tools import Toolbox
 
@@ -89,6 +90,7 @@ class SessionRunner:
         budgets: tuple[int, int] = (0, 0),
         clock: Clock = SYSTEM,
         prefetch: Prefetch | None = None,
+        send_delta: Callable[[str, str, Piece], bool] | None = None,
     ) -> None:
         self.session_id = session_id
         self.token = token
@@ -106,6 +108,11 @@ class SessionRunner:
         self._served = served  # a turn ended, for the worker's count of turns served
         self._woken = asyncio.Event()
         self.released = asyncio.Event()
+        # The operator interrupted the turn in flight: a model call is cut, what it
+        # streamed is committed, the turn ends, and the runner stops (see `interrupt`).
+        self.interrupted = asyncio.Event()
+        self._send_delta = send_delta  # a turn's live output, to the supervisor
+        self._context: turns.TurnContext | None = None  # the turn in flight
         self.draining = False  # the daemon drains: no turn starts (`drain`)
         # The session logs the worker keeps; a new runner reads its session's log anew.
         self._history = history if history is not None else HistoryCache()
@@ -180,7 +187,18 @@ class SessionRunner:
         self.draining = True
 
     def interrupt(self) -> None:
-        """The operator ended the turn (in the database, lease revoked): stop it now."""
+        """The operator interrupted the turn: stop it now.
+
+        A model call in flight is cut (its HTTP request closed), what it streamed so far
+        is committed as a cut `model_response` and the turn ends `interrupted_by_operator`,
+        while the lease still allows (the operator's own `turn_ended`, written first,
+        fences these writes out). Any other step is cancelled where it is. Either way the
+        runner stops, as the pool forgot the session.
+        """
+        self.interrupted.set()
+        context = self._context
+        if context is not None and context.asking:
+            return
         if self.task is not None:
             self.task.cancel()
 
@@ -212,12 +230,18 @@ class SessionRunner:
                     self._woken.set()
                     continue
                 failures = 0
+                if self.interrupted.is_set():
+                    return  # the cut turn ended: the pool forgot the session
         except turns.TurnReleased:
             pass
         except Reported:
             await self._notify("lease_lost", session=self.session_id)  # it runs no more
             return
         except LeaseLost as exc:
+            if self.interrupted.is_set():
+                # The operator's `turn_ended` came first: the pool forgot the session.
+                self.log.info("interrupted: the turn was ended before its cut was committed")
+                return
             self.log.warning("fenced out: {}", exc)
             await self._notify("lease_lost", session=self.session_id)
             return
@@ -236,7 +260,9 @@ class SessionRunner:
         self._store.leases.release(Lease(self.session_id, "", self.token, 0.0))
 
     async def _run_available(self) -> None:
-        while not self.released.is_set():
+        # An interrupted runner starts nothing more, not even a turn for a message that
+        # came meanwhile: the pool forgot the session, and its next owner runs that.
+        while not (self.released.is_set() or self.interrupted.is_set()):
             token = self.token
             info = await self._row()
             if self.token != token:
@@ -394,6 +420,8 @@ class SessionRunner:
             session=log.session_tokens,
         )
 
+        live = self._live_output(turn_id)
+
         def compactor(turn: turns.TurnContext) -> Compactor:
             return Compactor(
                 events=log,
@@ -423,10 +451,34 @@ class SessionRunner:
             self._health,
             budget,
             clock=self._clock,
+            live=live,
+            interrupted=self.interrupted,
         )
         started = self._clock.time()
-        ending = await turns.agent_ending(agent, context)
+        self._context = context
+        try:
+            ending = await turns.agent_ending(agent, context)
+        finally:
+            self._context = None
+            self._streamed(turn_id, live)
         return await self._continuer.after(turn_id, ending, started, self._run)
+
+    def _live_output(self, turn_id: str) -> LiveOutput | None:
+        """Where the turn's answers stream to as they come: the supervisor, as deltas."""
+        send = self._send_delta
+        if send is None:
+            return None
+        session_id = self.session_id
+        return LiveOutput(lambda piece: send(session_id, turn_id, piece), self._clock)
+
+    def _streamed(self, turn_id: str, live: LiveOutput | None) -> None:
+        """Say what a turn's live output lost to a full queue (readers see the gaps)."""
+        if live is not None and live.dropped:
+            self.log.bind(turn=turn_id).info(
+                "live output: {} deltas sent, {} dropped (the queue to the supervisor was full)",
+                live.sent,
+                live.dropped,
+            )
 
     async def _commit_keyed(
         self, type: str, payload: dict[str, Any], turn_id: str | None, key: str | None

@@ -4,6 +4,13 @@ Every step commits its event before the next begins, so a crash loses at most th
 in flight. A release (rolling restart) stops the turn at the next event boundary, and an
 in-flight model call is abandoned at once (it has no side effects); a tool call in flight
 is let finish, so its result is recorded.
+
+A model call's answer streams to the turn's live output as it comes (`workers.streaming`:
+deltas to the supervisor, never to the database); the answer is committed whole once the
+call ends, as one `model_response`. An operator's interrupt cuts a model call in flight
+at once (its HTTP request closed) and commits what it streamed so far as a cut
+`model_response` (finish reason "interrupted") before the turn ends
+`interrupted_by_operator`. The compaction's own model calls do not stream.
 """
 
 from __future__ import annotations
@@ -30,7 +37,16 @@ from workers.agent import OUTCOMES, Agent
 from workers.budget import Budget, BudgetExhausted
 from workers.cache import log_of
 from workers.history import Tail
-from workers.models import Message, Model, ModelError, ModelResponse, ToolCall, ToolSpec
+from workers.models import (
+    SILENT,
+    Message,
+    Model,
+    ModelError,
+    ModelResponse,
+    Stream,
+    ToolCall,
+    ToolSpec,
+)
 from workers.outage import NOTICE, OUTAGE_KEY, Health, Outage
 from workers.restarting import OFF as RESTARTS_OFF
 from workers.restarting import TOOL as RESTART_TOOL
@@ -38,6 +54,7 @@ from workers.restarting import Requester, RestartRefused
 from workers.spawning import SPEC as SPAWN_SPEC
 from workers.spawning import TOOL as SPAWN_TOOL
 from workers.spawning import Spawner, SpawnRefused
+from workers.streaming import LiveOutput
 from workers.tasking import OFF as TASKS_OFF
 from workers.tasking import TOOL as TASK_TOOL
 from workers.tasking import Starter, TaskRefused
@@ -50,6 +67,13 @@ CONTINUATION_NOTES: dict[str, str] = {cause: cause.text for cause in Cause}
 
 class TurnReleased(Exception):
     """The supervisor asked for the session back; stop at this event boundary."""
+
+
+class TurnInterrupted(Exception):
+    """The operator interrupted the turn: it ends `interrupted_by_operator`, at once."""
+
+
+CUT = "interrupted"  # the finish_reason of an answer an interrupt cut
 
 
 class TurnContext:
@@ -72,6 +96,8 @@ class TurnContext:
         health: Health | None = None,
         budget: Budget | None = None,
         clock: Clock = SYSTEM,
+        live: LiveOutput | None = None,
+        interrupted: asyncio.Event | None = None,
     ) -> None:
         self.session_id = session_id
         self.turn_id = turn_id
@@ -91,6 +117,9 @@ class TurnContext:
         self._health = health
         self.budget = budget
         self._clock = clock
+        self._live = live  # where the answers stream to, as they come
+        self._interrupted = interrupted if interrupted is not None else asyncio.Event()
+        self.asking = False  # a model call of `call_model` is in flight
 
     @property
     def messages(self) -> list[Message]:
@@ -108,6 +137,8 @@ class TurnContext:
         return [*specs, requester.spec] if requester is not None and requester.enabled else specs
 
     def _boundary(self) -> None:
+        if self._interrupted.is_set():
+            raise TurnInterrupted
         if self._released.is_set():
             raise TurnReleased
 
@@ -131,15 +162,19 @@ class TurnContext:
                 await self.notice(f"turnkeeper: this turn ends: {exc}")
                 raise
         try:
-            response = await self.ask(list(self._messages), tools)
-        except ModelError as exc:
-            if compactor is None or not exc.context_exceeded:
-                raise
-            compactor.window.learn(exc.window)
-            if not await compactor.fit(self._messages, tools, forced=True):
-                raise
-            estimated = context.prompt_estimate(self._messages, tools)
-            response = await self.ask(list(self._messages), tools)
+            try:
+                response = await self._answer(tools)
+            except ModelError as exc:
+                if compactor is None or not exc.context_exceeded:
+                    raise
+                compactor.window.learn(exc.window)
+                if not await compactor.fit(self._messages, tools, forced=True):
+                    raise
+                estimated = context.prompt_estimate(self._messages, tools)
+                response = await self._answer(tools)
+        except TurnInterrupted:
+            await self._commit_cut(estimated)
+            raise
         if compactor is not None:
             compactor.counted(estimated, response.usage)
         calls = [
@@ -172,13 +207,46 @@ class TurnContext:
         )
         return response
 
-    async def ask(self, messages: list[Message], tools: list[ToolSpec]) -> ModelResponse:
-        """One model call, nothing committed but an outage's notice; a release abandons
-        it (TurnReleased). A model server that is down is waited out (`workers.outage`)."""
+    async def _answer(self, tools: list[ToolSpec]) -> ModelResponse:
+        """The model's answer to the conversation, streamed live as it comes."""
+        live = self._live
+        if live is None:
+            return await self.ask(list(self._messages), tools)
+        live.begin()
+        self.asking = True
+        try:
+            return await self.ask(list(self._messages), tools, live)
+        finally:
+            self.asking = False
+            live.finish()  # what waits goes now, before the answer is committed
+
+    async def _commit_cut(self, estimated: int) -> None:
+        """Commit what an interrupted model call streamed so far, as a cut answer: the
+        text the user watched being written is kept in the log (nothing else is)."""
+        text = self._live.streamed if self._live is not None else ""
+        await self._commit(
+            EventType.MODEL_RESPONSE,
+            {
+                "text": text,
+                "tool_calls": [],
+                "finish_reason": CUT,
+                "usage": {},
+                "prompt_estimate": estimated,
+                "tokens": context.estimate(text),
+            },
+            self.turn_id,
+        )
+
+    async def ask(
+        self, messages: list[Message], tools: list[ToolSpec], stream: Stream = SILENT
+    ) -> ModelResponse:
+        """One model call, nothing committed but an outage's notice, its answer told to
+        `stream` as it comes; a release abandons it (TurnReleased), an interrupt cuts it
+        (TurnInterrupted). A model server that is down is waited out (`workers.outage`)."""
         outage = self._outage
         while True:
             try:
-                response = await self._ask_once(messages, tools)
+                response = await self._ask_once(messages, tools, stream)
             except ModelError as exc:
                 if outage is None:
                     raise
@@ -192,7 +260,7 @@ class TurnContext:
                     await self._commit(EventType.NOTICE, payload, self.turn_id)
                 if self._health is not None:
                     self._health.down(outage.since)
-                await sleep_unless(self._clock, delay, self._released)
+                await sleep_unless(self._clock, delay, self._released, self._interrupted)
                 self._boundary()
                 continue
             if outage is not None:
@@ -202,20 +270,29 @@ class TurnContext:
                 self._health.up()
             return response
 
-    async def _ask_once(self, messages: list[Message], tools: list[ToolSpec]) -> ModelResponse:
+    async def _ask_once(
+        self, messages: list[Message], tools: list[ToolSpec], stream: Stream
+    ) -> ModelResponse:
         self._boundary()
-        call = spawn(self._model.complete(messages, tools), name="model-call")
+        call = spawn(self._model.complete(messages, tools, stream), name="model-call")
         release = spawn(self._released.wait(), name="released")
+        interrupt = spawn(self._interrupted.wait(), name="interrupted")
         try:
-            await asyncio.wait({call, release}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({call, release, interrupt}, return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
             call.cancel()  # the turn itself was cancelled: the call must not outlive it
             raise
         finally:
             release.cancel()
+            interrupt.cancel()
         if not call.done():
             call.cancel()
-            raise TurnReleased
+            if not self._interrupted.is_set():
+                raise TurnReleased
+            # Its HTTP request is closed before the cut answer is committed: the server
+            # stops generating, and nothing more streams after the cut.
+            await asyncio.wait({call})
+            raise TurnInterrupted
         return call.result()
 
     async def call_tool(self, call: ToolCall) -> ToolOutcome:
@@ -457,6 +534,8 @@ async def agent_ending(agent: Agent, context: TurnContext) -> Ending:
         return _spent(Ending(payload), context)
     except BudgetExhausted as exc:
         return _spent(Ending({"outcome": TurnOutcome.BUDGET_EXHAUSTED, "error": str(exc)}), context)
+    except TurnInterrupted:
+        return _spent(Ending({"outcome": TurnOutcome.INTERRUPTED_BY_OPERATOR}), context)
     except (TurnReleased, asyncio.CancelledError, LeaseLost, StorageUnavailable):
         raise
     except BaseException as exc:

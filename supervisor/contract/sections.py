@@ -181,6 +181,9 @@ class ModelConfig(_Section):
     max_tokens: Annotated[int, Field(ge=1)] = 1024
     # An answer's body past this many bytes fails the call for good, unread.
     max_response_bytes: Annotated[int, Field(ge=1024)] = 4 << 20
+    # openai: ask for the answer as a stream, so attached clients watch it being written;
+    # off: one whole answer a call (a server that counts no tokens in a stream counts them).
+    stream: bool = True
     # Tokens the model reads at most (prompt and answer); 0: unknown, learned from the
     # server's first context-length error. A prompt past `context_window - max_tokens -
     # context_margin` has its older turns replaced by a summary first (compaction).

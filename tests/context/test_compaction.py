@@ -15,7 +15,7 @@ from supervisor.store import EventRecord
 from workers.cache import SessionLog
 from workers.context import DROPPED_NOTE, SUMMARY_NOTE, Compactor, Settings, Window, estimate
 from workers.history import compaction_cuts, to_messages
-from workers.models import Message, ModelError, ModelResponse, ToolSpec
+from workers.models import SILENT, Message, ModelError, ModelResponse, Stream, ToolSpec
 from workers.models.openai import OpenAIModel, context_window_of, retry_after
 from workers.tools import BuiltinTools
 from workers.turns import TurnContext
@@ -195,7 +195,9 @@ class ContextModel:
     def __init__(self) -> None:
         self.prompts: list[list[Message]] = []
 
-    async def complete(self, messages: list[Message], tools: list[ToolSpec]) -> ModelResponse:
+    async def complete(
+        self, messages: list[Message], tools: list[ToolSpec], stream: Stream = SILENT
+    ) -> ModelResponse:
         self.prompts.append(messages)
         counted = sum(estimate(m.content) + 4 for m in messages)
         if counted + 50 > 300:

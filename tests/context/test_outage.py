@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from supervisor.store import EventRecord
-from workers.models import Message, ModelError, ModelResponse, ToolSpec
+from workers.models import SILENT, Message, ModelError, ModelResponse, Stream, ToolSpec
 from workers.outage import DELAYS, NOTICE, Health, Outage, outage_since
 from workers.tools import BuiltinTools
 from workers.turns import TurnContext
@@ -48,7 +48,9 @@ class FlakyModel:
         self.failures = failures
         self.calls = 0
 
-    async def complete(self, messages: list[Message], tools: list[ToolSpec]) -> ModelResponse:
+    async def complete(
+        self, messages: list[Message], tools: list[ToolSpec], stream: Stream = SILENT
+    ) -> ModelResponse:
         self.calls += 1
         if self.calls <= self.failures:
             raise down(retry_after=0.01)

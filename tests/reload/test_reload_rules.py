@@ -113,7 +113,8 @@ EXPECTED: dict[str, str] = {
         restart.turn_wait restart.drain_budget""",
     "workers": """pool.heartbeat_interval pool.history_cache_mb agent.class agent.allowed
         model.provider model.delay model.base_url model.model model.api_key_env model.timeout
-        model.max_tokens model.max_response_bytes model.outage_budget model.context_window
+        model.max_tokens model.max_response_bytes model.stream model.outage_budget
+        model.context_window
         model.context_margin budget.turn_tokens budget.session_tokens
         model.compaction_prompt tools.max_result_bytes
         mcp.servers.*.command mcp.servers.*.env.TOKEN mcp.servers.*.cwd

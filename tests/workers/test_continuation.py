@@ -23,7 +23,7 @@ from tests.clock import FakeClock
 from tests.conftest import BACKENDS
 from tests.daemon import outcome_of
 from workers.agents.tool_loop import ToolLoopAgent
-from workers.models import Message, ModelError, ModelResponse, ToolSpec
+from workers.models import SILENT, Message, ModelError, ModelResponse, Stream, ToolSpec
 from workers.runner import SessionRunner
 from workers.tools import BuiltinTools
 
@@ -195,7 +195,9 @@ class Scripted:
         self.steps = steps
         self.calls = 0
 
-    async def complete(self, messages: list[Message], tools: list[ToolSpec]) -> ModelResponse:
+    async def complete(
+        self, messages: list[Message], tools: list[ToolSpec], stream: Stream = SILENT
+    ) -> ModelResponse:
         step = self.steps[min(self.calls, len(self.steps) - 1)]
         self.calls += 1
         if isinstance(step, ModelError):

@@ -296,6 +296,8 @@ def test_text_answer() -> None:
         "model": "llama3",
         "messages": [{"role": "user", "content": "hi"}],
         "max_tokens": 64,
+        "stream": True,
+        "stream_options": {"include_usage": True},
     }
     assert "Authorization" not in request.headers
 

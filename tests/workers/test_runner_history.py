@@ -16,7 +16,7 @@ from supervisor.store import EventRecord, Store
 from workers.agents.tool_loop import ToolLoopAgent
 from workers.cache import HistoryCache, SessionLog
 from workers.history import to_messages
-from workers.models import EchoModel, Message, ModelResponse, ToolSpec
+from workers.models import SILENT, EchoModel, Message, ModelResponse, Stream, ToolSpec
 from workers.prefetch import Prefetch
 from workers.runner import SessionRunner
 from workers.tools import BuiltinTools
@@ -48,9 +48,11 @@ class Seen(EchoModel):
         super().__init__()
         self.calls: list[list[Message]] = []
 
-    async def complete(self, messages: list[Message], tools: list[ToolSpec]) -> ModelResponse:
+    async def complete(
+        self, messages: list[Message], tools: list[ToolSpec], stream: Stream = SILENT
+    ) -> ModelResponse:
         self.calls.append(list(messages))
-        return await super().complete(messages, tools)
+        return await super().complete(messages, tools, stream)
 
 
 class Session:

@@ -19,7 +19,17 @@ from tests.support import ev
 from workers.agent import AgentLoadError, Turn, load_agent_class
 from workers.agents.tool_loop import MAX_STEPS, ToolLoopAgent
 from workers.history import INTERRUPTED_RESULT, NOT_STARTED_RESULT, to_messages
-from workers.models import EchoModel, Message, Model, ModelError, ModelResponse, ToolCall, ToolSpec
+from workers.models import (
+    SILENT,
+    EchoModel,
+    Message,
+    Model,
+    ModelError,
+    ModelResponse,
+    Stream,
+    ToolCall,
+    ToolSpec,
+)
 from workers.tools import BuiltinTools, Toolbox, ToolOutcome
 from workers.turns import (
     CONTINUATION_NOTES,
@@ -88,7 +98,9 @@ class FailingModel:
     def __init__(self, error: ModelError) -> None:
         self.error = error
 
-    async def complete(self, messages: list[Message], tools: list[ToolSpec]) -> ModelResponse:
+    async def complete(
+        self, messages: list[Message], tools: list[ToolSpec], stream: Stream = SILENT
+    ) -> ModelResponse:
         raise self.error
 
     async def aclose(self) -> None:
@@ -102,7 +114,9 @@ class HangingModel:
         self.started = asyncio.Event()
         self.cancelled = False
 
-    async def complete(self, messages: list[Message], tools: list[ToolSpec]) -> ModelResponse:
+    async def complete(
+        self, messages: list[Message], tools: list[ToolSpec], stream: Stream = SILENT
+    ) -> ModelResponse:
         self.started.set()
         try:
             await asyncio.sleep(3600)
@@ -121,7 +135,9 @@ class AlwaysToolsModel:
     def __init__(self) -> None:
         self.calls = 0
 
-    async def complete(self, messages: list[Message], tools: list[ToolSpec]) -> ModelResponse:
+    async def complete(
+        self, messages: list[Message], tools: list[ToolSpec], stream: Stream = SILENT
+    ) -> ModelResponse:
         self.calls += 1
         return ModelResponse("", [ToolCall(f"c{self.calls}", "echo", {})], "tool_calls", {})
 

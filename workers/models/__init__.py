@@ -8,10 +8,12 @@ from typing import TYPE_CHECKING, Any
 
 from supervisor.contract.config import ModelConfig
 from workers.models.base import (
+    SILENT,
     Message,
     Model,
     ModelError,
     ModelResponse,
+    Stream,
     ToolCall,
     ToolSpec,
 )
@@ -21,12 +23,14 @@ if TYPE_CHECKING:
     from workers.models.openai import OpenAIModel
 
 __all__ = [
+    "SILENT",
     "EchoModel",
     "Message",
     "Model",
     "ModelError",
     "ModelResponse",
     "OpenAIModel",
+    "Stream",
     "ToolCall",
     "ToolSpec",
     "make_model",
@@ -69,4 +73,5 @@ def make_model(cfg: ModelConfig, environ: Mapping[str, str] | None = None) -> Mo
         timeout=cfg.timeout,
         max_tokens=cfg.max_tokens,
         max_response_bytes=cfg.max_response_bytes,
+        stream=cfg.stream,
     )

@@ -1,8 +1,10 @@
 """The model interface the agents call: messages in, one response out.
 
-Plain data and one protocol, no I/O. A provider (`echo`, `openai`) turns a conversation
+Plain data and two protocols, no I/O. A provider (`echo`, `openai`) turns a conversation
 and the tools on offer into a `ModelResponse`, or raises `ModelError` with a one-line
-message fit for a human and the event log.
+message fit for a human and the event log. While it answers, it tells a `Stream` what it
+has so far (text as it comes, each tool call by name as the model makes it): the live
+output of the turn. The response is still the whole answer; a stream only watches.
 """
 
 from __future__ import annotations
@@ -92,12 +94,40 @@ class ModelError(Exception):
         self.retry_after: float | None = None
 
 
+class Stream(Protocol):
+    """What a model call tells as it goes; both methods return at once, never raise."""
+
+    def text(self, text: str) -> None:
+        """The answer's next `text` (its pieces, joined, are the response's text)."""
+        ...
+
+    def tool_call(self, name: str) -> None:
+        """The model calls the tool `name` (its arguments may still be coming)."""
+        ...
+
+
+class Silent:
+    """The stream of a call nobody watches."""
+
+    def text(self, text: str) -> None:
+        """Nothing: nobody watches."""
+
+    def tool_call(self, name: str) -> None:
+        """Nothing: nobody watches."""
+
+
+SILENT = Silent()
+
+
 @runtime_checkable
 class Model(Protocol):
     """A model provider, as the agents see it."""
 
-    async def complete(self, messages: list[Message], tools: list[ToolSpec]) -> ModelResponse:
-        """Answer the conversation `messages`, offering `tools`; raise `ModelError`."""
+    async def complete(
+        self, messages: list[Message], tools: list[ToolSpec], stream: Stream = SILENT
+    ) -> ModelResponse:
+        """Answer the conversation `messages`, offering `tools`, telling `stream` the answer
+        as it comes; raise `ModelError`."""
         ...
 
     async def aclose(self) -> None:

@@ -21,6 +21,9 @@ It answers the most recent user message T (a framework note is not a user messag
 
 - `/big N` -> N words (`t0 t1 ...`), finish "stop" (cut at `max_tokens` like any answer).
 
+The answer streams word by word (a word with the whitespace before it; the last takes the
+whitespace after it too), `delay` spread over its words, then its tool calls by name.
+
 With a `window` (`model.context_window`), echo is a server with that context window: a
 prompt whose words and `max_tokens` together pass it fails as a real server's does, a
 non-transient `ModelError` naming the window (`context_exceeded`).
@@ -41,12 +44,14 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from supervisor.contract.clock import SYSTEM
+from supervisor.contract.clock import SYSTEM, Clock
 from workers.models.base import (
+    SILENT,
     FinishReason,
     Message,
     ModelError,
     ModelResponse,
+    Stream,
     ToolCall,
     ToolSpec,
 )
@@ -57,6 +62,7 @@ SPAWN = "spawn_subagent"
 TASK = "start_task"
 RESTART = "request_restart"
 _WORD = re.compile(r"\S+")
+_STREAMED = re.compile(r"\s*\S+\s*$|\s*\S+", re.DOTALL)  # a word and the spaces before it
 BIG_MOST = 1_000_000  # words `/big` answers at most
 COUNTS_KEPT = 8  # conversations whose word counts are kept: about one per session in use
 
@@ -72,19 +78,25 @@ class _Answer:
 class EchoModel:
     """The deterministic `echo` provider; `delay` seconds are added to every call."""
 
-    def __init__(self, delay: float = 0.0, max_tokens: int = 1024, window: int = 0) -> None:
+    def __init__(
+        self, delay: float = 0.0, max_tokens: int = 1024, window: int = 0, clock: Clock = SYSTEM
+    ) -> None:
         self.delay = delay
+        self.clock = clock
         self.max_tokens = max_tokens
         self.window = window
         # id of a conversation's first message -> (the messages counted, their words)
         self._counted: dict[int, tuple[list[Message], int]] = {}
 
-    async def complete(self, messages: list[Message], tools: list[ToolSpec]) -> ModelResponse:
-        """Answer the most recent user message by the rules in the module docstring."""
-        if self.delay > 0:
-            await SYSTEM.sleep(self.delay)
+    async def complete(
+        self, messages: list[Message], tools: list[ToolSpec], stream: Stream = SILENT
+    ) -> ModelResponse:
+        """Answer the most recent user message by the rules in the module docstring,
+        streaming the answer word by word with `delay` spread over its words."""
         prompt = self._prompt_tokens(messages) + _tools_words(tools)
         if self.window and prompt + self.max_tokens > self.window:
+            if self.delay > 0:
+                await self.clock.sleep(self.delay)
             raise ModelError(
                 f"echo answered 400: This model's maximum context length is {self.window} "
                 f"tokens. However, you requested {prompt + self.max_tokens} tokens "
@@ -94,12 +106,28 @@ class EchoModel:
             )
         answer = _plan(messages)
         if answer.sleep > 0:
-            await SYSTEM.sleep(answer.sleep)
+            await self.clock.sleep(answer.sleep)
         text, finish = answer.text, answer.finish_reason
         if finish == "stop":
             text, finish = _cut(text, self.max_tokens)
+        await self._stream(text, answer.tool_calls, stream)
         usage = {"prompt_tokens": prompt, "completion_tokens": _words(text)}
         return ModelResponse(text, list(answer.tool_calls), finish, usage)
+
+    async def _stream(self, text: str, calls: list[ToolCall], stream: Stream) -> None:
+        """Tell `stream` the answer a word at a time (a word with the spaces before it),
+        then its tool calls; `delay` is spread evenly over the words (all of it before
+        the tool calls when there is no text)."""
+        words = _STREAMED.findall(text) or ([text] if text else [])  # blank: one piece
+        step = self.delay / max(1, len(words))
+        if not words and step > 0:
+            await self.clock.sleep(step)
+        for word in words:
+            if step > 0:
+                await self.clock.sleep(step)
+            stream.text(word)
+        for call in calls:
+            stream.tool_call(call.name)
 
     async def aclose(self) -> None:
         """Nothing to release."""
