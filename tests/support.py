@@ -134,6 +134,8 @@ class RoutesPool:
     def __init__(self) -> None:
         self.interrupted: list[str] = []
         self.cancelled: list[str] = []
+        # What a test says the session's turn streamed so far: (turn, text, complete).
+        self.streamed: dict[str, tuple[str, str, bool]] = {}
 
     def wake(self, session_id: str) -> None: ...
 
@@ -141,6 +143,9 @@ class RoutesPool:
 
     def interrupt(self, session_id: str) -> None:
         self.interrupted.append(session_id)
+
+    def streamed_so_far(self, session_id: str) -> tuple[str, str, bool] | None:
+        return self.streamed.get(session_id)
 
     def cancel(self, task_id: str) -> None:
         self.cancelled.append(task_id)

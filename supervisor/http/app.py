@@ -81,6 +81,9 @@ class PoolView(Protocol):
     def interrupt(self, session_id: str) -> None:
         """The session's turn was ended in the database (interrupt, close): stop it now."""
 
+    def streamed_so_far(self, session_id: str) -> tuple[str, str, bool] | None:
+        """What the session's turn in flight streamed since its last committed answer."""
+
     def status(self) -> dict[str, Any]:
         """The slots and workers, for /v1/status."""
 

@@ -44,6 +44,8 @@ class Workers(Protocol):
 
     def interrupt(self, session_id: str) -> None: ...
 
+    def streamed_so_far(self, session_id: str) -> tuple[str, str, bool] | None: ...
+
 
 def refuse_closed(info: SessionInfo) -> None:
     """A closed session takes nothing that would need a turn (the store says so too)."""
@@ -64,9 +66,14 @@ class Lifecycle:
 
     async def interrupt(self, request: web.Request) -> web.Response:
         info = await self.session(request, Permission.WRITE)
-        seq = await asyncio.to_thread(self.store.sessions.interrupt, info.id, request[PRINCIPAL])
-        if seq is not None:
-            self._publish(info.id, [(seq, EventType.TURN_ENDED)])
+        # What the model streamed so far is committed as the cut answer, with the end.
+        streamed = self.pool.streamed_so_far(info.id) if self.pool is not None else None
+        written = await asyncio.to_thread(
+            self.store.sessions.interrupt, info.id, request[PRINCIPAL], streamed
+        )
+        seq = written[-1][0] if written else None
+        if written:
+            self._publish(info.id, written)
             self._stop_worker(info.id)
         await self._stop_subagents(info.id)  # cancelled even when the session was idle
         await self._report_if_subagent(info)

@@ -63,7 +63,7 @@ from supervisor.core.slots import Slot, SlotState, all_fatal
 from supervisor.core.vocabulary import INPUT_EVENTS, AssignReason, EventType, McpState
 from supervisor.pool import drain
 from supervisor.pool.counting import Counts
-from supervisor.pool.deltas import DeltaIndexes
+from supervisor.pool.deltas import DeltaIndexes, StreamedText
 from supervisor.pool.handle import WorkerHandle
 from supervisor.pool.housekeeping import Tending
 from supervisor.pool.ownership import Ownership
@@ -160,6 +160,7 @@ class Pool(Service):
         self.fatal = asyncio.Event()
         self.restarts = 0
         self.delta_indexes = DeltaIndexes()  # of the turns streaming: gaps are lost deltas
+        self.streamed = StreamedText()  # their text since the last answer: an interrupt's cut
         self.log = log("pool")
         self._spawn_context = multiprocess.get_context("spawn")
         self.background = Background("pool")  # handoffs, exit statuses; awaited by stop
@@ -372,6 +373,7 @@ class Pool(Service):
         self.plane.bury(worker)
         for session_id in worker.sessions:
             self.delta_indexes.forget(session_id)
+            self.streamed.forget(session_id)
         self.ownership.orphaned(worker)
         self.bus.publish(WorkerExited(worker.identity))  # a child it ran may be over
         if worker.child_row is not None:
@@ -481,11 +483,14 @@ class Pool(Service):
             case control.Committed():
                 if message.event_type == EventType.TURN_ENDED:
                     self.delta_indexes.forget(message.session)
+                if message.event_type in (EventType.TURN_ENDED, EventType.MODEL_RESPONSE):
+                    self.streamed.answered(message.session)
                 self.bus.publish(Committed(message.session, message.seq, message.event_type))
             case control.Delta():
                 self._delta(worker, message)
             case control.Released() | control.LeaseLost():
                 self.delta_indexes.forget(message.session)
+                self.streamed.forget(message.session)
                 owned = self.ownership.let_go(worker, message.session)
                 if owned and message.type == "released" and not self.stopping:
                     handoff = self.ownership.adopt([message.session], AssignReason.HANDOFF)
@@ -504,6 +509,8 @@ class Pool(Service):
         )
         if missed:
             self.metrics.deltas_dropped.labels("worker").inc(missed)
+        if message.text:
+            self.streamed.add(message.session, message.turn, message.text, missed=missed)
         if message.index == 0:
             self.metrics.first_delta.observe(message.elapsed)
         self.bus.publish(
@@ -527,6 +534,10 @@ class Pool(Service):
     def touch(self, session_id: str) -> None:
         """A request touched the session: an interrupted turn of it may go on."""
         self.ownership.touch(session_id)
+
+    def streamed_so_far(self, session_id: str) -> tuple[str, str, bool] | None:
+        """What the session's turn in flight streamed since its last committed answer."""
+        return self.streamed.get(session_id)
 
     def interrupt(self, session_id: str) -> None:
         """The session's turn was ended in the database (interrupt, close): stop it now."""

@@ -76,6 +76,11 @@ def locked_row_if_any(session_id: str | None) -> Session | None:
         return None
 
 
+# What a turn's model call streamed so far: its turn id, the text, and whether it is whole.
+Streamed = tuple[str, str, bool]
+CUT = "interrupted"  # the finish_reason of an answer an interrupt cut (as the worker's)
+
+
 def _turn_ended(row: Session, writer: str, payload: dict[str, Any]) -> list[AppendRequest]:
     """The active turn's `turn_ended`, if a turn is active."""
     if row.active_turn_id is None:
@@ -87,17 +92,35 @@ def _turn_ended(row: Session, writer: str, payload: dict[str, Any]) -> list[Appe
     ]
 
 
-def interrupt(db: peewee.Database, session_id: str, by: str) -> int | None:
-    """End the turn in flight as `interrupted_by_operator`; its seq, or None if none ran."""
+def interrupt(
+    db: peewee.Database, session_id: str, by: str, streamed: Streamed | None = None
+) -> list[Written]:
+    """End the turn in flight as `interrupted_by_operator`; the events written (the cut
+    answer, if any, then `turn_ended`), none if no turn ran.
+
+    `streamed`: what the turn's model call in flight streamed so far (turn id, text, and
+    whether every delta of it arrived). If it is the active turn's, it is committed first
+    as the cut answer (`model_response`, finish reason "interrupted"): the text the user
+    watched being written stays in the log. Its worker, fenced out by this transaction,
+    can commit nothing more."""
     row = locked_row(session_id)
     ended = _turn_ended(
         row, Writer.INTAKE, {"outcome": TurnOutcome.INTERRUPTED_BY_OPERATOR, "by": by}
     )
     if not ended:
-        return None
-    (seq,) = append_all(db, ended)
+        return []
+    if streamed is not None and streamed[0] == row.active_turn_id and streamed[1]:
+        turn, text, complete = streamed
+        cut: dict[str, Any] = {"text": text, "tool_calls": [], "finish_reason": CUT, "usage": {}}
+        if not complete:
+            cut["incomplete"] = True  # deltas were lost on the way: the text has gaps
+        answer = make_request(
+            session_id, EventType.MODEL_RESPONSE, cut, turn_id=turn, writer=Writer.INTAKE
+        )
+        ended.insert(0, answer)
+    seqs = append_all(db, ended)
     Session.update(revoked()).where(Session.id == session_id).execute()
-    return seq
+    return _written(seqs, ended)
 
 
 def close(db: peewee.Database, session_id: str, by: str) -> list[Written]:

@@ -317,18 +317,22 @@ class Sessions:
             ),
         )
 
-    def interrupt(self, session_id: str, by: str) -> int | None:
+    def interrupt(
+        self, session_id: str, by: str, streamed: lifecycle.Streamed | None = None
+    ) -> list[lifecycle.Written]:
         """End the turn in flight as `interrupted_by_operator`, for good (see lifecycle.py),
-        and cancel the session's running subagents, in one transaction.
+        with the text its model call streamed so far as its cut answer, and cancel the
+        session's running subagents, in one transaction.
 
-        Returns the `turn_ended` seq, or None if no turn was running.
+        Returns the events written (seq, type), the `turn_ended` last; none if no turn was
+        running.
         """
         why = f"its parent was interrupted by {by}"
 
-        def work() -> int | None:
-            seq = lifecycle.interrupt(self._db, session_id, by)
+        def work() -> list[lifecycle.Written]:
+            written = lifecycle.interrupt(self._db, session_id, by, streamed)
             subagents.cancel_within(self._db, session_id, by, why)
-            return seq
+            return written
 
         return run_write(self._db, work)
 

@@ -34,7 +34,7 @@ from supervisor.http.attach import DELTA_LIMIT, Hub
 from supervisor.http.auth import Tokens, digest
 from supervisor.metrics import Metrics
 from supervisor.pool import pool as pools
-from supervisor.pool.deltas import DeltaIndexes
+from supervisor.pool.deltas import DeltaIndexes, StreamedText
 from supervisor.pool.handle import WorkerHandle
 from supervisor.pool.plane import ControlPlane, Said
 from supervisor.runtime.bus import Bus, Committed, Delta
@@ -61,6 +61,7 @@ class Pool(pools.Pool):
         self.ownership: Any = Ownership()
         self.stopping = False
         self.delta_indexes = DeltaIndexes()
+        self.streamed = StreamedText()
         bus.subscribe(Said, self._said)
         bus.subscribe(Committed, self._committed)
 

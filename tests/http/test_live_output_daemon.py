@@ -131,3 +131,36 @@ def test_a_client_that_reads_nothing_does_not_hold_up_the_turn(
         assert seqs == list(range(1, ended.seq + 1))
     finally:
         reader.close()
+
+
+def test_an_interrupt_mid_stream_ends_the_turn_with_the_text_streamed_so_far(
+    daemons: Any,
+) -> None:
+    """The answer streams slowly (a word every 250 ms); after a few deltas the client
+    interrupts. The turn ends at once, in the interrupt's own transaction, and the log
+    keeps what was streamed as the cut answer, just before `turn_ended`."""
+    daemon: Daemon = daemons(**{**SETTINGS, "model": {"delay": 10.0}}).start()
+    sid = session(daemon)
+    with daemon.client() as client:
+        with client.stream("GET", f"/v1/sessions/{sid}/attach", timeout=WAIT_S) as stream:
+            sent = client.post(f"/v1/sessions/{sid}/inject", json={"text": WORDS})
+            assert sent.status_code == 202, sent.text
+            seen: list[str] = []
+            for message in messages(stream.iter_lines()):
+                if message["event"] == "delta":
+                    seen.append(message["data"]["text"])
+                if len(seen) >= 3:
+                    break
+        answered = client.post(f"/v1/sessions/{sid}/interrupt")
+        assert answered.status_code == 200, answered.text
+        assert answered.json()["interrupted"] is True
+    with Store(daemon.url, migrate=False) as store:
+        ended = wait_until(lambda: turn_ended(store, sid), WAIT_S, "the turn's end")
+        assert ended.payload["outcome"] == "interrupted_by_operator"
+        cut = store.events.read(sid, after=ended.seq - 2, limit=1)[0]
+    assert cut.type == "model_response" and cut.seq == ended.seq - 1, cut
+    assert cut.payload["finish_reason"] == "interrupted"
+    # At least what the client saw before it interrupted; a word or two more may have come.
+    assert cut.payload["text"].startswith("".join(seen)), (cut.payload, seen)
+    whole = f"echo: {WORDS}"
+    assert whole.startswith(cut.payload["text"]) and len(cut.payload["text"]) < len(whole)

@@ -4,7 +4,10 @@ another worker, or began again) starts counting afresh and is no loss."""
 
 from __future__ import annotations
 
-from supervisor.pool.deltas import DeltaIndexes
+import pytest
+
+from supervisor.pool import deltas
+from supervisor.pool.deltas import DeltaIndexes, StreamedText
 
 S, T, U = "s" * 32, "t" * 32, "u" * 32
 
@@ -35,3 +38,37 @@ def test_sessions_are_counted_apart_and_forgotten() -> None:
     indexes.forget(S)
     indexes.forget(U)
     assert len(indexes) == 0
+
+
+# --- the text streamed since the last answer: what an interrupt commits as the cut ---
+
+
+def test_the_text_streamed_since_the_last_answer_is_kept_whole() -> None:
+    streamed = StreamedText()
+    assert streamed.get(S) is None
+    for piece in ("echo:", " one", " two"):
+        streamed.add(S, T, piece)
+    assert streamed.get(S) == (T, "echo: one two", True)
+    streamed.answered(S)  # committed: what streams next is the next model call's
+    assert streamed.get(S) is None
+    streamed.add(S, T, "next")
+    assert streamed.get(S) == (T, "next", True)
+
+
+def test_a_new_turn_starts_afresh_and_a_lost_delta_marks_the_text_incomplete() -> None:
+    streamed = StreamedText()
+    streamed.add(S, T, "old")
+    streamed.add(S, U, "new")
+    assert streamed.get(S) == (U, "new", True)
+    streamed.add(S, U, " more", missed=2)
+    assert streamed.get(S) == (U, "new more", False)
+    streamed.forget(S)
+    assert streamed.get(S) is None
+
+
+def test_the_text_kept_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(deltas, "MAX_STREAMED", 10)
+    streamed = StreamedText()
+    streamed.add(S, T, "0123456")
+    streamed.add(S, T, "789abc")
+    assert streamed.get(S) == (T, "0123456789", False)

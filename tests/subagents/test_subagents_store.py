@@ -190,7 +190,7 @@ def test_interrupting_a_parent_cancels_children_and_grandchildren_once(store: St
         waiting,
         grandchild,
     }
-    assert store.sessions.interrupt(parent.session_id, "alice") is not None
+    assert store.sessions.interrupt(parent.session_id, "alice")
     assert statuses(store, busy.session_id, waiting, grandchild) == ["cancelled"] * 3
     results = events(store, parent.session_id, "subagent_result")
     assert sorted(e.payload["subagent"] for e in results) == sorted([busy.session_id, waiting])
