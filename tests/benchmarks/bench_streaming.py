@@ -3,7 +3,7 @@ costs the supervisor.
 
 The model is an OpenAI-compatible server of this benchmark's own on 127.0.0.1 that
 streams (`stream: true`): it waits `--ttft` seconds, sends the first chunk of text and
-notes the wall-clock time it flushed it, then `--chunks` more chunks `--gap` seconds
+notes the wall-clock time just before it wrote it, then `--chunks` more chunks `--gap` seconds
 apart, then the usage and `[DONE]`. Each request's last user message names its session,
 so the server's times are matched to the session's stream. The daemon is `turnkeeper
 run` as a real process (`tests.daemon.Daemon`) with the shipped agent and
@@ -13,7 +13,7 @@ this process with one attach stream (SSE) per session, open until the end.
 In each of `--rounds` rounds a message is injected into each of `--sessions` sessions at
 once, and the round ends when every stream has seen its turn's `turn_ended`. For each
 turn, the figure is the wall-clock time the stream read its first `event: delta` minus
-the time the model server flushed its first chunk: the model's own time to first token
+the time the model server wrote its first chunk: the model's own time to first token
 taken out, what is left is turnkeeper's (worker, control plane, supervisor, attach
 stream). Target: p99 at most `TARGET_P99_MS` with 50 sessions streaming. The first round
 (each session's first turn: assignment, agent construction) is reported apart.
@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 import tempfile
 import threading
 import time
@@ -54,7 +55,7 @@ MARK = "bench-session-"  # the user message names its session: "bench-session-<i
 @dataclass
 class ModelServer:
     """The streaming OpenAI-compatible server: `first_chunk[(session, round)]` is the
-    wall-clock time its first chunk of text was flushed."""
+    wall-clock time just before it wrote its first chunk of text."""
 
     ttft: float
     chunks: int
@@ -82,9 +83,9 @@ class ModelServer:
                 self.end_headers()
                 time.sleep(server.ttft)
                 for index, piece in enumerate(server.pieces()):
-                    self._chunk({"choices": [{"index": 0, "delta": {"content": piece}}]})
-                    if index == 0 and key is not None:
+                    if index == 0 and key is not None:  # just before: an upper bound
                         server.first_chunk[key] = time.time()
+                    self._chunk({"choices": [{"index": 0, "delta": {"content": piece}}]})
                     time.sleep(server.gap)
                 self._chunk(
                     {
@@ -124,7 +125,10 @@ class ModelServer:
                 self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
                 self.wfile.flush()
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        class Server(ThreadingHTTPServer):
+            request_queue_size = 256  # every session's request at once: none refused
+
+        self.httpd = Server(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
 
@@ -171,6 +175,7 @@ async def follow(http: aiohttp.ClientSession, base: str, stream: Stream) -> None
     """Read `stream`'s SSE until cancelled."""
     url = f"{base}/v1/sessions/{stream.session}/attach"
     async with http.get(url, headers={"Accept": "text/event-stream"}) as response:
+        response.raise_for_status()  # a stream refused ends the benchmark (see `bench`)
         event, data = "", ""
         async for raw in response.content:
             line = raw.decode().rstrip("\r\n")
@@ -229,6 +234,8 @@ async def bench(
             while any(len(s.ended) == n for s, n in zip(streams, ended_before, strict=True)):
                 if time.monotonic() > deadline:
                     raise SystemExit(f"round {label}: not every turn ended within 120 s")
+                if ended := next((r for r in readers if r.done()), None):
+                    raise SystemExit(f"an attach stream ended: {ended.exception()!r}")
                 await asyncio.sleep(0.05)
             overheads = []
             for s in streams:
@@ -284,7 +291,7 @@ def main(argv: list[str]) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="tk-bench-streaming-") as root:
         daemon = Daemon(
             Path(root),
-            http={"listen": f"127.0.0.1:{port}"},
+            http={"listen": f"127.0.0.1:{port}", "max_streams_per_principal": args.sessions + 8},
             pool={"workers": args.workers, "spare": 0},
             agent={"class": "workers.agents.tool_loop:ToolLoopAgent"},
             model={"provider": "openai", "base_url": model.url, "model": "bench", "timeout": 60.0},
@@ -292,6 +299,9 @@ def main(argv: list[str]) -> dict[str, Any]:
         try:
             daemon.start()
             figures = asyncio.run(bench(args, daemon, f"http://127.0.0.1:{port}", model))
+        except SystemExit:
+            print(daemon.log()[-4000:], file=sys.stderr)  # why the round did not end
+            raise
         finally:
             stop(daemon)
             model.close()
