@@ -18,12 +18,18 @@ taken out, what is left is turnkeeper's (worker, control plane, supervisor, atta
 stream). Target: p99 at most `TARGET_P99_MS` with 50 sessions streaming. The first round
 (each session's first turn: assignment, agent construction) is reported apart.
 
+Then `--interrupts` sessions, one after another, each get a long answer (20 s) and are
+interrupted (`POST /interrupt`) once its first delta came: the time to the interrupt's
+answer (the turn ended, the text so far committed) and to the model server seeing its
+request closed (target: within 200 ms).
+
 The supervisor's CPU per delta: its CPU time (psutil) over the rounds after the first,
 divided by the deltas the streams received, next to the same CPU divided by the events
 they received (a committed event's cost, measured in the same run).
 
     python -m tests.benchmarks streaming [--sessions N] [--rounds N] [--workers N]
-                                         [--ttft S] [--chunks N] [--gap S] [--quick]
+                                         [--ttft S] [--chunks N] [--gap S]
+                                         [--interrupts N] [--quick]
 
 Prints one JSON object. It measures; it asserts nothing.
 """
@@ -49,6 +55,7 @@ from tests.benchmarks.figures import cpu_s, free_port, stats_ms, stop
 from tests.daemon import Daemon
 
 TARGET_P99_MS = 20.0
+SLOW, SLOW_CHUNKS = "slow", 1000  # a round named slow...: an answer of 20 s, to interrupt
 MARK = "bench-session-"  # the user message names its session: "bench-session-<id> round <n>"
 
 
@@ -61,6 +68,7 @@ class ModelServer:
     chunks: int
     gap: float
     first_chunk: dict[tuple[str, str], float] = field(default_factory=dict)
+    closed: dict[tuple[str, str], float] = field(default_factory=dict)  # when it saw a hang-up
 
     def __post_init__(self) -> None:
         server = self
@@ -82,10 +90,16 @@ class ModelServer:
                 self.send_header("Transfer-Encoding", "chunked")
                 self.end_headers()
                 time.sleep(server.ttft)
-                for index, piece in enumerate(server.pieces()):
+                slow = key is not None and key[1].startswith(SLOW)
+                for index, piece in enumerate(server.pieces(SLOW_CHUNKS if slow else None)):
                     if index == 0 and key is not None:  # just before: an upper bound
                         server.first_chunk[key] = time.time()
-                    self._chunk({"choices": [{"index": 0, "delta": {"content": piece}}]})
+                    try:
+                        self._chunk({"choices": [{"index": 0, "delta": {"content": piece}}]})
+                    except OSError:  # the client closed the request: an interrupt
+                        if key is not None:
+                            server.closed[key] = time.time()
+                        return
                     time.sleep(server.gap)
                 self._chunk(
                     {
@@ -136,8 +150,8 @@ class ModelServer:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
 
-    def pieces(self) -> Iterator[str]:
-        for index in range(self.chunks + 1):
+    def pieces(self, chunks: int | None = None) -> Iterator[str]:
+        for index in range((self.chunks if chunks is None else chunks) + 1):
             yield f"word{index} "
 
     def whole(self) -> str:
@@ -246,6 +260,7 @@ async def bench(
         cpu = (cpu_s(daemon.pid) or 0.0) - cpu_before
         deltas = sum(s.deltas for s in streams) - deltas_before
         events = sum(s.events for s in streams) - events_before
+        interrupts = await interrupt_mid_stream(http, base, streams[: args.interrupts], model)
         for reader in readers:
             reader.cancel()
         await asyncio.gather(*readers, return_exceptions=True)
@@ -266,12 +281,46 @@ async def bench(
         "turns_without_a_delta": sum(args.sessions - r["turns"] for r in rounds),
         "deltas_received": int(deltas),
         "events_received": int(events),
+        "interrupt_answered_ms": stats_ms([ms for ms, _ in interrupts]),
+        "interrupt_to_model_request_closed_ms": stats_ms([ms for _, ms in interrupts]),
         "supervisor_cpu_s": round(cpu, 3),
         "supervisor_cpu_us_per_delta": round(cpu / deltas * 1e6, 1) if deltas else None,
         "supervisor_cpu_us_per_event_and_delta": round(cpu / (deltas + events) * 1e6, 1)
         if deltas + events
         else None,
     }
+
+
+async def interrupt_mid_stream(
+    http: aiohttp.ClientSession, base: str, streams: list[Stream], model: ModelServer
+) -> list[tuple[float, float]]:
+    """Each of `streams` in turn: a long answer, interrupted once its first delta came.
+    For each, the milliseconds from sending `POST /interrupt` to its answer (the turn is
+    ended and the text so far committed by then) and to the model server seeing its
+    request closed (within one chunk's gap of the close)."""
+    found = []
+    for s in streams:
+        label = f"{SLOW}-{s.session[:8]}"
+        s.round = label
+        text = f"{MARK}{s.session} round {label}"
+        async with http.post(f"{base}/v1/sessions/{s.session}/inject", json={"text": text}):
+            pass
+        deadline = time.monotonic() + 60
+        while not any(s.turn_round.get(t) == label for t in s.first_delta):
+            if time.monotonic() > deadline:
+                raise SystemExit("a long answer streamed nothing within 60 s")
+            await asyncio.sleep(0.01)
+        sent = time.time()
+        async with http.post(f"{base}/v1/sessions/{s.session}/interrupt") as answer:
+            assert (await answer.json())["interrupted"], "no turn was running"
+        answered = time.time()
+        while (s.session, label) not in model.closed:
+            if time.monotonic() > deadline:
+                raise SystemExit("the model request was not closed within 60 s")
+            await asyncio.sleep(0.005)
+        closed = model.closed[(s.session, label)]
+        found.append(((answered - sent) * 1000, (closed - sent) * 1000))
+    return found
 
 
 def main(argv: list[str]) -> dict[str, Any]:
@@ -282,6 +331,7 @@ def main(argv: list[str]) -> dict[str, Any]:
     parser.add_argument("--ttft", type=float, default=0.3)
     parser.add_argument("--chunks", type=int, default=20)
     parser.add_argument("--gap", type=float, default=0.02)
+    parser.add_argument("--interrupts", type=int, default=10, help="long answers interrupted")
     parser.add_argument("--quick", action="store_true", help="10 sessions, 2 rounds")
     args, _ = parser.parse_known_args(argv)
     if args.quick:

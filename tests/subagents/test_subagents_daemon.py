@@ -214,6 +214,12 @@ def test_max_children_and_max_depth_refuse_a_spawn_the_model_reads(daemons: Daem
         assert sum(store.subagents.counts().values()) == 3  # a, b and the deep one alone
 
 
+def stopped_its_turn(line: str) -> bool:
+    """A worker's line that it stopped a session's turn: a step cancelled, or a model
+    call cut whose cut answer the interrupt's own `turn_ended` had already fenced out."""
+    return "turn cancelled" in line or "interrupted: the turn was ended" in line
+
+
 def test_interrupting_a_parent_cancels_its_children_and_stops_their_workers(
     daemons: Daemons,
 ) -> None:
@@ -230,7 +236,7 @@ def test_interrupting_a_parent_cancels_its_children_and_stops_their_workers(
         before = {kid: events(store, kid) for kid in kids}
         wait_until(
             lambda: all(
-                any(kid in line and "turn cancelled" in line for line in daemon.log().splitlines())
+                any(kid in line and stopped_its_turn(line) for line in daemon.log().splitlines())
                 for kid in kids
             ),
             10,
