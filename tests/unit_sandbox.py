@@ -64,6 +64,7 @@ mount --move /mnt/root "$root"
 mount --move /mnt/code "$code"
 umount /mnt  # what was mounted below it shows again
 findmnt -rno TARGET | while read -r target; do
+    [ -e "$target" ] || continue  # under the old /tmp (another test's mount): hidden now
     case "$target" in
         /proc|/proc/*|/sys|/sys/*|/dev|/dev/*|/tmp|/var/tmp|"$root") ;;
         *) mount -o remount,bind,ro "$target" || exit 1 ;;

@@ -18,6 +18,7 @@ events it writes and the row it changes commit together or not at all. The rules
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import peewee
@@ -109,7 +110,12 @@ def interrupt(
     )
     if not ended:
         return []
-    if streamed is not None and streamed[0] == row.active_turn_id and streamed[1]:
+    if (
+        streamed is not None
+        and streamed[0] == row.active_turn_id
+        and streamed[1]
+        and not _answered(session_id, streamed[0], streamed[1])
+    ):
         turn, text, complete = streamed
         cut: dict[str, Any] = {"text": text, "tool_calls": [], "finish_reason": CUT, "usage": {}}
         if not complete:
@@ -182,6 +188,29 @@ def release(db: peewee.Database, session_id: str, by: str) -> list[Written]:
 
 def _written(seqs: list[int], events: list[AppendRequest]) -> list[Written]:
     return [(seq, EventType(event.type)) for seq, event in zip(seqs, events, strict=True)]
+
+
+def _answered(session_id: str, turn_id: str, text: str) -> bool:
+    """Whether the turn's newest answer already holds `text`: its worker committed it, and
+    the supervisor, which had not yet heard so, holds the text it streamed. No cut then:
+    it would be that answer a second time."""
+    newest = (
+        Event.select(Event.payload)
+        .where(
+            (Event.session_id == session_id)
+            & (Event.turn_id == turn_id)
+            & (Event.type == EventType.MODEL_RESPONSE)
+        )
+        .order_by(Event.seq.desc())
+        .first()
+    )
+    if newest is None:
+        return False
+    try:
+        payload = json.loads(newest.payload)  # stored as JSON text
+    except (TypeError, ValueError):
+        return False
+    return isinstance(payload, dict) and str(payload.get("text", "")).startswith(text)
 
 
 def _last_turn(session_id: str) -> str | None:

@@ -383,7 +383,8 @@ def judge(
         # read several answers only the last; the earlier ones were shown to the model,
         # not dropped. Each final answer is attributed to the input it answers (a
         # subagent's result by the child it names, a message by answered_message), and:
-        # - no input is answered twice (the check for duplicated replies);
+        # - no input is answered twice (the check for duplicated replies; an interrupt's
+        #   cut answer, the text streamed so far, is no answer);
         # - an acknowledged message M, or a result that wakes its parent, is settled when
         #   it got its own answer, or as `settled` says (a turn that saw a later input saw
         #   M: a session's inputs are committed in seq order), or its parent is
@@ -395,6 +396,8 @@ def judge(
             for event in turn:
                 if event.type != "model_response" or event.payload.get("tool_calls"):
                     continue
+                if event.payload.get("finish_reason") == "interrupted":
+                    continue  # an interrupt's cut: what streamed so far, not an answer
                 woke = RESULT_ANSWER.match(str(event.payload.get("text", "")))
                 if woke is not None:
                     result = results.get(woke.group(1))
