@@ -39,10 +39,9 @@ from aiohttp import web
 
 from supervisor.contract import control
 from supervisor.contract.config import Config
-from supervisor.contract.spawn import WorkerSpec
 from supervisor.store import Store
 from tests.benchmarks.figures import stats_ms
-from tests.workers.test_mcp_start import FakeSupervisor
+from tests.workers.test_mcp_start import FakeSupervisor, worker_spec
 from workers.entry import run_worker
 
 OWNER = "bench/boot/w0.1"
@@ -119,18 +118,7 @@ def run(sessions: int, chunks: int, gap: float, root: Path) -> dict[str, Any]:
             )
             assignments.append({"session": session, "token": lease.token, "reason": "new"})
         supervisor = FakeSupervisor(root / "control.sock")
-        spec = WorkerSpec(
-            identity="w0.1",
-            owner=OWNER,
-            address=supervisor.address,
-            parent_pid=os.getpid(),
-            boot_id="b" * 32,
-            host_id="bench",
-            db_url=url,
-            config=config.model_dump(mode="json", by_alias=True),
-            route="0" * 32,
-            secret="5" * 64,
-        )
+        spec = worker_spec(supervisor, url, config, host_id="bench")
         worker = multiprocess.get_context("spawn").Process(target=run_worker, args=(spec,))
         worker.start()
         try:

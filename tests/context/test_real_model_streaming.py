@@ -4,32 +4,21 @@ come before its `turn_ended`, carry no `id:`, and joined they are the committed 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
 from supervisor.store import Store
-from tests.context.test_real_model import MAX_TOKENS, N_CTX
+from tests.context.test_real_model import MAX_TOKENS, server
 from tests.daemon import Daemon, daemons, events
 from tests.http.test_live_output_daemon import messages
-from tests.model_server import ModelServer, require
+from tests.model_server import ModelServer
 
-__all__ = ["daemons"]
+__all__ = ["daemons", "server"]  # the fixtures
 
 Daemons = Callable[..., Daemon]
 pytestmark = pytest.mark.timeout(300)
-
-
-@pytest.fixture
-def server(tmp_path: Path) -> Iterator[ModelServer]:
-    require()
-    started = ModelServer(tmp_path / "model", N_CTX).start()
-    try:
-        yield started
-    finally:
-        started.stop()
 
 
 def test_a_real_servers_answer_streams_to_the_attached_client(

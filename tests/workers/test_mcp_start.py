@@ -144,6 +144,24 @@ class FakeSupervisor:
         self.context.term()
 
 
+def worker_spec(
+    supervisor: FakeSupervisor, url: str, config: Config, host_id: str = "host"
+) -> WorkerSpec:
+    """The spawn arguments of worker w0.1 of `supervisor`, on the database `url`."""
+    return WorkerSpec(
+        identity="w0.1",
+        owner=f"{host_id}/boot/w0.1",
+        address=supervisor.address,
+        parent_pid=os.getpid(),
+        boot_id="b" * 32,
+        host_id=host_id,
+        db_url=url,
+        config=config.model_dump(mode="json", by_alias=True),
+        route="0" * 32,
+        secret="5" * 64,
+    )
+
+
 def test_a_worker_says_ready_only_once_its_mcp_servers_are_up(tmp_path: Path) -> None:
     events, gate = tmp_path / "events", tmp_path / "gate"
     server = gated("g", events, GATED_GATE=str(gate))
@@ -157,18 +175,7 @@ def test_a_worker_says_ready_only_once_its_mcp_servers_are_up(tmp_path: Path) ->
     url = f"sqlite:///{tmp_path / 'turnkeeper.db'}"
     Store(url).close()  # the schema
     supervisor = FakeSupervisor(tmp_path / "control.sock")
-    spec = WorkerSpec(
-        identity="w0.1",
-        owner="host/boot/w0.1",
-        address=supervisor.address,
-        parent_pid=os.getpid(),
-        boot_id="b" * 32,
-        host_id="host",
-        db_url=url,
-        config=config.model_dump(mode="json", by_alias=True),
-        route="0" * 32,
-        secret="5" * 64,
-    )
+    spec = worker_spec(supervisor, url, config)
     worker = multiprocess.get_context("spawn").Process(target=run_worker, args=(spec,))
     worker.start()
     try:

@@ -19,10 +19,9 @@ import pytest
 
 from supervisor.contract import control
 from supervisor.contract.config import Config
-from supervisor.contract.spawn import WorkerSpec
 from supervisor.store import EventRecord, Store
 from tests.model_server import ModelServer, require
-from tests.workers.test_mcp_start import FakeSupervisor
+from tests.workers.test_mcp_start import FakeSupervisor, worker_spec
 from workers.entry import run_worker
 
 pytestmark = pytest.mark.timeout(240)
@@ -40,18 +39,7 @@ def run_turn(tmp_path: Path, model: dict[str, Any], text: str) -> tuple[list[Any
     assert lease is not None
     store.events.append(session, "user_message", {"text": text}, writer="intake")
     supervisor = FakeSupervisor(tmp_path / "control.sock")
-    spec = WorkerSpec(
-        identity="w0.1",
-        owner=OWNER,
-        address=supervisor.address,
-        parent_pid=os.getpid(),
-        boot_id="b" * 32,
-        host_id="host",
-        db_url=url,
-        config=config.model_dump(mode="json", by_alias=True),
-        route="0" * 32,
-        secret="5" * 64,
-    )
+    spec = worker_spec(supervisor, url, config)
     worker = multiprocess.get_context("spawn").Process(target=run_worker, args=(spec,))
     worker.start()
     try:
