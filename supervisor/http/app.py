@@ -11,16 +11,19 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from aiohttp import web
 
+from supervisor import __version__
 from supervisor.contract.config import Config
 from supervisor.contract.logs import log
 from supervisor.core.vocabulary import EventType, Permission, Rejection, SessionStatus, Writer
 from supervisor.deliveries.routes import DeliveryRoutes, Stirrer
 from supervisor.http import answers, attach, auth, follow, hosts, openapi, pages
+from supervisor.http.console import Console
 from supervisor.http.answers import (
     MAX_SEQ,
     PRINCIPAL,
@@ -47,7 +50,7 @@ from supervisor.http.schemas import (
 )
 from supervisor.http.session_routes import SessionRoutes
 from supervisor.http.storage import StorageHealth
-from supervisor.metrics import CONTENT_TYPE, Metrics
+from supervisor.metrics import CONTENT_TYPE, Metrics, TurnClock
 from supervisor.restarts.routes import RestartDesk, RestartRoutes
 from supervisor.runtime.bus import Bus, Delta, Published, Stopping
 from supervisor.schedules.routes import ScheduleRoutes
@@ -129,6 +132,9 @@ class Api:
         self.stopping = False  # intake refuses (a stop)
         self.restarting = False  # a restart's drain: not ready, intake still takes messages
         self.storage = StorageHealth(store.probe_write, metrics)
+        self.started_at = time.time()  # this boot's, for the status (uptime)
+        self.turn_clock = TurnClock(metrics)
+        self.console = Console() if config.http.console else None
         self.lifecycle = Lifecycle(store, self._session, self.publish, pool)
         self.pages = pages.Pages(EventRows(store.db).batches)  # replays, /events: off the loop
         self.log = log("intake")
@@ -184,6 +190,8 @@ class Api:
         r.add_get("/readyz", self.readyz)
         r.add_get("/metrics", self.metrics_text)
         r.add_get("/openapi.json", self.openapi_document)
+        if self.console is not None:
+            self.console.add(app)  # /ui: the operator console's files (no data)
         app.on_shutdown.append(self._on_shutdown)
         app.on_cleanup.append(self.pages.cleanup)  # after the streams ended
         return app
@@ -229,12 +237,15 @@ class Api:
         if not isinstance(seq, int) or isinstance(seq, bool):
             return
         self.metrics.events_committed.labels(kind).inc()
+        self.turn_clock.heard(session_id, kind, time.monotonic())
         if kind == EventType.COMPACTION:
             self.metrics.compactions.inc()
         self.hub.publish(session_id, {"seq": seq, "type": kind})
 
     def _public(self, path: str) -> bool:
-        return path in PUBLIC or (path == "/metrics" and self.config.auth.metrics_public)
+        if path in PUBLIC or (self.console is not None and self.console.public(path)):
+            return True
+        return path == "/metrics" and self.config.auth.metrics_public
 
     # --- helpers --------------------------------------------------------------------
 
@@ -396,7 +407,11 @@ class Api:
         return answer(
             Status(
                 boot=BootState(
-                    id=self.boot_id, ready=self.ready, stopping=self.stopping or self.restarting
+                    id=self.boot_id,
+                    ready=self.ready,
+                    stopping=self.stopping or self.restarting,
+                    started_at=self.started_at,
+                    version=__version__,
                 ),
                 config=config_state(self.reloader, self.config),
                 breaker=breaker,

@@ -19,7 +19,7 @@ from supervisor import __version__
 from supervisor.core.vocabulary import TaskStatus
 from supervisor.deliveries import routes as deliveries
 from supervisor.deliveries.routes import DeliveryList, DeliveryOut, TargetRetried
-from supervisor.http import reload_route
+from supervisor.http import console, reload_route
 from supervisor.http.reload_route import ReloadOut, ReloadRefused
 from supervisor.http.schemas import (
     ANSWERS,
@@ -53,7 +53,7 @@ ERRORS = {
     401: "No valid bearer token.",
     403: "The caller may see the session but not do this, or only the admin token may.",
     404: "No such session, task, schedule, delivery or restart request (or the caller may not "
-    "read its session).",
+    "read its session), or no such console page or file.",
     409: "The session is closed or quarantined (`error.code` says which and the message "
     "how to go on), the Idempotency-Key was used for another request, a task's output "
     "is on another host, schedules are off or at schedules.max_schedules, or a delivery "
@@ -131,9 +131,24 @@ LAST_EVENT_ID = {
     "schema": {"type": "string", "pattern": "^[0-9]+$"},
 }
 
+CONSOLE_PAGE = {
+    "name": "path",
+    "in": "path",
+    "required": True,
+    "schema": {"type": "string"},
+    "description": "overview, sessions, sessions/{id}, deliveries, tasks, schedules, boots "
+    "(or empty: the overview)",
+}
+CONSOLE_ASSET = {
+    "name": "name",
+    "in": "path",
+    "required": True,
+    "schema": {"type": "string", "pattern": f"^{console.ASSET_NAME}$"},
+}
+
 # The paths: (method, path, operationId, summary, parameters, request body model,
 # {status: (answer model or media type, description)}, error statuses, security).
-Answer = tuple[type[BaseModel] | str, str]
+Answer = tuple[type[BaseModel] | str | tuple[str, ...], str]
 PATHS: list[tuple[str, str, str, str, list[Any], str | None, dict[int, Answer], str, Any]] = [
     ("post", "/v1/sessions", "createSession", "Create a session; the caller gets admin on it.",
      [], "CreateSession", {201: (SessionDetail, "Created.")}, "400 401 413 422 429 503", AUTH),
@@ -274,6 +289,17 @@ PATHS: list[tuple[str, str, str, str, list[Any], str | None, dict[int, Answer], 
      [], None, {200: ("text/plain", "Metrics.")}, "401", [{}, {"bearer": []}]),
     ("get", "/openapi.json", "openapi", "This document.",
      [], None, {200: ("application/json", "The document.")}, "", PUBLIC),
+    ("get", "/ui", "consoleRoot", "The operator console (http.console): to /ui/.",
+     [], None, {308: ("text/plain", "Moved to /ui/.")}, "", PUBLIC),
+    ("get", "/ui/{path}", "consolePage",
+     "A page of the operator console (http.console): its HTML, which reads everything "
+     "through this API with the token the operator signs in with. Needs no token.",
+     [CONSOLE_PAGE], None, {200: ("text/html", "The console's page.")}, "404", PUBLIC),
+    ("get", "/ui/assets/{name}", "consoleAsset",
+     "A script, style sheet or icon of the console, by a name carrying its content's hash "
+     "(cached for a year).",
+     [CONSOLE_ASSET], None,
+     {200: (("text/javascript", "text/css", "image/svg+xml"), "The file.")}, "404", PUBLIC),
 ]  # fmt: skip
 
 
@@ -281,7 +307,9 @@ def _ref(model: type[BaseModel]) -> dict[str, str]:
     return {"$ref": f"#/components/schemas/{model.__name__}"}
 
 
-def _content(answer: type[BaseModel] | str) -> dict[str, Any]:
+def _content(answer: type[BaseModel] | str | tuple[str, ...]) -> dict[str, Any]:
+    if isinstance(answer, tuple):  # one of several media types
+        return {media: {"schema": {"type": "string"}} for media in answer}
     if isinstance(answer, str):
         schema = {"type": "object"} if answer == "application/json" else {"type": "string"}
         return {answer: {"schema": schema}}
