@@ -36,6 +36,12 @@
     return node;
   }
 
+  // Replace what `node` holds with `children` (arrays flattened, nulls left out).
+  function fill(node, ...children) {
+    node.replaceChildren();
+    return add(node, children);
+  }
+
   function add(node, children) {
     for (const child of children.flat(Infinity)) {
       if (child === null || child === undefined || child === false) continue;
@@ -98,7 +104,7 @@
   }
 
   function flash(text, error) {
-    flashBox.replaceChildren(el("p", { class: error ? "error" : "" }, text));
+    fill(flashBox, el("p", { class: error ? "error" : "" }, text));
     const shown = flashBox.firstChild;
     setTimeout(() => shown.remove(), error ? 12000 : 5000);
   }
@@ -252,7 +258,7 @@
         signin(`Not signed in: ${error.message}`);
       }
     });
-    main.replaceChildren(form);
+    fill(main, form);
     input.focus();
   }
 
@@ -321,16 +327,16 @@
         else a.removeAttribute("aria-current");
       }
       document.title = `${name} - turnkeeper`;
-      main.replaceChildren(el("p", { class: "muted" }, "Loading..."));
+      fill(main, el("p", { class: "muted" }, "Loading..."));
       try {
         await draw(found.slice(1));
       } catch (error) {
         if (error.name === "AbortError" || error.status === 401) return;
-        main.replaceChildren(el("h1", {}, "Could not load this page"), el("p", { class: "error" }, error.message));
+        fill(main, el("h1", {}, "Could not load this page"), el("p", { class: "error" }, error.message));
       }
       return;
     }
-    main.replaceChildren(el("h1", {}, "No such page"), link("/ui/", "Overview"));
+    fill(main, el("h1", {}, "No such page"), link("/ui/", "Overview"));
   }
 
   function go(path, replace) {
@@ -422,7 +428,7 @@
     const pool = el("div", { id: "slots" });
     const breaker = el("div", { id: "breaker" });
     const hosts = el("div", { id: "hosts" });
-    main.replaceChildren(
+    fill(main,
       heading("Overview"),
       cards,
       el("h2", {}, "Activity"),
@@ -449,7 +455,7 @@
       charts.pending.push(total(metrics, "turnkeeper_deliveries", { status: "pending" }));
       before = now;
       const boot = status ? status.boot : {};
-      cards.replaceChildren(
+      fill(cards,
         card("readiness", badge(ready.status)),
         card("version", boot.version || "-"),
         card("configuration", status ? status.config.version.slice(0, 12) : "-"),
@@ -460,7 +466,7 @@
         card("model", status ? badge(status.model.state) : "-"),
       );
       if (!status) return;
-      pool.replaceChildren(
+      fill(pool,
         table(
           [
             { title: "slot", cell: (s) => String(s.slot) },
@@ -477,7 +483,7 @@
         ),
       );
       const b = status.breaker || {};
-      breaker.replaceChildren(
+      fill(breaker,
         el(
           "div",
           { class: "panel" },
@@ -488,7 +494,7 @@
           }, { name: "breaker-reset", class: "quiet" })),
         ),
       );
-      hosts.replaceChildren(
+      fill(hosts,
         status.hosts_error ? el("p", { class: "error" }, status.hosts_error) : null,
         table(
           [
@@ -533,7 +539,7 @@
     if (offset > 0) pager.append(link(`/ui/sessions${query({ q, status, offset: Math.max(0, offset - PAGE) || "" })}`, "Previous"));
     pager.append(el("span", { class: "muted" }, `from ${offset + 1}`));
     if (found.next_offset !== null && found.next_offset !== undefined) pager.append(link(`/ui/sessions${query({ q, status, offset: found.next_offset })}`, "Next"));
-    main.replaceChildren(
+    fill(main,
       heading("Sessions"),
       form,
       table(
@@ -660,7 +666,7 @@
         box.dataset.deltas = String(deltas);
       },
       clear() {
-        box.replaceChildren();
+        fill(box);
         calls.clear();
         streaming.clear();
       },
@@ -744,7 +750,7 @@
     const side = el("div", { id: "side" });
     const composer = el("div", { id: "composer" });
     const older = el("div", {});
-    main.replaceChildren(
+    fill(main,
       el("p", {}, link("/ui/sessions", "Sessions")),
       header,
       actions,
@@ -752,7 +758,7 @@
     );
 
     function drawHead() {
-      header.replaceChildren(
+      fill(header,
         el("h1", { id: "session-title" }, session.title || `(untitled ${short(session.id)})`),
         kv([
           ["status", [badge(session.status), session.active_turn_id ? " turn in flight" : ""]],
@@ -789,7 +795,7 @@
           await refresh();
           return "Closed.";
         }, { name: "close", class: "danger", confirm: "Press again to close" }));
-      actions.replaceChildren(...buttons);
+      fill(actions, ...buttons);
       if (can(session, "write") && session.status === "open") {
         if (!composer.firstChild) {
           const input = el("textarea", { id: "message", "aria-label": "Message", placeholder: "A message to the agent" });
@@ -813,9 +819,9 @@
           input.addEventListener("keydown", (event) => {
             if (event.key === "Enter" && (event.ctrlKey || event.metaKey)) form.requestSubmit();
           });
-          composer.replaceChildren(form);
+          fill(composer, form);
         }
-      } else composer.replaceChildren();
+      } else fill(composer);
     }
 
     let pending = null;
@@ -857,7 +863,7 @@
         get(`${base}/tasks?limit=100`),
         get(`/v1/deliveries${query({ session: id, limit: 100 })}`).catch(() => ({ deliveries: [] })),
       ]);
-      side.replaceChildren(
+      fill(side,
         el("h2", {}, "Subagents"),
         tree || el("p", { class: "muted" }, "None."),
         el("h2", {}, "Tasks"),
@@ -891,11 +897,11 @@
     let stop = start(from);
     leave.push(() => stop());
     if (from > 0) {
-      older.replaceChildren(
+      fill(older,
         el("p", { class: "muted" }, `${from} earlier events are not shown. `, action("Show all", async () => {
           stop();
           transcript.clear();
-          older.replaceChildren();
+          fill(older);
           from = 0;
           stop = start(0);
         }, { class: "quiet" })),
@@ -907,7 +913,7 @@
 
   async function deliveries() {
     if (!me.admin) {
-      main.replaceChildren(heading("Deliveries"), el("p", { class: "muted" }, "The outbox is listed for the admin token; a session's page lists its own deliveries."));
+      fill(main, heading("Deliveries"), el("p", { class: "muted" }, "The outbox is listed for the admin token; a session's page lists its own deliveries."));
       return;
     }
     const [dead, rest] = await Promise.all([get("/v1/deliveries?status=dead&limit=200"), get("/v1/deliveries?limit=200")]);
@@ -933,7 +939,7 @@
               }, { name: `retry-${d.id}` }),
       },
     ];
-    main.replaceChildren(
+    fill(main,
       heading("Deliveries"),
       el("h2", {}, `Dead letters (${dead.deliveries.length})`),
       table(columns, dead.deliveries, "No dead deliveries."),
@@ -958,7 +964,7 @@
     const params = new URLSearchParams(location.search);
     const status = params.get("status") || "";
     const [found, held] = await Promise.all([get(`/v1/tasks${query({ limit: 200, status })}`), permissions()]);
-    main.replaceChildren(
+    fill(main,
       heading("Tasks", link(`/ui/tasks${status ? "" : "?status=pending,running"}`, status ? "all" : "only pending and running")),
       table(
         [
@@ -998,7 +1004,7 @@
     const [found, held] = await Promise.all([get("/v1/schedules?limit=1000"), permissions()]);
     // A schedule of no session is listed to its owner only: the caller may change it.
     const mine = (s) => s.session === null || allowed(held, s.session, "write");
-    main.replaceChildren(
+    fill(main,
       heading("Schedules"),
       table(
         [
@@ -1044,11 +1050,11 @@
 
   async function boots() {
     if (!me.admin) {
-      main.replaceChildren(heading("Boots"), el("p", { class: "muted" }, "The boot log is shown to the admin token."));
+      fill(main, heading("Boots"), el("p", { class: "muted" }, "The boot log is shown to the admin token."));
       return;
     }
     const found = await get("/v1/boots?limit=100");
-    main.replaceChildren(
+    fill(main,
       heading("Boots"),
       table(
         [
