@@ -126,7 +126,8 @@ class Console:
         return path == PREFIX or path.startswith(PREFIX + "/")
 
     async def home(self, request: web.Request) -> web.StreamResponse:
-        raise web.HTTPPermanentRedirect(PREFIX + "/")
+        # Answered, not raised: the API's error middleware would make an exception a JSON error.
+        return web.Response(status=308, text="Moved to /ui/", headers={"Location": PREFIX + "/"})
 
     async def page(self, request: web.Request) -> web.StreamResponse:
         if not PAGES.fullmatch(request.match_info["path"]):
