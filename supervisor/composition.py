@@ -246,6 +246,7 @@ def build(
     state.pool, state.mcp = pool.status, pool.mcp_states
     state.sessions, state.subagents = store.sessions.counts, store.subagents.counts
     state.tasks, state.restarts = store.tasks.counts, store.restarts.counts
+    state.storage, state.state_dir = (lambda: api.storage.error is None), str(state_dir)
     services: list[Service] = [
         StoreService(store),
         membership,

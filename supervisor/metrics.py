@@ -8,13 +8,20 @@ comes from a fixed vocabulary (the control plane's schema checks what workers se
 no peer can create a series; the one exception is `host_id`, which names the daemons on
 the database (operator-set, checked by the configuration; only live ones or those still
 holding leases get a series).
+
+A few gauges exist so that an alert can be written at all (the shipped rules in
+`etc/prometheus/`): whether the database takes writes, and the free space of the state
+directory's file system. Both are read from state that is kept anyway: the storage health
+intake keeps, the host row's renewal every second (a write on every backend), and one
+`statvfs` per scrape.
 """
 
 from __future__ import annotations
 
+import shutil
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import (
@@ -25,7 +32,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from supervisor.contract.control import APPEND_BUCKETS
+from supervisor.contract.control import APPEND_BUCKETS, ModelErrorKind
 from supervisor.core.vocabulary import (
     MCP_REPORTED,
     AttemptOutcome,
@@ -58,6 +65,9 @@ class _State(Collector):
         self.mcp: Callable[[], Mapping[str, int]] = dict
         self.host_id = ""  # this daemon's daemon.host_id
         self.hosts: Callable[[], list[dict[str, Any]]] | None = None  # `hosts.read`
+        self.storage: Callable[[], bool] | None = None  # intake's view: no write failed since
+        self.failing: set[str] = set()  # the loops whose latest pass failed
+        self.state_dir = ""  # its file system's free space is a gauge
 
     def collect(self) -> Iterator[Metric]:
         status = self.pool()
@@ -132,6 +142,36 @@ class _State(Collector):
                 self.restarts,
             )
         yield from self._hosts()
+        yield from self._storage()
+
+    def _storage(self) -> Iterator[Metric]:
+        """Whether the database takes writes, and the state directory's free space."""
+        if self.storage is not None:
+            up = GaugeMetricFamily(
+                "turnkeeper_storage_up",
+                "1 while the database takes writes; 0 once a write failed (a request intake "
+                "could not store, or the renewal of this daemon's host row), until one works.",
+            )
+            up.add_metric([], 1 if self.storage() and "hosts" not in self.failing else 0)
+            yield up
+        if self.state_dir:
+            try:
+                usage = shutil.disk_usage(self.state_dir)
+            except OSError:
+                return  # the directory is gone: no sample, rather than a wrong one
+            free = GaugeMetricFamily(
+                "turnkeeper_state_dir_free_bytes",
+                "Bytes an unprivileged user may still write on the file system of the "
+                "daemon's state directory (the SQLite database, task output, the admin token).",
+            )
+            free.add_metric([], usage.free)
+            yield free
+            size = GaugeMetricFamily(
+                "turnkeeper_state_dir_size_bytes",
+                "Size in bytes of the file system of the daemon's state directory.",
+            )
+            size.add_metric([], usage.total)
+            yield size
 
     def _hosts(self) -> Iterator[Metric]:
         """This daemon's host id, and the hosts on the database: one read per scrape."""
@@ -256,6 +296,16 @@ class Metrics:
             ["kind"],
             registry=r,
         )
+        self.model_errors = Counter(
+            "turnkeeper_model_errors",
+            "Model calls that failed, as the workers saw them, by kind: transient (a timeout, "
+            "a refused connection, 429 or 5xx: waited out as an outage) or permanent (another "
+            "4xx, a malformed answer: the turn fails).",
+            ["kind"],
+            registry=r,
+        )
+        for kind in get_args(ModelErrorKind):
+            self.model_errors.labels(kind)
         self.compactions = Counter(
             "turnkeeper_compactions",
             "Compactions committed: a session's older turns replaced by a summary (or "
@@ -388,6 +438,10 @@ class Metrics:
     def loop_pass(self, loop: str, ok: bool) -> None:
         """One pass of a reconcile loop (`supervisor.runtime.loops.reconcile`)."""
         self.loop_passes.labels(loop, "ok" if ok else "failed").inc()
+        if ok:
+            self.state.failing.discard(loop)
+        else:
+            self.state.failing.add(loop)
 
     def render(self) -> bytes:
         """The text exposition format."""

@@ -393,6 +393,7 @@ class Worker:
                 append_latency=self.latency.take(),
                 model_down_since=self.health.down_since,
                 model_tokens=self.health.take(),
+                model_errors=self.health.take_errors(),
                 draining=self.draining,
             )
             await sleep_unless(SYSTEM, self.config.pool.heartbeat_interval, self._beat)

@@ -27,11 +27,13 @@ OUTAGE_KEY = "outage_since"  # in the notice's payload
 
 class Health:
     """Whether the model answers, as this worker's turns found it, and the tokens its
-    answers cost since the last heartbeat (`take`)."""
+    answers cost (`take`) and the calls that failed (`take_errors`) since the last
+    heartbeat."""
 
     def __init__(self) -> None:
         self.down_since: float | None = None
         self.tokens = {"prompt": 0, "completion": 0}
+        self.errors = {"transient": 0, "permanent": 0}
 
     def spent(self, prompt: int, completion: int) -> None:
         self.tokens["prompt"] += prompt
@@ -41,6 +43,15 @@ class Health:
         """The tokens counted since the last take."""
         taken, self.tokens = self.tokens, {"prompt": 0, "completion": 0}
         return taken
+
+    def failed(self, transient: bool) -> None:
+        """A model call failed (`ModelError.transient` says which kind)."""
+        self.errors["transient" if transient else "permanent"] += 1
+
+    def take_errors(self) -> dict[str, int]:
+        """The failed calls counted since the last take, by kind (none: empty)."""
+        taken, self.errors = self.errors, {"transient": 0, "permanent": 0}
+        return {kind: count for kind, count in taken.items() if count}
 
     def down(self, since: float) -> None:
         self.down_since = since if self.down_since is None else min(self.down_since, since)

@@ -248,6 +248,8 @@ class TurnContext:
             try:
                 response = await self._ask_once(messages, tools, stream)
             except ModelError as exc:
+                if self._health is not None:
+                    self._health.failed(exc.transient)
                 if outage is None:
                     raise
                 now = self._clock.time()

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Callable
-from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -25,7 +24,6 @@ if TYPE_CHECKING:
 DEFAULT_TAIL = 20  # events `sessions show` prints when told neither --tail nor --after
 POLL_INTERVAL = 0.2  # seconds between two reads of the log by `sessions show --follow`
 PAGE = 1000  # events read from the database at a time
-WAIT_EVENTS = 200  # latest events read to tell what an interrupted session waits for
 
 
 @click.group("sessions")
@@ -126,6 +124,7 @@ def sessions_show(
     """
     from supervisor.cli.common import emit_json, fail, open_store
     from supervisor.store import SessionNotFound
+    from supervisor.store.waiting import waiting_for
 
     with open_store(ctx, migrate=False) as store:
         try:
@@ -226,38 +225,6 @@ def _tree_lines(store: Store, info: SessionInfo, tree: list[tuple[int, SubagentI
         title = " ".join((child.title or child.task).split())
         lines.append(clip(f"{'  ' * level}- {child.id}  {child.status:<9}  {title}", width))
     return lines
-
-
-def waiting_for(store: Store, info: SessionInfo, delays: tuple[float, ...]) -> str | None:
-    """What an interrupted session waits for, if it waits for a continuation attempt:
-    `continuation attempt 3 of 3 at 12:01:07` (recovery's own rule, read from its row and
-    latest events). None for a turn still running (its lease is live) or none at all."""
-    from supervisor.core import recovery
-    from supervisor.core.tail import ENDED_TAILS
-
-    if info.status != SessionStatus.OPEN or not info.active_turn_id or info.pending:
-        return None
-    now = store.now()
-    if info.lease_expires_at is not None and info.lease_expires_at >= now:
-        return None  # running: its worker holds the lease
-    events = store.events.read(info.id, after=max(0, info.last_seq - WAIT_EVENTS))
-    facts = recovery.interruption(
-        info,
-        events,
-        recovery.Trigger.BOOT_SCAN,
-        now,
-        host_prefix="",
-        last_attempt_at=None,
-        died=False,
-    )
-    if facts.tail in ENDED_TAILS or facts.attempts >= len(delays):
-        return None
-    since = facts.last_attempt_at if facts.last_attempt_at is not None else facts.interrupted_at
-    due = recovery.next_attempt_at(facts.attempts, since, delays)
-    if due is None:
-        return None
-    at = datetime.fromtimestamp(due).strftime("%H:%M:%S")
-    return f"continuation attempt {facts.attempts + 1} of {len(delays)} at {at}"
 
 
 def _header(

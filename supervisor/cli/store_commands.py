@@ -12,7 +12,6 @@ import click
 
 from supervisor.cli.common import json_option
 from supervisor.cli.session_commands import sessions_group
-from supervisor.contract.clock import SYSTEM
 from supervisor.core.vocabulary import BootOutcome
 
 if TYPE_CHECKING:
@@ -21,7 +20,9 @@ if TYPE_CHECKING:
     from supervisor.store import Store
     from supervisor.store.boots import Boot
 
-RUNNING, CRASHED, UNKNOWN = "running", "crashed", "unknown"  # states with no outcome recorded
+# The states `supervisor.store.boot_states` gives a boot with no outcome recorded (named
+# here, not imported: the store is imported by the commands that use it, when they run).
+RUNNING, CRASHED, UNKNOWN = "running", "crashed", "unknown"
 STATE_COLOURS = {
     RUNNING: "green",
     CRASHED: "red",
@@ -29,7 +30,6 @@ STATE_COLOURS = {
     BootOutcome.UNCLEAN: "red",
     UNKNOWN: "yellow",
 }
-CLOCK_SLACK = 2.0  # seconds: a boot's process starts before its row; the clocks may differ
 
 
 def register(group: click.Group) -> None:
@@ -49,6 +49,7 @@ def boots(ctx: click.Context, limit: int, as_json: bool) -> None:
     startup_failed, clean or unclean; unknown for a boot of another host that has no end.
     """
     from supervisor.cli.common import emit_json, load, open_store
+    from supervisor.store.boot_states import boot_json, boot_state, process_check
 
     host = resolved_host_id(load(ctx))
     with open_store(ctx, migrate=False) as store:
@@ -57,7 +58,7 @@ def boots(ctx: click.Context, limit: int, as_json: bool) -> None:
         running = process_check(now)
     judged = [(b, boot_state(b, host, running)) for b in rows]
     if as_json:
-        emit_json({"host": host, "boots": [_boot_json(b, state) for b, state in judged]})
+        emit_json({"host": host, "boots": [boot_json(b, state) for b, state in judged]})
     elif not rows:
         click.echo("no boots recorded")
     else:
@@ -69,40 +70,6 @@ def resolved_host_id(config: Config) -> str:
     from supervisor.contract.config import resolved_host_id as resolve
 
     return resolve(config)
-
-
-def boot_state(boot: Boot, host: str, running: Callable[[Boot], bool]) -> str:
-    """How a boot stands: its recorded outcome, else whether its process still runs."""
-    if boot.outcome is not None:
-        return boot.outcome
-    if boot.host != host:
-        return UNKNOWN  # its process is on another machine: this one cannot look
-    return RUNNING if running(boot) else CRASHED
-
-
-def process_check(db_now: float) -> Callable[[Boot], bool]:
-    """Whether a boot of this host still runs: its pid is a live process (not a zombie)
-    that was started before the boot's row was written, so a reused pid does not count.
-
-    The row's time is the database's clock; `db_now` (read just now) maps it to ours.
-    """
-    import psutil
-
-    skew = db_now - SYSTEM.time()
-
-    def running(boot: Boot) -> bool:
-        try:
-            proc = psutil.Process(boot.pid)
-            started = proc.create_time()
-            return proc.status() != psutil.STATUS_ZOMBIE and (
-                started <= boot.started_at - skew + CLOCK_SLACK
-            )
-        except psutil.NoSuchProcess:
-            return False
-        except psutil.AccessDenied:
-            return True  # another user's live process: it exists
-
-    return running
 
 
 def _boots_table(judged: list[tuple[Boot, str]], now: float) -> str:
@@ -161,21 +128,6 @@ def _breaker_cell(state: dict[str, Any] | None) -> str:
     if not state or "tripped" not in state:
         return "-"
     return "TRIPPED" if state["tripped"] else "clear"
-
-
-def _boot_json(boot: Boot, state: str) -> dict[str, Any]:
-    return {
-        "boot_id": boot.boot_id,
-        "host": boot.host,
-        "pid": boot.pid,
-        "version": boot.version,
-        "started_at": boot.started_at,
-        "ended_at": boot.ended_at,
-        "outcome": boot.outcome,
-        "state": state,
-        "breaker": boot.breaker,
-        "attempted": boot.attempted,
-    }
 
 
 def paint(text: str, column: str, fg_of: Callable[[str], str | None]) -> str:
@@ -295,6 +247,7 @@ def breaker_status(ctx: click.Context, as_json: bool) -> None:
 def breaker_state(store: Store, config: Config) -> BreakerState:
     """This host's breaker judged from the boot log, as the running (or next) boot would."""
     from supervisor.core import breaker
+    from supervisor.store.boot_states import process_check
 
     now = store.now()
     try:

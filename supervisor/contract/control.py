@@ -138,6 +138,7 @@ WorkerName = Annotated[str, StringConstraints(pattern=r"^w[0-9]{1,6}\.[0-9]{1,12
 Seq = Annotated[int, Field(ge=1, le=MAX_SEQ)]
 Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
 Total = Annotated[int, Field(ge=0, le=MAX_SEQ)]  # grows for as long as a worker lives
+ModelErrorKind = Literal["transient", "permanent"]  # `workers.models.ModelError.transient`
 # A name shown to the operator (status, tables): printable, no control characters.
 ServerName = Annotated[str, StringConstraints(min_length=1, max_length=MAX_NAME, pattern=PRINTABLE)]
 Word = StringConstraints(max_length=40)
@@ -190,6 +191,9 @@ class Heartbeat(_FromWorker):
     model_down_since: Annotated[float | None, Field(ge=0.0, le=1e11, allow_inf_nan=False)] = None
     # Tokens the model's answers cost since the last heartbeat, by kind (prompt, completion).
     model_tokens: Annotated[dict[Literal["prompt", "completion"], Total], Field(max_length=2)] = {}
+    # Model calls that failed since the last heartbeat: transient (timeout, refused, 429,
+    # 5xx: waited out as an outage) or permanent (another 4xx, a malformed answer).
+    model_errors: Annotated[dict[ModelErrorKind, Total], Field(max_length=2)] = {}
     # It was told to drain: it starts no turn, and `turns` counts the ones still to end.
     draining: bool = False
 

@@ -216,6 +216,7 @@ class ScheduleStatus(StrEnum):
 
     ACTIVE = "active"  # fires on its times
     PAUSED = "paused"  # its owner's token was revoked: listed, never fired, until it is back
+    HELD = "held"  # a user paused it (`schedules pause`): listed, never fired, until resumed
     ENDED = "ended"  # its session was closed: never fires again, counted against no limit
 
 

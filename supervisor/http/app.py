@@ -36,6 +36,7 @@ from supervisor.http.answers import (
 )
 from supervisor.http.auth import ADMIN, Tokens
 from supervisor.http.lifecycle import Lifecycle, refuse_closed
+from supervisor.http.operators import OperatorRoutes
 from supervisor.http.reload_route import ReloaderView, ReloadRoutes, config_state
 from supervisor.http.schemas import (
     AclChange,
@@ -175,7 +176,9 @@ class Api:
         # /v1/sessions/{id}/tasks, /v1/tasks/{id} (GET, DELETE) and /v1/tasks/{id}/output
         routes = tasks.Routes(self.store, self._session, self.keeper, self.config, self.host_id)
         self._reads_config(routes).add(r)
-        schedules = ScheduleRoutes(self.config, self.store, self._refuse_while_stopping)
+        schedules = ScheduleRoutes(
+            self.config, self.store, self._refuse_while_stopping, self._known_principal
+        )
         self._reads_config(schedules).add(r)
         sent = DeliveryRoutes(self.config, self.store, self._refuse_while_stopping, self.courier)
         self._reads_config(sent).add(r)
@@ -185,6 +188,7 @@ class Api:
             self.config, self._reloader, lambda: self.stopping or self.restarting
         )
         self._reads_config(reloads).add(r)
+        OperatorRoutes(self.store, self.host_id).add(r)  # /v1/boots, /v1/breaker/reset
         r.add_get("/v1/status", self.status)
         r.add_get("/healthz", self.healthz)
         r.add_get("/readyz", self.readyz)
@@ -195,6 +199,10 @@ class Api:
         app.on_shutdown.append(self._on_shutdown)
         app.on_cleanup.append(self.pages.cleanup)  # after the streams ended
         return app
+
+    def _known_principal(self, principal: str) -> bool:
+        """Whether `principal` is the admin or in the tokens file now (a reload changes it)."""
+        return principal == ADMIN or principal in self.tokens.principals()
 
     def _reads_config(self, routes: Any) -> Any:
         self.configured.append(routes)

@@ -16,10 +16,11 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from supervisor import __version__
-from supervisor.core.vocabulary import TaskStatus
+from supervisor.core.vocabulary import SessionStatus, TaskStatus
 from supervisor.deliveries import routes as deliveries
 from supervisor.deliveries.routes import DeliveryList, DeliveryOut, TargetRetried
-from supervisor.http import console, reload_route
+from supervisor.http import console, operators, reload_route
+from supervisor.http.operators import BootList, BreakerReset
 from supervisor.http.reload_route import ReloadOut, ReloadRefused
 from supervisor.http.schemas import (
     ANSWERS,
@@ -88,6 +89,31 @@ SESSION_ID = {
 TASK_ID = {**SESSION_ID, "schema": {"type": "string", "pattern": TASK_ID_PATTERN}}
 SCHEDULE_ID = {**SESSION_ID, "schema": {"type": "string", "pattern": schedules.SCHEDULE_ID_PATTERN}}
 LIMIT = _query("limit", 1, 1000)
+OFFSET = _query("offset", 0, 1_000_000)
+_SESSION_STATES = "|".join(status.value for status in SessionStatus)
+SESSION_QUERY = [
+    LIMIT,
+    OFFSET,
+    {
+        "name": "q",
+        "in": "query",
+        "schema": {"type": "string", "maxLength": 200},
+        "description": "Only sessions whose title contains it (any case) or whose id starts "
+        "with it.",
+    },
+    {
+        "name": "status",
+        "in": "query",
+        "schema": {"type": "string", "pattern": f"^({_SESSION_STATES})(,({_SESSION_STATES}))*$"},
+        "description": "Only sessions in these states (joined by commas).",
+    },
+    {
+        "name": "order",
+        "in": "query",
+        "schema": {"type": "string", "enum": ["created", "activity"]},
+        "description": "created (default): the newest first; activity: the last active first.",
+    },
+]
 _STATUSES = "|".join(status.value for status in TaskStatus)
 TASK_STATUS = {
     "name": "status",
@@ -152,8 +178,10 @@ Answer = tuple[type[BaseModel] | str | tuple[str, ...], str]
 PATHS: list[tuple[str, str, str, str, list[Any], str | None, dict[int, Answer], str, Any]] = [
     ("post", "/v1/sessions", "createSession", "Create a session; the caller gets admin on it.",
      [], "CreateSession", {201: (SessionDetail, "Created.")}, "400 401 413 422 429 503", AUTH),
-    ("get", "/v1/sessions", "listSessions", "Sessions the caller may read.",
-     [LIMIT], None, {200: (SessionList, "Newest first.")}, "401 422", AUTH),
+    ("get", "/v1/sessions", "listSessions",
+     "Sessions the caller may read, a page at a time (`next_offset`), each with the "
+     "caller's permission and what it waits for.",
+     SESSION_QUERY, None, {200: (SessionList, "Newest first.")}, "401 422", AUTH),
     ("get", "/v1/sessions/{id}", "getSession", "One session.",
      [SESSION_ID], None, {200: (SessionDetail, "The session.")}, "401 403 404", AUTH),
     ("put", "/v1/sessions/{id}", "updateSession",
@@ -230,6 +258,16 @@ PATHS: list[tuple[str, str, str, str, list[Any], str | None, dict[int, Answer], 
     ("delete", "/v1/schedules/{id}", "deleteSchedule",
      "Delete a schedule (write access to its session, or its own): it fires no more.",
      [SCHEDULE_ID], None, {200: (ScheduleDeleted, "Deleted.")}, "401 403 404 503", AUTH),
+    ("post", "/v1/schedules/{id}/pause", "pauseSchedule",
+     "Hold a schedule (write access, as a delete): it does not fire until resumed. A "
+     "schedule paused for its owner's revoked token, or ended, is a 409.",
+     [SCHEDULE_ID], None, {200: (ScheduleOut, "The schedule, held.")},
+     "401 403 404 409 503", AUTH),
+    ("post", "/v1/schedules/{id}/resume", "resumeSchedule",
+     "Let a held schedule fire again, from now on (no time it was held for is caught up). "
+     "One whose owner is not in the tokens file, or ended, is a 409.",
+     [SCHEDULE_ID], None, {200: (ScheduleOut, "The schedule, active.")},
+     "401 403 404 409 503", AUTH),
     ("get", "/v1/deliveries", "listDeliveries",
      "The delivery outbox, newest first: every delivery for the admin token; any other "
      "principal names a session it may read.",
@@ -275,6 +313,14 @@ PATHS: list[tuple[str, str, str, str, list[Any], str | None, dict[int, Answer], 
       422: (ReloadRefused, "`invalid_config`: the configuration does not load or a start's "
             "check refuses it (the one line, and the result); `invalid`: a malformed body.")},
      "400 401 403 413 503", AUTH),
+    ("get", "/v1/boots", "listBoots",
+     "Recent daemon starts of every host on the database, newest first, each with its "
+     "state and how it found the breaker (admin).",
+     [LIMIT], None, {200: (BootList, "Newest first.")}, "401 403 422", AUTH),
+    ("post", "/v1/breaker/reset", "resetBreaker",
+     "Clear this host's crash-loop breaker (admin): its boots until now stop counting; the "
+     "daemon runs the boot scan it held back within seconds.",
+     [], None, {200: (BreakerReset, "Reset.")}, "401 403 409", AUTH),
     ("get", "/v1/status", "status",
      "Boot, worker slots, sessions by state, the hosts on the database (admin only).",
      [], None, {200: (Status, "The daemon's state.")}, "401 403", AUTH),
@@ -331,6 +377,7 @@ def _components() -> dict[str, Any]:
         *deliveries.ANSWERS,
         *restarts.ANSWERS,
         *reload_route.ANSWERS,
+        *operators.ANSWERS,
     )
     models = [(m, "validation") for m in requests] + [(m, "serialization") for m in answers]
     _, top = models_json_schema(models, ref_template="#/components/schemas/{model}")  # type: ignore[arg-type]

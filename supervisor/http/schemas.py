@@ -162,6 +162,23 @@ class SessionOut(BaseModel):
         "resend; cleared by the next message"
     )
     deliver_to: str | None = Field(description="the delivery target it is bound to, if any")
+    owner: str | None = Field(
+        default=None, description="the worker that holds its lease (host, boot, slot), if any"
+    )
+    quarantined_at: float | None = Field(
+        default=None, description="when recovery quarantined it (its turns kept killing workers)"
+    )
+    quarantine_reason: str | None = None
+    waiting: str | None = Field(
+        default=None,
+        description="what an interrupted turn of it waits for: `continuation attempt 2 of 3 "
+        "at 12:01:07` (the daemon's local time); null when it waits for nothing",
+    )
+    permission: Permission | None = Field(
+        default=None,
+        description="the caller's permission on it (the admin token: admin); what a client "
+        "may offer to do, which the API decides again on each request",
+    )
 
 
 class SessionDetail(SessionOut):
@@ -174,6 +191,9 @@ class SessionList(BaseModel):
     """Sessions the caller may read, newest first."""
 
     sessions: list[SessionOut]
+    next_offset: int | None = Field(
+        default=None, description="the `offset` of the next page; null: this is the last"
+    )
 
 
 class EventOut(BaseModel):

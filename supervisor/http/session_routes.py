@@ -2,7 +2,9 @@
 
 - `POST /v1/sessions`: a new session; the caller gets admin on it. With `deliver_to` it
   is bound to that delivery target from its first event on.
-- `GET /v1/sessions`: the sessions the caller may read (all for the admin token).
+- `GET /v1/sessions`: the sessions the caller may read (all for the admin token), a page
+  at a time (`limit`, `offset`, `next_offset`), newest first (`order=activity`: the last
+  active first), found by `q` (a title contains it or an id starts with it) and `status`.
 - `GET /v1/sessions/{id}` (read): one session.
 - `PUT /v1/sessions/{id}` (write) `{"deliver_to": NAME | null}`: bind the session to a
   target, or unbind it; its events from the next commit on are delivered (or not).
@@ -23,7 +25,7 @@ from supervisor.contract.clock import SYSTEM
 from supervisor.contract.config import Config
 from supervisor.contract.delivery_targets import DeliveryTarget
 from supervisor.core import autonomy
-from supervisor.core.vocabulary import EventType, Permission
+from supervisor.core.vocabulary import EventType, Permission, SessionStatus
 from supervisor.http.answers import PRINCIPAL, ApiError, answer, read_body, whole
 from supervisor.http.auth import ADMIN
 from supervisor.http.lifecycle import Lookup
@@ -36,14 +38,48 @@ from supervisor.http.schemas import (
 )
 from supervisor.http.storage import StorageHealth
 from supervisor.store import SessionInfo, SessionNotFound, Store, TooManySessions
+from supervisor.store.waiting import may_wait, waiting_for
 
 MAX_LISTED = 1000  # sessions one answer lists (`limit`)
 LISTED = 100  # ... unless told
+MAX_OFFSET = 1_000_000  # sessions a page may skip (`offset`)
+MAX_QUERY = 200  # characters of `q`
+ORDERS = ("created", "activity")
 
 
-def session_out(info: SessionInfo) -> SessionOut:
-    """A session as the API answers it."""
-    return SessionOut.model_validate(info.to_dict())
+def session_out(
+    info: SessionInfo, permission: str | None = None, waiting: str | None = None
+) -> SessionOut:
+    """A session as the API answers it, with the caller's permission on it and what it
+    waits for, when known."""
+    return SessionOut.model_validate(
+        {
+            **info.to_dict(),
+            "owner": info.owner,
+            "quarantined_at": info.quarantined_at,
+            "quarantine_reason": info.quarantine_reason,
+            "waiting": waiting,
+            "permission": permission,
+        }
+    )
+
+
+def statuses(value: str | None) -> list[str]:
+    """The `status` query parameter: states joined by commas (none: every state)."""
+    if not value:
+        return []
+    named = value.split(",")
+    known = [s.value for s in SessionStatus]
+    for name in named:
+        if name not in known:
+            raise ApiError(
+                422,
+                "invalid",
+                f"status: {name[:40]!r} is not a session state; use {', '.join(known)} "
+                "(several joined by commas)",
+                field="status",
+            )
+    return named
 
 
 class Waker(Protocol):
@@ -120,25 +156,71 @@ class SessionRoutes:
         self.storage.worked()
         if first and self.pool is not None:
             self.pool.wake(info.id)
-        detail = await self.detail(info)
+        detail = await self.detail(info, request[PRINCIPAL])
         return answer(detail, 201, {"Location": f"/v1/sessions/{info.id}"})
 
     async def list(self, request: web.Request) -> web.Response:
-        limit = whole(request.query.get("limit"), "limit", LISTED, 1, MAX_LISTED)
+        query = request.query
+        limit = whole(query.get("limit"), "limit", LISTED, 1, MAX_LISTED)
+        offset = whole(query.get("offset"), "offset", 0, 0, MAX_OFFSET)
+        text = query.get("q", "").strip()
+        if len(text) > MAX_QUERY:
+            raise ApiError(422, "invalid", f"q: at most {MAX_QUERY} characters", field="q")
+        order = query.get("order", "created")
+        if order not in ORDERS:
+            raise ApiError(
+                422, "invalid", f"order: {order[:40]!r}; use {' or '.join(ORDERS)}", field="order"
+            )
+        wanted = statuses(query.get("status"))
         principal = request[PRINCIPAL]
-        sessions = await asyncio.to_thread(
-            self.store.sessions.list, None if principal == ADMIN else principal, limit
-        )
-        return answer(SessionList(sessions=[session_out(s) for s in sessions]))
+        admin = principal == ADMIN
+        delays = tuple(self.config.recovery.attempt_delays)
+
+        def read() -> tuple[list[SessionOut], bool]:
+            found, more = self.store.sessions.page(
+                None if admin else principal,
+                limit=limit,
+                offset=offset,
+                text=text,
+                statuses=wanted,
+                by_activity=order == "activity",
+            )
+            now = self.store.now()
+            return [
+                session_out(
+                    info,
+                    Permission.ADMIN if admin else held,
+                    waiting_for(self.store, info, delays) if may_wait(info, now) else None,
+                )
+                for info, held in found
+            ], more
+
+        listed, more = await asyncio.to_thread(read)
+        return answer(SessionList(sessions=listed, next_offset=offset + limit if more else None))
 
     async def get(self, request: web.Request) -> web.Response:
-        return answer(await self.detail(await self.session(request, Permission.READ)))
+        info = await self.session(request, Permission.READ)
+        return answer(await self.detail(info, request[PRINCIPAL]))
 
-    async def detail(self, info: SessionInfo) -> SessionDetail:
-        """The session with its use of the context window."""
+    async def detail(self, info: SessionInfo, principal: str) -> SessionDetail:
+        """The session with its use of the context window, what it waits for and the
+        caller's permission on it."""
         window = self.config.model.context_window
-        use = await asyncio.to_thread(self.store.events.context_use, info.id, window)
-        return SessionDetail.model_validate({**info.to_dict(), "context": use})
+        delays = tuple(self.config.recovery.attempt_delays)
+
+        def read() -> tuple[dict[str, Any], str | None, str | None]:
+            use = self.store.events.context_use(info.id, window)
+            waiting = waiting_for(self.store, info, delays)
+            held = (
+                Permission.ADMIN
+                if principal == ADMIN
+                else self.store.acl.permission(info.id, principal)
+            )
+            return use, waiting, held
+
+        use, waiting, held = await asyncio.to_thread(read)
+        out = session_out(info, held, waiting)
+        return SessionDetail.model_validate({**out.model_dump(), "context": use})
 
     async def update(self, request: web.Request) -> web.Response:
         self.refuse()
@@ -166,7 +248,12 @@ class SessionRoutes:
         except SessionNotFound:
             raise ApiError(404, "not_found", f"no session {info.id!r}") from None
         self.storage.worked()
-        return answer(session_out(bound))
+        held = (
+            Permission.ADMIN
+            if principal == ADMIN
+            else await asyncio.to_thread(self.store.acl.permission, info.id, principal)
+        )
+        return answer(session_out(bound, held))
 
     def target(self, name: str, principal: str) -> DeliveryTarget:
         """The configured target called `name`, else a 422 naming those there are; a 403

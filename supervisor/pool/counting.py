@@ -10,6 +10,7 @@ class Counts(Protocol):
     """The pool's, recovery's and the host row's metrics (prometheus_client objects)."""
 
     model_tokens: Any  # Counter{kind}
+    model_errors: Any  # Counter{kind}
     append_latency: Any  # the workers' append latency, added from heartbeats
     first_delta: Any  # Histogram: a model call's time to its first delta
     deltas_dropped: Any  # Counter{where}

@@ -478,6 +478,8 @@ class Pool(Service):
                 worker.model_down_since = message.model_down_since
                 for kind, count in message.model_tokens.items():
                     self.metrics.model_tokens.labels(kind).inc(count)
+                for failed, count in message.model_errors.items():
+                    self.metrics.model_errors.labels(failed).inc(count)
                 latency = message.append_latency
                 self.metrics.append_latency.add(latency.counts, latency.sum)
             case control.Committed():

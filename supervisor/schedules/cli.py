@@ -1,4 +1,4 @@
-"""`turnkeeper schedules list|add|remove`: schedules, through the daemon's API
+"""`turnkeeper schedules list|add|remove|pause|resume`: schedules, through the daemon's API
 (`/v1/schedules`), so a caller sees and changes what its token may.
 """
 
@@ -47,6 +47,13 @@ def remove_schedule(client: Client, schedule_id: str) -> dict[str, Any]:
     return gone
 
 
+def set_held(client: Client, schedule_id: str, held: bool) -> dict[str, Any]:
+    """Pause (hold) or resume a schedule; the API's answer (the schedule)."""
+    verb = "pause" if held else "resume"
+    changed: dict[str, Any] = client._json("POST", f"/v1/schedules/{schedule_id}/{verb}")
+    return changed
+
+
 @click.group("schedules")
 def schedules() -> None:
     """Messages injected on a cron schedule, through the daemon.
@@ -67,9 +74,10 @@ def schedules() -> None:
 def list_command(ctx: click.Context, as_json: bool) -> None:
     """List the schedules the caller may read, oldest first.
 
-    NEXT is the next scheduled time (or `paused`: its owner's token was
-    revoked; `ended`: its session was closed); LAST the latest one decided and
-    its outcome (fired, caught_up after a restart, skipped).
+    NEXT is the next scheduled time (or `held`: paused by `schedules pause`;
+    `paused`: its owner's token was revoked; `ended`: its session was closed);
+    LAST the latest one decided and its outcome (fired, caught_up after a
+    restart, skipped).
     """
     with connect(ctx) as client:
         found = list_schedules(client)
@@ -137,6 +145,36 @@ def remove_command(ctx: click.Context, schedule_id: str, as_json: bool) -> None:
         emit_json(gone)
     else:
         click.echo(f"schedule {schedule_id} removed")
+
+
+@schedules.command("pause")
+@click.argument("schedule_id", metavar="ID")
+@json_option
+@click.pass_context
+@reports_errors
+def pause_command(ctx: click.Context, schedule_id: str, as_json: bool) -> None:
+    """Hold schedule ID: it does not fire until `schedules resume ID`."""
+    with connect(ctx) as client:
+        changed = set_held(client, schedule_id, True)
+    if as_json:
+        emit_json(changed)
+    else:
+        click.echo(f"schedule {schedule_id} held: it does not fire until resumed")
+
+
+@schedules.command("resume")
+@click.argument("schedule_id", metavar="ID")
+@json_option
+@click.pass_context
+@reports_errors
+def resume_command(ctx: click.Context, schedule_id: str, as_json: bool) -> None:
+    """Let held schedule ID fire again, from now on (no missed time is caught up)."""
+    with connect(ctx) as client:
+        changed = set_held(client, schedule_id, False)
+    if as_json:
+        emit_json(changed)
+    else:
+        click.echo(f"schedule {schedule_id} resumed; next run: {when(changed['next_fire_at'])}")
 
 
 def schedule_table(found: list[dict[str, Any]], columns: int) -> list[str]:

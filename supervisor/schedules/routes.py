@@ -11,6 +11,10 @@
   own that make a new session each run); `admin` sees all.
 - `GET /v1/schedules/{id}`, `DELETE /v1/schedules/{id}` (write access to its session, or
   its own).
+- `POST /v1/schedules/{id}/pause` and `.../resume` (write access, as a delete): a held
+  schedule does not fire until resumed; resumed, it is armed from now (no time it was
+  held for is caught up). A schedule paused because its owner's token was revoked, or
+  ended, is a 409: neither is a user's to resume.
 
 Schedules follow their session's ACL: one the caller may not read is a 404, as if it did
 not exist. The rules of firing are `supervisor.schedules.rules`'s; the bodies are here with
@@ -111,8 +115,9 @@ class ScheduleOut(BaseModel):
     misfire: Misfire
     created_at: float
     status: ScheduleStatus = Field(
-        description="active; paused (its owner's token was revoked: it does not fire until "
-        "the owner is back in the tokens file); ended (its session was closed)"
+        description="active; held (a user paused it: it does not fire until resumed); "
+        "paused (its owner's token was revoked: it does not fire until the owner is back "
+        "in the tokens file); ended (its session was closed)"
     )
     next_fire_at: float | None = Field(
         description="its next scheduled time, epoch seconds; null: none within 50 years, or "
@@ -156,16 +161,25 @@ def schedule_out(info: ScheduleInfo, last: FireInfo | None, now: float) -> Sched
 class ScheduleRoutes:
     """The handlers of the schedules' routes."""
 
-    def __init__(self, config: Config, store: Store, refuse: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        config: Config,
+        store: Store,
+        refuse: Callable[[], None],
+        known: Callable[[str], bool] = lambda principal: True,
+    ) -> None:
         self.config = config
         self.store = store
         self.refuse = refuse  # the API's: 503 once the daemon is stopping
+        self.known = known  # whether a principal is in the tokens file now
 
     def add(self, router: web.UrlDispatcher) -> None:
         router.add_post("/v1/schedules", self.create)
         router.add_get("/v1/schedules", self.list)
         router.add_get("/v1/schedules/{id}", self.get)
         router.add_delete("/v1/schedules/{id}", self.delete)
+        router.add_post("/v1/schedules/{id}/pause", self.pause)
+        router.add_post("/v1/schedules/{id}/resume", self.resume)
 
     async def create(self, request: web.Request) -> web.Response:
         self.refuse()
@@ -214,6 +228,43 @@ class ScheduleRoutes:
         if not await asyncio.to_thread(self.store.schedules.delete, info.id):
             raise ApiError(404, "not_found", f"no schedule {info.id!r}")
         return answer(ScheduleDeleted(id=info.id))
+
+    async def pause(self, request: web.Request) -> web.Response:
+        """Hold the schedule: it does not fire until resumed (write access, as a delete).
+        Pausing a held schedule again is no error."""
+        self.refuse()
+        info = await self._schedule(request, Permission.WRITE)
+        if info.status not in (ScheduleStatus.ACTIVE, ScheduleStatus.HELD):
+            raise ApiError(409, "conflict", self._why_not(info, "paused"))
+        await asyncio.to_thread(self.store.schedules.hold, info.id)
+        return await self.get(request)
+
+    async def resume(self, request: web.Request) -> web.Response:
+        """Let a held schedule fire again, from now on: no time it was held for is caught
+        up. Resuming an active one is no error."""
+        self.refuse()
+        info = await self._schedule(request, Permission.WRITE)
+        if info.status not in (ScheduleStatus.ACTIVE, ScheduleStatus.HELD):
+            raise ApiError(409, "conflict", self._why_not(info, "resumed"))
+        if info.owner is not None and not self.known(info.owner):
+            raise ApiError(
+                409,
+                "conflict",
+                f"schedule {info.id} is not resumed: its owner {info.owner!r} is not in the "
+                "tokens file (it resumes by itself when the owner's token is back)",
+            )
+        await asyncio.to_thread(self.store.schedules.release, info.id)
+        return await self.get(request)
+
+    @staticmethod
+    def _why_not(info: ScheduleInfo, done: str) -> str:
+        if info.status == ScheduleStatus.PAUSED:
+            return (
+                f"schedule {info.id} is not {done}: it is paused because its owner "
+                f"{info.owner!r} is not in the tokens file; it resumes when the owner's "
+                "token is back"
+            )
+        return f"schedule {info.id} is not {done}: it ended (its session was closed)"
 
     def _often_enough(self, body: CreateSchedule) -> None:
         """A 422 for an expression whose times come closer than schedules.min_interval

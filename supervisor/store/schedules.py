@@ -210,6 +210,28 @@ class Schedules:
         now: no time they were paused for is caught up. How many were resumed."""
         return self._set_status(principals, ScheduleStatus.PAUSED, ScheduleStatus.ACTIVE)
 
+    def hold(self, schedule_id: str) -> bool:
+        """Hold an active schedule (a user paused it): it never fires until `release`.
+        False if it was not active (held already, paused, ended or gone)."""
+        return self._set_one(schedule_id, ScheduleStatus.ACTIVE, ScheduleStatus.HELD)
+
+    def release(self, schedule_id: str) -> bool:
+        """Let a held schedule fire again, armed from now: no time it was held for is
+        caught up. False if it was not held."""
+        return self._set_one(schedule_id, ScheduleStatus.HELD, ScheduleStatus.ACTIVE)
+
+    def _set_one(self, schedule_id: str, was: ScheduleStatus, status: ScheduleStatus) -> bool:
+        changes: dict[Any, Any] = {Schedule.status: status}
+        if status is ScheduleStatus.ACTIVE:
+            changes[Schedule.armed_from] = SYSTEM.time()
+        query = Schedule.update(changes).where(
+            (Schedule.id == schedule_id) & (Schedule.status == was)
+        )
+        changed = bool(run_write(self._db, query.execute))
+        if changed:
+            self._changed()
+        return changed
+
     def _set_status(
         self, principals: Collection[str], was: ScheduleStatus, status: ScheduleStatus
     ) -> int:

@@ -38,6 +38,9 @@ QUARANTINE_NOTICE = (
 )
 
 
+Page = list[tuple[SessionInfo, str | None]]  # sessions and the caller's permission on each
+
+
 class Sessions:
     """Create, find and list sessions."""
 
@@ -401,6 +404,44 @@ class Sessions:
         if principal is not None:
             query = query.join(SessionACL).where(SessionACL.principal == principal)
         return [info_of(row) for row in query]
+
+    def page(
+        self,
+        principal: str | None = None,
+        *,
+        limit: int = 100,
+        offset: int = 0,
+        text: str = "",
+        statuses: Collection[str] = (),
+        by_activity: bool = False,
+    ) -> tuple[Page, bool]:
+        """A page of sessions, newest first (by creation, or by last activity), with the
+        permission `principal` holds on each (None when no principal is given: the admin
+        reads every one), and whether more follow.
+
+        `text` keeps those whose title contains it (case-insensitive) or whose id starts
+        with it; `statuses` those in one of the states (all when empty).
+        """
+        newest = Session.updated_at if by_activity else Session.created_at
+        if principal is None:
+            query = Session.select(Session, peewee.Value(None).alias("held"))
+        else:
+            query = (
+                Session.select(Session, SessionACL.permission.alias("held"))
+                .join(SessionACL)
+                .where(SessionACL.principal == principal)
+            )
+        if text:
+            matches = Session.title.contains(text)
+            if all(c in "0123456789abcdef" for c in text.lower()):
+                matches |= Session.id.startswith(text.lower())
+            query = query.where(matches)
+        if statuses:
+            query = query.where(Session.status.in_(list(statuses)))
+        query = query.order_by(newest.desc(), Session.id).offset(offset).limit(limit + 1)
+        rows = list(query.objects())
+        found = [(info_of(row), getattr(row, "held", None)) for row in rows[:limit]]
+        return found, len(rows) > limit
 
 
 def _info(row: tuple[Any, ...]) -> SessionInfo:

@@ -250,15 +250,20 @@ def test_a_client_that_does_not_read_loses_deltas_never_committed_events(store: 
     owner = worker(0, side.plane, {session})
     sent = DELTA_LIMIT + 44
 
+    started = side.commit(owner, session, "turn_started", {})
+
     async def scenario() -> None:
         async with TestClient(TestServer(side.api.app())) as client:
             response = await attached(client, session)
-            await asyncio.wait_for(streams_of(side.api, 1), WAIT_S)
+            stream = messages(response)
+            # The replay is over once its one event is in (else a slow replay could read
+            # the answer committed below, and send it before the deltas queued meanwhile).
+            assert [m["id"] for m in await take(stream, 1)] == [str(started)]
             # The stream's loop does not run between these: its client takes nothing.
             for index in range(sent):
                 side.delta(owner, session, index, text=f"{index} ")
             done = side.commit(owner, session, "model_response", {"text": "the answer"})
-            got = await take(messages(response), DELTA_LIMIT + 1)
+            got = await take(stream, DELTA_LIMIT + 1)
             kept = [json.loads(m["data"])["index"] for m in got[:-1]]
             assert kept == list(range(DELTA_LIMIT))  # the first ones, in order
             assert (got[-1]["id"], got[-1]["event"]) == (str(done), "model_response")

@@ -40,6 +40,11 @@ def test_a_continuation_due_after_a_restart_is_made_on_time(
     assert status(daemon.client)["boot"]["id"] != boot
     shown = turnkeeper(daemon, "sessions", "show", session)
     assert "waiting: continuation attempt 3 of 3 at" in shown.stdout, shown.stdout
+    with daemon.client() as http:  # the API says the same
+        answered = http.get(f"/v1/sessions/{session}").json()["waiting"]
+        listed = http.get("/v1/sessions", params={"q": session}).json()["sessions"]
+    assert answered == shown.stdout.split("waiting: ", 1)[1].split("\n", 1)[0], answered
+    assert [s["waiting"] for s in listed] == [answered]
 
     third = wait_until(lambda: notes(store, session)[2:3], 60, "the third attempt")[0]
     late = third.created_at - (second.created_at + DELAYS[2])
