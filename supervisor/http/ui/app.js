@@ -1048,6 +1048,17 @@
     );
   }
 
+  // What explains a boot's outcome: the breaker it found, and the side work it began.
+  function reasons(b) {
+    const found = [];
+    if (b.state && b.state !== b.outcome) found.push(b.state);
+    const breaker = b.breaker || {};
+    if (breaker.tripped) found.push("breaker tripped");
+    if (breaker.reason) found.push(String(breaker.reason));
+    if (b.attempted && b.attempted.length) found.push(`began: ${b.attempted.join(", ")}`);
+    return found.length ? found.join("; ") : "-";
+  }
+
   async function boots() {
     if (!me.admin) {
       fill(main, heading("Boots"), el("p", { class: "muted" }, "The boot log is shown to the admin token."));
@@ -1059,12 +1070,12 @@
       table(
         [
           { title: "boot", class: "mono", cell: (b) => el("span", { title: b.boot_id }, short(b.boot_id)) },
-          { title: "host", class: "wide", cell: (b) => b.host_id || "-" },
+          { title: "host", class: "wide", cell: (b) => [b.host || "-", b.pid ? ` pid ${b.pid}` : ""] },
+          { title: "version", class: "wide", cell: (b) => b.version || "-" },
           { title: "started", cell: (b) => when(b.started_at) },
-          { title: "ended", class: "wide", cell: (b) => (b.ended_at ? when(b.ended_at) : "running") },
-          { title: "outcome", cell: (b) => badge(b.outcome || (b.ended_at ? "-" : "running")) },
-          { title: "breaker", class: "wide", cell: (b) => (b.state ? badge(b.state) : "-") },
-          { title: "reasons", cell: (b) => (Array.isArray(b.reasons) ? b.reasons.join("; ") : b.reasons || "-") },
+          { title: "ended", class: "wide", cell: (b) => (b.ended_at ? when(b.ended_at) : "-") },
+          { title: "outcome", cell: (b) => badge(b.outcome || b.state) },
+          { title: "why", cell: (b) => reasons(b) },
         ],
         found.boots,
         "No boots recorded.",
