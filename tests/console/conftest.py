@@ -34,10 +34,14 @@ def _found(name: str, *places: str) -> str | None:
     return shutil.which(name) or next((p for p in places if os.access(p, os.X_OK)), None)
 
 
+def browser_paths() -> tuple[str | None, str | None]:
+    """Where Debian's chromium and chromedriver are, if they are."""
+    return _found("chromium", "/usr/bin/chromium"), _found("chromedriver", "/usr/bin/chromedriver")
+
+
 def require_browser() -> tuple[str, str]:
     """Chromium's and chromedriver's paths; skip (or fail, where CI requires them) if absent."""
-    chromium = _found("chromium", "/usr/bin/chromium")
-    driver = _found("chromedriver", "/usr/bin/chromedriver")
+    chromium, driver = browser_paths()
     missing = [
         package
         for package, path in (("chromium", chromium), ("chromium-driver", driver))
@@ -112,6 +116,9 @@ class Browser:
             self.until(
                 lambda width=width: self.js("return window.innerWidth") <= width, "the width"
             )
+            # The whole page, up to a few screens: what a reader of the docs scrolls through.
+            tall = self.js("return document.documentElement.scrollHeight")
+            self.driver.set_window_size(width, min(max(height, tall + 90), 3 * height))
             self.js("window.scrollTo(0, 0)")
             path = self.shots / f"{name}-{label}{'-dark' if dark else ''}.png"
             assert self.driver.save_screenshot(str(path)), path
@@ -175,15 +182,14 @@ def shots(tmp_path: Path) -> Path:
     return folder
 
 
-@pytest.fixture
-def browser(tmp_path: Path, shots: Path) -> Iterator[Browser]:
-    """A headless Chromium of this test's own (its own profile), closed after it."""
-    chromium, driver_path = require_browser()
+def chromium(chromium_path: str, driver_path: str, folder: Path) -> Any:
+    """A headless Chromium with its own profile in `folder`, driven through `driver_path`
+    (named, so Selenium Manager never fetches a driver of its own)."""
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
     options = webdriver.ChromeOptions()
-    options.binary_location = chromium
+    options.binary_location = chromium_path
     for argument in (
         "--headless=new",
         "--disable-gpu",
@@ -194,15 +200,21 @@ def browser(tmp_path: Path, shots: Path) -> Iterator[Browser]:
         "--disable-component-update",
         "--disable-sync",
         "--hide-scrollbars",
-        f"--user-data-dir={tmp_path / 'chromium'}",
+        f"--user-data-dir={folder / 'chromium'}",
         "--window-size=1280,860",
         "--force-device-scale-factor=1",
     ):
         options.add_argument(argument)
     if os.geteuid() == 0:
         options.add_argument("--no-sandbox")  # Chromium refuses its sandbox as root
-    service = Service(executable_path=driver_path, log_output=str(tmp_path / "chromedriver.log"))
-    driver = webdriver.Chrome(service=service, options=options)
+    service = Service(executable_path=driver_path, log_output=str(folder / "chromedriver.log"))
+    return webdriver.Chrome(service=service, options=options)
+
+
+@pytest.fixture
+def browser(tmp_path: Path, shots: Path) -> Iterator[Browser]:
+    """A headless Chromium of this test's own (its own profile), closed after it."""
+    driver = chromium(*require_browser(), tmp_path)
     try:
         yield Browser(driver, shots)
     finally:

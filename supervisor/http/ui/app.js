@@ -740,6 +740,12 @@
     };
   }
 
+  function contextUse(c) {
+    const used = c.last_prompt_tokens === null ? "no prompt yet" : `${c.last_prompt_tokens} tokens in the last prompt`;
+    const share = c.used === null || c.used === undefined ? "" : ` (${Math.round(c.used * 100)} % of ${c.window})`;
+    return `${used}${share}, ${c.compactions} compaction${c.compactions === 1 ? "" : "s"}`;
+  }
+
   async function sessionPage([id]) {
     const base = `/v1/sessions/${id}`;
     let session = await get(base);
@@ -773,7 +779,7 @@
           session.parent ? ["parent", link(`/ui/sessions/${session.parent}`, short(session.parent))] : null,
           session.quarantine_reason ? ["quarantined", session.quarantine_reason] : null,
           session.deliver_to ? ["delivers to", session.deliver_to] : null,
-          session.context ? ["context", `${session.context.used ?? "?"} of ${session.context.window ?? "?"} tokens, ${session.context.compactions ?? 0} compactions`] : null,
+          session.context ? ["context", contextUse(session.context)] : null,
         ].filter(Boolean)),
       );
       const buttons = [];
@@ -925,7 +931,7 @@
       { title: "seq", class: "num wide", cell: (d) => String(d.seq) },
       { title: "status", cell: (d) => badge(d.status) },
       { title: "attempts", class: "num", cell: (d) => String(d.attempts) },
-      { title: "last error", class: "wide", cell: (d) => [d.last_code ? `HTTP ${d.last_code} ` : "", d.last_error || ""] },
+      { title: "last error", class: "wide", cell: (d) => d.last_error || (d.last_code ? `HTTP ${d.last_code}` : "-") },
       { title: "when", cell: (d) => (d.status === "delivered" ? when(d.delivered_at) : d.status === "pending" ? when(d.next_at) : when(d.updated_at)) },
       {
         title: "",
@@ -1013,7 +1019,7 @@
           { title: "text", cell: (s) => s.text },
           { title: "session", class: "wide", cell: (s) => (s.session ? link(`/ui/sessions/${s.session}`, short(s.session)) : "a new one each time") },
           { title: "status", cell: (s) => badge(s.status) },
-          { title: "next fire", cell: (s) => (s.status === "paused" ? "paused" : when(s.next_fire_at)) },
+          { title: "next fire", cell: (s) => (s.status === "active" ? when(s.next_fire_at) : "-") },
           { title: "last fire", class: "wide", cell: (s) => (s.last_fire ? [when(s.last_fire.fired_at ?? s.last_fire.scheduled_for), " ", badge(s.last_fire.outcome)] : "-") },
           {
             title: "",
@@ -1022,17 +1028,19 @@
                 ? el(
                     "div",
                     { class: "actions" },
-                    s.status === "paused"
+                    s.status === "held"
                       ? action("Resume", async () => {
                           await post(`/v1/schedules/${s.id}/resume`);
                           await schedules();
-                          return "Resumed.";
+                          return "Resumed: it fires from its next time on.";
                         }, { name: `resume-${s.id}`, class: "quiet" })
-                      : action("Pause", async () => {
-                          await post(`/v1/schedules/${s.id}/pause`);
-                          await schedules();
-                          return "Paused.";
-                        }, { name: `pause-${s.id}`, class: "quiet" }),
+                      : s.status === "active"
+                        ? action("Pause", async () => {
+                            await post(`/v1/schedules/${s.id}/pause`);
+                            await schedules();
+                            return "Held: it does not fire until resumed.";
+                          }, { name: `pause-${s.id}`, class: "quiet" })
+                        : null,
                     action("Remove", async () => {
                       await del(`/v1/schedules/${s.id}`);
                       await schedules();
@@ -1051,7 +1059,7 @@
   // What explains a boot's outcome: the breaker it found, and the side work it began.
   function reasons(b) {
     const found = [];
-    if (b.state && b.state !== b.outcome) found.push(b.state);
+    if (b.outcome && b.state && b.state !== b.outcome) found.push(b.state);
     const breaker = b.breaker || {};
     if (breaker.tripped) found.push("breaker tripped");
     if (breaker.reason) found.push(String(breaker.reason));
