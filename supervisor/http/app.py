@@ -23,7 +23,6 @@ from supervisor.contract.logs import log
 from supervisor.core.vocabulary import EventType, Permission, Rejection, SessionStatus, Writer
 from supervisor.deliveries.routes import DeliveryRoutes, Stirrer
 from supervisor.http import answers, attach, auth, follow, hosts, openapi, pages
-from supervisor.http.console import Console
 from supervisor.http.answers import (
     MAX_SEQ,
     PRINCIPAL,
@@ -35,6 +34,7 @@ from supervisor.http.answers import (
     whole,
 )
 from supervisor.http.auth import ADMIN, Tokens
+from supervisor.http.console import Console
 from supervisor.http.lifecycle import Lifecycle, refuse_closed
 from supervisor.http.operators import OperatorRoutes
 from supervisor.http.reload_route import ReloaderView, ReloadRoutes, config_state

@@ -59,9 +59,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="tk-bench-console-") as tmp:
         root = Path(tmp)
         port = free_port()
-        daemon = Daemon(
-            root / "daemon", pool=shipped_pool(), http={"listen": f"127.0.0.1:{port}"}
-        )
+        daemon = Daemon(root / "daemon", pool=shipped_pool(), http={"listen": f"127.0.0.1:{port}"})
         driver = None
         try:
             daemon.start()

@@ -43,7 +43,7 @@ def require_browser() -> tuple[str, str]:
     """Chromium's and chromedriver's paths; skip (or fail, where CI requires them) if absent."""
     chromium, driver = browser_paths()
     missing = [
-        package
+        f"Debian's {package} (apt-get install {package})"
         for package, path in (("chromium", chromium), ("chromium-driver", driver))
         if path is None
     ]
@@ -52,7 +52,7 @@ def require_browser() -> tuple[str, str]:
     except ImportError:
         missing.append("selenium (pip install -e '.[test]')")
     if missing:
-        why = f"the console's browser tests need {', '.join(missing)} (apt-get install {' '.join(missing)})"
+        why = f"the console's browser tests need {' and '.join(missing)}"
         if os.environ.get(REQUIRED):
             pytest.fail(f"{REQUIRED} is set, but {why}")
         pytest.skip(why)

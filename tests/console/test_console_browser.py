@@ -122,9 +122,7 @@ def test_release_a_quarantined_session(start: Callable[..., Api], browser: Brows
     sid = create_session(alice, title="poisoned")
     with api.store() as store:
         inject(alice, sid, "/crash")  # kills its worker on every run
-        wait_until(
-            lambda: store.sessions.get(sid).status == "quarantined", 60, "the quarantine"
-        )
+        wait_until(lambda: store.sessions.get(sid).status == "quarantined", 60, "the quarantine")
         browser.open(api.base_url, "/ui/sessions?status=quarantined", api.tokens["alice"])
         browser.find(f'a[data-session="{sid}"]').click()
         browser.find('button[data-action="release"]').click()

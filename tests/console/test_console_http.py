@@ -98,7 +98,8 @@ def test_the_console_answers_its_pages_and_files_with_strict_headers(
         plain = anonymous.get(path, headers={"Accept-Encoding": "identity"})
         assert "Content-Encoding" not in plain.headers and plain.content == found.content
         assert int(found.headers["Content-Length"]) < len(plain.content)
-    for missing in ("/ui/assets/app.000000000000.js", "/ui/nothing", "/ui/sessions/x", "/ui/tasks/1"):
+    unknown = ("/ui/assets/app.000000000000.js", "/ui/nothing", "/ui/sessions/x", "/ui/tasks/1")
+    for missing in unknown:
         gone = anonymous.get(missing)
         assert_error(gone, 404, "not_found")
         assert gone.headers["X-Frame-Options"] == "DENY", missing

@@ -109,9 +109,10 @@ def test_every_page_at_a_laptop_and_a_phone_width(
         if name in ("overview", "session", "sessions"):
             browser.dark(True)
             made += browser.screenshots(name, dark=True)
-            assert browser.js(
-                "return getComputedStyle(document.body).backgroundColor"
-            ) != "rgb(246, 247, 248)"  # the dark palette is in force
+            assert (
+                browser.js("return getComputedStyle(document.body).backgroundColor")
+                != "rgb(246, 247, 248)"
+            )  # the dark palette is in force
             browser.dark(False)
     assert len(made) == 2 * len(pages) + 2 * 3
     assert all(p.stat().st_size > 2000 for p in made)
