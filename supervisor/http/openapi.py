@@ -161,7 +161,7 @@ CONSOLE_PAGE = {
     "name": "path",
     "in": "path",
     "required": True,
-    "schema": {"type": "string"},
+    "schema": {"type": "string", "pattern": "^[a-z0-9/]*$"},
     "description": "overview, sessions, sessions/{id}, deliveries, tasks, schedules, boots "
     "(or empty: the overview)",
 }

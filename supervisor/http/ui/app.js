@@ -10,6 +10,7 @@
   const KEY = "turnkeeper.token";
   const POLL_MS = 5000; // the overview's figures; paused while the tab is hidden
   const SPARK = 60; // points per chart: five minutes
+  const WINDOW = 60000 / POLL_MS; // polls a chart's point covers: a minute
   const PAGE = 50; // rows per page of a list
   const TRANSCRIPT = 1000; // events of a session read at first; older ones on demand
   const main = document.getElementById("main");
@@ -420,8 +421,8 @@
     const cards = el("div", { class: "grid", id: "cards" });
     const charts = {
       turns: chart("turns / min", (v) => v.toFixed(1)),
-      p50: chart("turn time p50", duration),
-      p99: chart("turn time p99", duration),
+      p50: chart("turn time p50, last minute", duration),
+      p99: chart("turn time p99, last minute", duration),
       tokens: chart("model tokens / min", (v) => Math.round(v).toString()),
       pending: chart("deliveries pending", (v) => Math.round(v).toString()),
     };
@@ -435,7 +436,7 @@
       el("div", { class: "charts" }, Object.values(charts).map((c) => c.node)),
       me.admin ? [el("h2", {}, "Worker slots"), pool, el("h2", {}, "Breaker"), breaker, el("h2", {}, "Hosts"), hosts] : el("p", { class: "muted" }, "Slots, breaker and hosts are shown to the admin token."),
     );
-    let before = null;
+    const snaps = []; // the last minute's scrapes: {at, metrics}
     every(POLL_MS, async () => {
       const [ready, metrics, status] = await Promise.all([
         fetch("/readyz", { cache: "no-store", credentials: "omit", signal }).then((r) => r.json()),
@@ -443,18 +444,25 @@
         me.admin ? get("/v1/status") : Promise.resolve(null),
       ]);
       const now = { at: Date.now() / 1000, metrics };
-      const minutes = before ? (now.at - before.at) / 60 : null;
+      const boot = status ? status.boot : {};
+      // Each point covers the last minute (the polls of it kept); while the page has not
+      // been open that long, the time since the boot started if that is under a minute,
+      // else since the page's first poll (only the admin knows when the boot started).
+      snaps.push(now);
+      while (snaps.length > WINDOW + 1) snaps.shift();
+      const young = boot.started_at && now.at - boot.started_at <= 60; // all of it in a minute
+      const base = snaps.length > WINDOW || (!young && snaps.length > 1) ? snaps[0] : null;
+      const since = base ? base.at : boot.started_at;
+      const minutes = since ? Math.max(now.at - since, 1) / 60 : null;
       const rate = (name, labels) =>
-        minutes ? Math.max(0, total(metrics, name, labels) - total(before.metrics, name, labels)) / minutes : null;
+        minutes ? Math.max(0, total(metrics, name, labels) - (base ? total(base.metrics, name, labels) : 0)) / minutes : null;
       charts.turns.push(rate("turnkeeper_events_committed_total", { type: "turn_ended" }));
       const turnBuckets = buckets(metrics, "turnkeeper_turn_seconds");
-      const earlier = before ? buckets(before.metrics, "turnkeeper_turn_seconds") : null;
-      charts.p50.push(before ? quantile(turnBuckets, earlier, 0.5) : null);
-      charts.p99.push(before ? quantile(turnBuckets, earlier, 0.99) : null);
+      const earlier = base ? buckets(base.metrics, "turnkeeper_turn_seconds") : null;
+      charts.p50.push(quantile(turnBuckets, earlier, 0.5));
+      charts.p99.push(quantile(turnBuckets, earlier, 0.99));
       charts.tokens.push(rate("turnkeeper_model_tokens_total"));
       charts.pending.push(total(metrics, "turnkeeper_deliveries", { status: "pending" }));
-      before = now;
-      const boot = status ? status.boot : {};
       fill(cards,
         card("readiness", badge(ready.status)),
         card("version", boot.version || "-"),
@@ -634,13 +642,13 @@
         case "turn_ended":
           return el("div", { class: "ev line", "data-seq": e.seq, "data-type": e.type }, `turn ${short(e.turn_id)} ended: `, badge(p.outcome), p.reason ? ` (${p.reason})` : "", p.error ? ` ${p.error}` : "");
         case "subagent_spawned":
-          return el("div", { class: "ev line", "data-seq": e.seq, "data-type": e.type }, "subagent ", p.child ? link(`/ui/sessions/${p.child}`, short(p.child)) : "", ` spawned: ${p.task || p.title || ""}`);
+          return el("div", { class: "ev line", "data-seq": e.seq, "data-type": e.type }, "subagent ", p.subagent ? link(`/ui/sessions/${p.subagent}`, short(p.subagent)) : "", ` spawned: ${p.title || p.task || ""}`);
         case "subagent_result":
-          return el("div", { class: "ev mark", "data-seq": e.seq, "data-type": e.type }, meta(e, `subagent result${p.status ? `: ${p.status}` : ""}`), text(p.result ?? p.text ?? ""));
+          return el("div", { class: "ev mark", "data-seq": e.seq, "data-type": e.type }, meta(e, `subagent ${short(p.subagent)}${p.status ? `: ${p.status}` : ""}`), text(p.text ?? ""));
         case "task_started":
-          return el("div", { class: "ev line", "data-seq": e.seq, "data-type": e.type }, `task ${short(p.task_id || p.id)} started: ${p.kind || ""}`);
+          return el("div", { class: "ev line", "data-seq": e.seq, "data-type": e.type }, `task ${short(p.task)} started: ${p.kind || ""}`);
         case "task_result":
-          return el("div", { class: "ev mark", "data-seq": e.seq, "data-type": e.type }, meta(e, `task result${p.status ? `: ${p.status}` : ""}`), text(p.output_tail ?? p.text ?? ""));
+          return el("div", { class: "ev mark", "data-seq": e.seq, "data-type": e.type }, meta(e, `task ${short(p.task)} ${p.kind || ""}${p.status ? `: ${p.status}` : ""}`), text(p.text ?? ""));
         case "acl":
           return el("div", { class: "ev line", "data-seq": e.seq, "data-type": e.type }, `access: ${p.principal || "?"} ${p.permission || "revoked"}${p.by ? ` (by ${p.by})` : ""}`);
         default:
