@@ -241,6 +241,7 @@ def build(
         restarts=restarter,
         bus=bus,
         host_id=host,
+        clock=clock,
     )
     state = metrics.state
     state.pool, state.mcp = pool.status, pool.mcp_states

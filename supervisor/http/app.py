@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import re
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from aiohttp import web
 
 from supervisor import __version__
+from supervisor.contract.clock import SYSTEM, Clock
 from supervisor.contract.config import Config
 from supervisor.contract.logs import log
 from supervisor.core.vocabulary import EventType, Permission, Rejection, SessionStatus, Writer
@@ -114,8 +114,10 @@ class Api:
         restarts: RestartDesk | None = None,
         bus: Bus | None = None,
         host_id: str = "",
+        clock: Clock = SYSTEM,
     ) -> None:
         self.config = config
+        self.clock = clock
         self.store = store
         self.hub = hub
         self.tokens = tokens
@@ -133,7 +135,7 @@ class Api:
         self.stopping = False  # intake refuses (a stop)
         self.restarting = False  # a restart's drain: not ready, intake still takes messages
         self.storage = StorageHealth(store.probe_write, metrics)
-        self.started_at = time.time()  # this boot's, for the status (uptime)
+        self.started_at = clock.time()  # this boot's, for the status (uptime)
         self.turn_clock = TurnClock(metrics)
         self.console = Console() if config.http.console else None
         self.lifecycle = Lifecycle(store, self._session, self.publish, pool)
@@ -245,7 +247,7 @@ class Api:
         if not isinstance(seq, int) or isinstance(seq, bool):
             return
         self.metrics.events_committed.labels(kind).inc()
-        self.turn_clock.heard(session_id, kind, time.monotonic())
+        self.turn_clock.heard(session_id, kind, self.clock.monotonic())
         if kind == EventType.COMPACTION:
             self.metrics.compactions.inc()
         self.hub.publish(session_id, {"seq": seq, "type": kind})
