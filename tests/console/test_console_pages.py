@@ -30,7 +30,7 @@ MAX_PAGE_BYTES = 200 * 1024
 REPORT = ["sh", "-c", 'echo "building the report"; echo "rows: 1024"; echo "done"']
 
 
-def seeded(daemons: Callable[..., Daemon], hook: Receiver, tmp_path: Path) -> tuple[Daemon, str]:
+def seeded(daemons: Callable[..., Daemon], hook: Receiver) -> tuple[Daemon, str]:
     """A daemon on a loopback port with something on every page: sessions (one with a
     conversation, a tool call and a task; one quarantined), a dead delivery, a schedule."""
     port = free_port()
@@ -77,9 +77,8 @@ def test_every_page_at_a_laptop_and_a_phone_width(
     daemons: Callable[..., Daemon],
     receivers: Callable[[str], Receiver],
     browser: Browser,
-    tmp_path: Path,
 ) -> None:
-    daemon, main = seeded(daemons, receivers("hook"), tmp_path)
+    daemon, main = seeded(daemons, receivers("hook"))
     base = f"http://{daemon.listen}"
     token = (daemon.state / "admin.token").read_text().strip()
     pages = {
