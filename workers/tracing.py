@@ -3,8 +3,10 @@
 A run of a turn (`supervisor.core.traces`) is opened by the event its worker commits
 first (`turn_started`, or a `continuation` note) and its trace is named by that event:
 the worker's `invoke_agent` span is a child of the run's root, which the supervisor emits
-(it outlives a SIGKILL of the worker), and the model's `chat {model}` and the tools'
-`execute_tool {name}` spans are children of it. Attributes follow OpenTelemetry's
+(it outlives a SIGKILL of the worker). The model's `chat {model}` and the tools'
+`execute_tool {name}` spans are children of the root too, beside the `invoke_agent` span
+rather than under it: a SIGKILL loses the run's span still in flight, and the calls that
+had ended and been exported stay attached to their trace. Attributes follow OpenTelemetry's
 semantic conventions for generative AI (`gen_ai.*`). A continuation links to the root of
 the run it continues, and to the assignment that gave this worker the session.
 
@@ -58,6 +60,7 @@ class RunTrace:
         self.server_of = server_of  # the MCP server that offers a tool, if one does
         self.assigned: SpanIds | None = None  # the latest assignment's span
         self.span: Any = None  # the run in flight
+        self.root: SpanIds | None = None  # its root (the supervisor's span)
         self.turn: str | None = None
         self.opened_at = 0  # the seq of the event that opened it
 
@@ -115,7 +118,7 @@ class RunTrace:
         self.turn, self.opened_at = turn_id, seq
         if self.tracing is None:
             return
-        root = run_root(turn_id, seq)
+        root = self.root = run_root(turn_id, seq)
         links = [run_root(turn_id, follows)] if follows is not None else []
         if self.assigned is not None:
             links.append(self.assigned)
@@ -187,7 +190,9 @@ class RunTrace:
             attributes["gen_ai.request.max_tokens"] = max_tokens
         if self.tracing.capture_content:
             attributes["gen_ai.input.messages"] = _content(_messages(messages))
-        span = self.tracing.start(f"chat {self.model}", attributes=attributes, kind="client")
+        span = self.tracing.start(
+            f"chat {self.model}", parent=self.root, attributes=attributes, kind="client"
+        )
 
         def answered(response: ModelResponse) -> None:
             usage = response.usage
@@ -234,7 +239,9 @@ class RunTrace:
             attributes["mcp.method.name"] = "tools/call"
         if self.tracing.capture_content:
             attributes["gen_ai.tool.call.arguments"] = _content(call.arguments)
-        span = self.tracing.start(f"execute_tool {call.name}", attributes=attributes)
+        span = self.tracing.start(
+            f"execute_tool {call.name}", parent=self.root, attributes=attributes
+        )
 
         def result(content: str, is_error: bool) -> None:
             span.set_attribute("turnkeeper.tool.outcome", "error" if is_error else "ok")
