@@ -166,7 +166,8 @@ class Tracing:
             try:
                 self.processor.force_flush()
             finally:
-                loop.call_soon_threadsafe(_settle, done)
+                with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits
+                    loop.call_soon_threadsafe(_settle, done)
 
         threading.Thread(target=flush, name="turnkeeper-telemetry-flush", daemon=True).start()
         await asyncio.wait_for(done, cap)

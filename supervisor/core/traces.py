@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass
 from enum import StrEnum
 
-_TRACEPARENT = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?$")
+_TRACEPARENT = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?")
 MAX_TRACEPARENT = 128  # characters: longer is not a traceparent of any version we read
 
 
@@ -62,7 +62,7 @@ def parse_traceparent(value: object) -> SpanIds | None:
     """
     if not isinstance(value, str) or len(value) > MAX_TRACEPARENT:
         return None
-    found = _TRACEPARENT.match(value)
+    found = _TRACEPARENT.fullmatch(value)  # `.` matches no newline: none slips in
     if found is None:
         return None
     version, trace, span, _flags, rest = found.groups()
