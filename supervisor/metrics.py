@@ -253,6 +253,32 @@ class _Deltas(Collector):
         yield family
 
 
+class _SpansDropped(Collector):
+    """Spans that could not be exported (a full queue, a collector down or slow), by
+    process: the workers' added from their heartbeats, the supervisor's read at scrape."""
+
+    def __init__(self) -> None:
+        self.workers = 0
+        self.supervisor: Callable[[], int] = lambda: 0  # `Tracing.dropped`, once it is on
+        self._lock = threading.Lock()
+
+    def add(self, count: int) -> None:
+        with self._lock:
+            self.workers += count
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(
+            "turnkeeper_spans_dropped",
+            "Spans of traces not exported (the export queue was full, or the collector "
+            "refused them or did not answer in time), by process: supervisor or worker.",
+            labels=["process"],
+        )
+        family.add_metric(["supervisor"], self.supervisor())
+        with self._lock:
+            family.add_metric(["worker"], self.workers)
+        yield family
+
+
 class Metrics:
     """The daemon's metrics; see the README's list."""
 
@@ -380,6 +406,8 @@ class Metrics:
         )
         for where in ("stream", "worker"):
             self.deltas_dropped.labels(where)
+        self.spans_dropped = _SpansDropped()
+        r.register(self.spans_dropped)
         self.breaker_tripped = Gauge(
             "turnkeeper_breaker_tripped",
             "1 while the crash-loop breaker suppresses side work, else 0.",
