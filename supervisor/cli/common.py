@@ -325,7 +325,10 @@ def emit_json(data: object) -> None:
 
 
 json_option = click.option(
-    "--json", "as_json", is_flag=True, help="Print JSON (shapes in the docs: the command line) instead of text."
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print JSON (shapes in the docs: the command line) instead of text.",
 )
 
 

@@ -216,8 +216,9 @@ def configuration() -> str:
     comments = toml_comments((REPO / "etc" / "turnkeeper.toml").read_text())
     defaults = Config().model_dump(mode="json", by_alias=True)
     lines = [
-        _header("supervisor/contract/sections.py, supervisor/core/reload.py and "
-                "etc/turnkeeper.toml"),
+        _header(
+            "supervisor/contract/sections.py, supervisor/core/reload.py and etc/turnkeeper.toml"
+        ),
         "# Configuration keys\n",
         "Every key of every section, in the order of `etc/turnkeeper.toml`, with its type, "
         "its default, what [a reload](../how-to/reload.md) does with a change (**live**: "
@@ -240,8 +241,13 @@ def configuration() -> str:
                 nested.append((key, entry))
                 continue
             rows.append(
-                _row(f"{section}.{key}", sub, defaults[section][key],
-                     effect_of((section, key)), comments)
+                _row(
+                    f"{section}.{key}",
+                    sub,
+                    defaults[section][key],
+                    effect_of((section, key)),
+                    comments,
+                )
             )
         if rows:
             lines += _table(rows)
@@ -253,11 +259,19 @@ def configuration() -> str:
             )
             entry_rows = []
             for name, sub in _keys(entry):
-                default = None if sub.is_required() else _plain(sub.get_default(
-                    call_default_factory=True))
+                default = (
+                    None
+                    if sub.is_required()
+                    else _plain(sub.get_default(call_default_factory=True))
+                )
                 entry_rows.append(
-                    _row(f"{section}.{key}.{name}", sub, default,
-                         effect_of((section, key, "NAME", name)), comments)
+                    _row(
+                        f"{section}.{key}.{name}",
+                        sub,
+                        default,
+                        effect_of((section, key, "NAME", name)),
+                        comments,
+                    )
                 )
             lines += _table(entry_rows)
     return "\n".join(lines)
@@ -280,8 +294,7 @@ def _row(key: str, field: Any, default: Any, effect: str, comments: dict[str, st
 
 
 def _table(rows: list[str]) -> list[str]:
-    return ["| key | type | default | reload | what it does |", "|---|---|---|---|---|",
-            *rows, ""]
+    return ["| key | type | default | reload | what it does |", "|---|---|---|---|---|", *rows, ""]
 
 
 # -- command line ----------------------------------------------------------------------
@@ -322,8 +335,10 @@ def _command(command: click.Command, path: list[str]) -> list[str]:
             continue  # told once, at the top
         record = param.get_help_record(ctx)
         if isinstance(param, click.Argument):
-            options.append(f"`{param.human_readable_name}`\n:   argument"
-                           f"{'' if param.required else ', optional'}\n")
+            options.append(
+                f"`{param.human_readable_name}`\n:   argument"
+                f"{'' if param.required else ', optional'}\n"
+            )
         elif record is not None:
             flags, text = record
             options.append(f"`{flags}`\n:   {_cell(text) or '(no help)'}\n")
@@ -360,8 +375,8 @@ def http_api() -> str:
         _header("supervisor/http/openapi.py's document(), served at /openapi.json"),
         "# HTTP API reference\n",
         "Every route the daemon serves, from its OpenAPI document (`GET /openapi.json`), "
-        "then every request and answer schema. Errors are `{\"error\": {\"code\", "
-        "\"message\"}}` ([`ErrorBody`](#errorbody)). How to call it, tokens and shapes: "
+        'then every request and answer schema. Errors are `{"error": {"code", '
+        '"message"}}` ([`ErrorBody`](#errorbody)). How to call it, tokens and shapes: '
         "[the HTTP API](http.md).\n",
         "| method | path | summary |",
         "|---|---|---|",
@@ -369,8 +384,10 @@ def http_api() -> str:
     for path, methods in doc["paths"].items():
         for method, op in methods.items():
             anchor = op["operationId"].lower()
-            lines.append(f"| {method.upper()} | [`{path}`](#{anchor}) | "
-                         f"{_cell(_first_sentence(op['summary']))} |")
+            lines.append(
+                f"| {method.upper()} | [`{path}`](#{anchor}) | "
+                f"{_cell(_first_sentence(op['summary']))} |"
+            )
     lines.append("")
     lines.append("## Routes\n")
     for path, methods in doc["paths"].items():
@@ -445,8 +462,13 @@ def _schema_type(schema: dict[str, Any]) -> str:
     if kind == "object" and isinstance(schema.get("additionalProperties"), dict):
         return "map of " + _schema_type(schema["additionalProperties"])
     words = [str(kind)]
-    for key, sign in (("minimum", ">="), ("exclusiveMinimum", ">"), ("maximum", "<="),
-                      ("minLength", "length >="), ("maxLength", "length <=")):
+    for key, sign in (
+        ("minimum", ">="),
+        ("exclusiveMinimum", ">"),
+        ("maximum", "<="),
+        ("minLength", "length >="),
+        ("maxLength", "length <="),
+    ):
         if key in schema:
             words.append(f"{sign} {schema[key]}")
     if "pattern" in schema:
@@ -512,8 +534,7 @@ def _families(registry: Any) -> Iterator[tuple[str, str, list[str], str]]:
             name = collector._name
             if name not in seen:
                 seen.add(name)
-                yield (name, collector._type, list(collector._labelnames),
-                       collector._documentation)
+                yield (name, collector._type, list(collector._labelnames), collector._documentation)
             continue
         for family in _collect_all(collector):
             if family.name in seen:

@@ -17,8 +17,8 @@ from tests.conftest import REPO
 
 def mkdocs() -> list[str] | None:
     try:
-        import mkdocs  # noqa: F401
         import material  # noqa: F401
+        import mkdocs  # noqa: F401
     except ImportError:
         return None
     return [sys.executable, "-m", "mkdocs"]

@@ -29,9 +29,11 @@ def test_every_key_has_a_comment_in_the_shipped_file() -> None:
         assert model is not None
         for key, sub in generate._keys(model):  # type: ignore[arg-type]
             entry = generate._entry_model(sub.annotation)
-            names = [f"{section}.{key}.{n}" for n, _ in generate._keys(entry)] if entry else [
-                f"{section}.{key}"
-            ]
+            names = (
+                [f"{section}.{key}.{n}" for n, _ in generate._keys(entry)]
+                if entry
+                else [f"{section}.{key}"]
+            )
             missing += [name for name in names if not comments.get(name)]
     assert missing == [], f"keys with no comment in etc/turnkeeper.toml: {missing}"
 

@@ -51,8 +51,10 @@ def marked_blocks(page: Path) -> list[Block]:
             continue
         fence = number + 1
         if fence >= len(lines) or not FENCE.match(lines[fence]):
-            pytest.fail(f"{page.relative_to(REPO)}:{number + 1}: {MARK} is not followed by a "
-                        "```sh, ```bash or ```console fence")
+            pytest.fail(
+                f"{page.relative_to(REPO)}:{number + 1}: {MARK} is not followed by a "
+                "```sh, ```bash or ```console fence"
+            )
         end = next(i for i in range(fence + 1, len(lines)) if lines[i].startswith("```"))
         blocks.append(Block(page, fence + 1, "\n".join(lines[fence + 1 : end])))
     return blocks
