@@ -280,7 +280,7 @@ class _SpansDropped(Collector):
 
 
 class Metrics:
-    """The daemon's metrics; see the README's list."""
+    """The daemon's metrics; docs/reference/metrics.md lists them (generated from here)."""
 
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()

@@ -1,4 +1,4 @@
-"""The HTTP API (the README's "HTTP API"): intake, attach, status, health and metrics.
+"""The HTTP API (docs/reference/http.md): intake, attach, status, health and metrics.
 
 JSON in and out; errors are `{"error": {"code", "message"}}`. A caller sees only the
 sessions its principal may read (others are 404, as if they did not exist); `admin` is the
