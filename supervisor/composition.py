@@ -33,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from supervisor.contract import telemetry
 from supervisor.contract.clock import SYSTEM, Clock
 from supervisor.contract.config import Config
 from supervisor.contract.logs import log
@@ -57,6 +58,7 @@ from supervisor.schedules.service import Scheduler
 from supervisor.store import RestartInfo, Store
 from supervisor.subagents.service import ChildEnding, Reconciler
 from supervisor.tasks.service import TaskKeeper
+from supervisor.tracing import TurnTraces
 
 CONTROL_SOCKET = "control.sock"
 
@@ -99,6 +101,7 @@ class Tree:
     api: Api
     reloader: Reloader
     restarter: Restarter
+    traces: TurnTraces
 
 
 def workers(
@@ -114,6 +117,7 @@ def workers(
     announce: Callable[[str], None] | None = None,
     reaped_elsewhere: dict[str, int] | None = None,
     clock: Clock = SYSTEM,
+    traces: TurnTraces | None = None,
 ) -> tuple[ControlPlane, Ownership, Pool]:
     """The three services of the worker processes: the control plane they talk to (bound
     at `address`), ownership of their sessions, and the pool that runs them."""
@@ -129,6 +133,7 @@ def workers(
         announce=announce,
         bus=bus,
         observer=metrics,
+        traces=traces,
     )
     pool = Pool(
         config,
@@ -141,6 +146,7 @@ def workers(
         bus=bus,
         reaped_elsewhere=reaped_elsewhere,
         clock=clock,
+        traces=traces,
     )
     return plane, ownership, pool
 
@@ -160,6 +166,11 @@ def build(
 ) -> Tree:
     """Every service of one boot, built in dependency order (see the module's docstring)."""
     bus, metrics = Bus(), Metrics()
+    # This process's tracing, if the daemon started it: the runs' root spans.
+    tracing = telemetry.active
+    traces = TurnTraces(tracing, bus, clock)
+    if tracing is not None:
+        metrics.spans_dropped.supervisor = lambda: tracing.dropped
     membership = Membership(
         config, store, boot_id, host, bus=bus, metrics=metrics, ending=hooks.end_boot
     )
@@ -181,6 +192,7 @@ def build(
         announce=signals.announce if signals.enabled else None,
         reaped_elsewhere=runners,
         clock=clock,
+        traces=traces,
     )
     owner = recovery.owner_prefix
     subagents = Reconciler(config, store, recovery, pool, ending, metrics, bus=bus, clock=clock)
@@ -242,6 +254,7 @@ def build(
         bus=bus,
         host_id=host,
         clock=clock,
+        traces=traces,
     )
     state = metrics.state
     state.pool, state.mcp = pool.status, pool.mcp_states
@@ -267,7 +280,7 @@ def build(
     ]
     root = Root(services)
     root_box.append(root)
-    return Tree(root, bus, metrics, membership, pool, api, reloader, restarter)
+    return Tree(root, bus, metrics, membership, pool, api, reloader, restarter, traces)
 
 
 def draw(tree: Tree) -> str:

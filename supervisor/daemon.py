@@ -32,9 +32,10 @@ from supervisor.contract.config import (
     resolved_host_id,
 )
 from supervisor.contract.limits import DB_THREADS
-from supervisor.contract.logs import log
+from supervisor.contract.logs import SUPERVISOR, log
 from supervisor.contract.origins import source_name
 from supervisor.contract.reaper import become_subreaper
+from supervisor.contract.telemetry import FLUSH_CAP, Tracing, start_tracing
 from supervisor.http.app import Api
 from supervisor.notify import Notifier
 from supervisor.pool.membership import Membership
@@ -54,7 +55,7 @@ from supervisor.runtime.bus import Bus, Stopping
 from supervisor.runtime.root import Drains
 from supervisor.stopping import READY_TIMEOUT, STOP_REQUEST, StepLog
 from supervisor.store import RestartInfo, Store
-from supervisor.teardown import teardown_budget
+from supervisor.teardown import TELEMETRY_FLUSH, teardown_budget
 
 __all__ = ["Daemon", "PluginError", "StartupError"]
 
@@ -93,6 +94,7 @@ class Daemon:
         self.cancelled: str | None = None  # why the restart of `restart` did not happen
         self.restarter: Restarter | None = None
         self.descriptors: fdlimit.Raised | None = None  # the start's raise of RLIMIT_NOFILE
+        self.tracing: Tracing | None = None  # spans to OTLP (`telemetry.otlp_endpoint`)
 
     async def run(self) -> int:
         """Start, serve until SIGTERM or SIGINT, stop; returns the exit code.
@@ -115,6 +117,10 @@ class Daemon:
         loop.add_signal_handler(signal.SIGHUP, self._reloads.put_nowait, None)
         # The pre-checks first: a configuration they refuse is one line and exit 78.
         check_plugins(self.config)
+        try:
+            self.tracing = start_tracing(self.config, SUPERVISOR)
+        except ValueError as exc:  # OTEL_EXPORTER_OTLP_ENDPOINT is no URL
+            raise PluginError(str(exc)) from None
         become_subreaper()
         start_resource_tracker()  # while this process has one thread: see its docstring
         tokens = take_files(self.config, self.paths)
@@ -170,6 +176,9 @@ class Daemon:
                 await asyncio.gather(self.watchdog, return_exceptions=True)
             serving = self.outcome != "startup_failed"
             await tree.root.stop(self.steps, self._drain_step if serving else None)
+            if (tracing := self.tracing) is not None:
+                tree.traces.close_all("daemon_stopped")  # runs in flight: their roots end
+                await self.steps.run(TELEMETRY_FLUSH, FLUSH_CAP, lambda: tracing.flush(FLUSH_CAP))
             published.withdraw(self.paths.state_dir, self.paths.runtime_dir, os.getpid())
         failed = self.outcome != "clean"
         log("shutdown").info(

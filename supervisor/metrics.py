@@ -281,8 +281,34 @@ class TurnClock:
                 self.metrics.turn_seconds.observe(max(0.0, now - began))
 
 
+class _SpansDropped(Collector):
+    """Spans that could not be exported (a full queue, a collector down or slow), by
+    process: the workers' added from their heartbeats, the supervisor's read at scrape."""
+
+    def __init__(self) -> None:
+        self.workers = 0
+        self.supervisor: Callable[[], int] = lambda: 0  # `Tracing.dropped`, once it is on
+        self._lock = threading.Lock()
+
+    def add(self, count: int) -> None:
+        with self._lock:
+            self.workers += count
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(
+            "turnkeeper_spans_dropped",
+            "Spans of traces not exported (the export queue was full, or the collector "
+            "refused them or did not answer in time), by process: supervisor or worker.",
+            labels=["process"],
+        )
+        family.add_metric(["supervisor"], self.supervisor())
+        with self._lock:
+            family.add_metric(["worker"], self.workers)
+        yield family
+
+
 class Metrics:
-    """The daemon's metrics; see the README's list."""
+    """The daemon's metrics; docs/reference/metrics.md lists them (generated from here)."""
 
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
@@ -415,6 +441,8 @@ class Metrics:
             buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900),
             registry=r,
         )
+        self.spans_dropped = _SpansDropped()
+        r.register(self.spans_dropped)
         self.breaker_tripped = Gauge(
             "turnkeeper_breaker_tripped",
             "1 while the crash-loop breaker suppresses side work, else 0.",

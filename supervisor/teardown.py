@@ -21,10 +21,13 @@ task services' own, and tests hold them to these):
     wake listener        2                            on PostgreSQL
     peer deregistration  2                            always
     boot row             5                            always
+    telemetry flush      3                            when telemetry.otlp_endpoint is set
 
 Not counted: the services whose stop only cancels their loops, and the few single
 statements without a cap of their own (the subagents' claims given up, the database
-closed). A background task's runner is one of the descendants: it gets SIGTERM with them
+closed). Tracing turned on by `OTEL_EXPORTER_OTLP_ENDPOINT` alone (the key empty) adds
+its flush too, which this budget, read from the configuration only, does not count. A
+background task's runner is one of the descendants: it gets SIGTERM with them
 and SIGKILL at `shutdown.kill_grace`, so `tasks.kill_grace` does not lengthen a stop.
 """
 
@@ -34,6 +37,7 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from supervisor.contract.config import Config
+from supervisor.contract.telemetry import FLUSH_CAP
 
 LISTENER_MARGIN = 1.0  # beyond attach.shutdown_timeout: the HTTP listener's close
 COURIER = 1.0  # deliveries in flight cancelled, their claims given back
@@ -44,6 +48,7 @@ REAP_BOUND = 1.5  # beyond shutdown.kill_grace: SIGKILL and reaping
 WAKE_LISTENER = 2.0  # PostgreSQL's wake listener (a thread) joined
 PEER_DEREGISTRATION = 2.0  # this host's row left: the others adopt its sessions at once
 BOOT_ROW = 5.0  # the boot row ended with the outcome and the step durations
+TELEMETRY_FLUSH = "telemetry flush"  # its cap is `supervisor.contract.telemetry.FLUSH_CAP`
 
 # systemd/turnkeeper.service's TimeoutStopSec and etc/supervisord/turnkeeper.conf's
 # stopwaitsecs (tests/lifecycle/test_deploy.py holds them to it).
@@ -125,6 +130,8 @@ def teardown_budget(config: Config, drain: float | None = None) -> Budget:
     if urlsplit(config.store.url).scheme in ("postgres", "postgresql"):
         steps.append(Step("wake listener", WAKE_LISTENER, note="PostgreSQL"))
     steps += [Step("peer deregistration", PEER_DEREGISTRATION), Step("boot row", BOOT_ROW)]
+    if config.telemetry.otlp_endpoint:
+        steps.append(Step(TELEMETRY_FLUSH, FLUSH_CAP, note="spans queued for export"))
     return Budget(tuple(step for step in steps if step.seconds > 0))
 
 

@@ -28,6 +28,7 @@ from supervisor.contract.config import Config
 from supervisor.contract.logs import setup_logging
 from supervisor.contract.reaper import exit_if_orphaned, set_pdeathsig
 from supervisor.contract.spawn import WorkerSpec
+from supervisor.contract.telemetry import WORKER_FLUSH, Tracing, start_tracing
 from supervisor.store import Store
 from workers.agent import Agent, AgentLoadError, load_agent_class
 from workers.cache import HistoryCache
@@ -45,6 +46,7 @@ from workers.streaming import Piece
 from workers.tasking import TOOL as TASK_TOOL
 from workers.tasking import Kinds
 from workers.tools import BuiltinTools, Toolbox, Toolboxes
+from workers.tracing import RunTrace
 
 DB_THREADS = 4  # the worker's threads for blocking work (each with its own connection)
 
@@ -80,7 +82,12 @@ def main(spec: WorkerSpec) -> None:
     for target in config.delivery.targets:  # the supervisor signs; agents never see a key
         os.environ.pop(target.secret_env, None)
     setup_logging(config.log.level, config.log.format, process=spec.identity)
-    code = asyncio.run(Worker(spec, config).run())
+    try:
+        tracing = start_tracing(config, spec.identity)
+    except ValueError as exc:  # the supervisor checked it at its start: the environment changed
+        logger.bind(subsystem="telemetry").error("tracing off: {}", exc)
+        tracing = None
+    code = asyncio.run(Worker(spec, config, tracing).run())
     # Everything is committed and closed by now; skipping the interpreter's teardown (a
     # few hundred ms of CPU per process) keeps a stop of many workers quick.
     sys.stderr.flush()
@@ -90,9 +97,10 @@ def main(spec: WorkerSpec) -> None:
 class Worker:
     """One worker's event loop: control messages in, turns run, heartbeats out."""
 
-    def __init__(self, spec: WorkerSpec, config: Config) -> None:
+    def __init__(self, spec: WorkerSpec, config: Config, tracing: Tracing | None = None) -> None:
         self.spec = spec
         self.config = config
+        self.tracing = tracing  # None: tracing is off
         self.runners: dict[str, SessionRunner] = {}
         self._batch: Prefetch | None = None  # the first reads of the runners being made
         self._mcp_rows: dict[int, int] = {}
@@ -190,6 +198,11 @@ class Worker:
             self.socket.close()
             self.zmq.term()
             await asyncio.to_thread(self.store.close)
+            if self.tracing is not None:
+                try:  # what is queued goes now, briefly: the supervisor's deadline runs
+                    await self.tracing.flush(WORKER_FLUSH)
+                except TimeoutError:
+                    self.log.warning("telemetry: spans still queued after {} s", WORKER_FLUSH)
         return 0
 
     async def send(self, type: str, **fields: Any) -> None:
@@ -309,13 +322,30 @@ class Worker:
                 ),
                 prefetch=self._prefetch(a),
                 send_delta=self.send_delta,
+                trace=self._trace(a.session),
             )
             self.runners[a.session] = runner
+            runner.trace.assignment(a.traceparent)
             if self.draining:
                 runner.drain()
             runner.start()
         else:
+            runner.trace.assignment(a.traceparent)
             runner.reassign(a.token, a.reason, a.cause)
+
+    def _trace(self, session_id: str) -> RunTrace:
+        """The spans of the session's runs (none while tracing is off)."""
+        if self.tracing is None:
+            return RunTrace(None, session_id)
+        model = self.config.model
+        return RunTrace(
+            self.tracing,
+            session_id,
+            provider=model.provider,
+            model=model.model if model.provider != "echo" else "echo",
+            agent=self.config.agent.class_,
+            server_of=self.toolbox.server_of,
+        )
 
     def _prefetch(self, a: control.Assignment) -> Prefetch:
         """The batch that reads this session's row and log with those of every session
@@ -395,6 +425,7 @@ class Worker:
                 model_tokens=self.health.take(),
                 model_errors=self.health.take_errors(),
                 draining=self.draining,
+                spans_dropped=self.tracing.take_dropped() if self.tracing is not None else 0,
             )
             await sleep_unless(SYSTEM, self.config.pool.heartbeat_interval, self._beat)
 

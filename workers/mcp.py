@@ -145,6 +145,11 @@ class McpTools:
             )
         return specs
 
+    def server_of(self, name: str) -> str | None:
+        """The name of the server that offers the tool `name`, if one does."""
+        route = self._routes().get(name)
+        return None if route is None else route[0].name
+
     async def call(self, name: str, arguments: dict[str, Any]) -> ToolOutcome:
         """Call the tool offered as `name`; errors are outcomes, not exceptions."""
         route = self._routes().get(name)

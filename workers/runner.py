@@ -49,6 +49,7 @@ from workers.spawning import Limits, Spawner
 from workers.streaming import LiveOutput, Piece
 from workers.tasking import Kinds, Starter
 from workers.tools import Toolbox
+from workers.tracing import RunTrace
 
 # The waits before trying a failed write again: 1 s, doubling, at most 30 s.
 STORAGE_RETRY = Backoff(initial=1.0, factor=2.0, cap=30.0)
@@ -91,6 +92,7 @@ class SessionRunner:
         clock: Clock = SYSTEM,
         prefetch: Prefetch | None = None,
         send_delta: Callable[[str, str, Piece], bool] | None = None,
+        trace: RunTrace | None = None,
     ) -> None:
         self.session_id = session_id
         self.token = token
@@ -112,6 +114,7 @@ class SessionRunner:
         # streamed is committed, the turn ends, and the runner stops (see `interrupt`).
         self.interrupted = asyncio.Event()
         self._send_delta = send_delta  # a turn's live output, to the supervisor
+        self.trace = trace if trace is not None else RunTrace(None, session_id)  # its spans
         self._context: turns.TurnContext | None = None  # the turn in flight
         self.draining = False  # the daemon drains: no turn starts (`drain`)
         # The session logs the worker keeps; a new runner reads its session's log anew.
@@ -313,6 +316,7 @@ class SessionRunner:
                 raise
             finally:
                 self.in_turn = False
+                self.trace.cut("stopped")  # a run still open did not come to its end
             self._served()
             self._ended = True
             # Whatever comes next is a fresh turn or another continuation of ours.
@@ -453,14 +457,20 @@ class SessionRunner:
             clock=self._clock,
             live=live,
             interrupted=self.interrupted,
+            trace=self.trace,
         )
         started = self._clock.time()
         self._context = context
         try:
-            ending = await turns.agent_ending(agent, context)
+            with self.trace.current():
+                ending = await turns.agent_ending(agent, context)
+        except BaseException as exc:  # released, fenced out, cancelled: the run stops here
+            self.trace.cut(type(exc).__name__)
+            raise
         finally:
             self._context = None
             self._streamed(turn_id, live)
+        self.trace.ran(ending.outcome)
         return await self._continuer.after(turn_id, ending, started, self._run)
 
     def _live_output(self, turn_id: str) -> LiveOutput | None:
@@ -500,6 +510,7 @@ class SessionRunner:
             idempotency_key=key,
         )
         self._observe(self._clock.perf_counter() - started)
+        run = self.trace.committed(type, payload, turn_id, seq, self._log)
         # A signal only: whoever reads the event reads it from the database.
-        await self._notify("committed", session=self.session_id, seq=seq, event_type=type)
+        await self._notify("committed", session=self.session_id, seq=seq, event_type=type, **run)
         return seq

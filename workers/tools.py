@@ -118,6 +118,14 @@ class Toolboxes:
                     specs.append(spec)
         return specs
 
+    def server_of(self, name: str) -> str | None:
+        """The MCP server that offers the tool `name`, if an MCP server does."""
+        for box in self.boxes:
+            if any(spec.name == name for spec in box.specs()):
+                server_of = getattr(box, "server_of", None)
+                return server_of(name) if server_of is not None else None
+        return None
+
     async def call(self, name: str, arguments: dict[str, Any]) -> ToolOutcome:
         """Run `name` in the first toolbox that offers it."""
         for box in self.boxes:

@@ -59,6 +59,7 @@ from workers.tasking import OFF as TASKS_OFF
 from workers.tasking import TOOL as TASK_TOOL
 from workers.tasking import Starter, TaskRefused
 from workers.tools import Toolbox, ToolOutcome
+from workers.tracing import RunTrace
 
 Commit = Callable[[str, dict[str, Any], str | None], Awaitable[int]]
 
@@ -98,6 +99,7 @@ class TurnContext:
         clock: Clock = SYSTEM,
         live: LiveOutput | None = None,
         interrupted: asyncio.Event | None = None,
+        trace: RunTrace | None = None,
     ) -> None:
         self.session_id = session_id
         self.turn_id = turn_id
@@ -120,6 +122,7 @@ class TurnContext:
         self._live = live  # where the answers stream to, as they come
         self._interrupted = interrupted if interrupted is not None else asyncio.Event()
         self.asking = False  # a model call of `call_model` is in flight
+        self._trace = trace if trace is not None else RunTrace(None, session_id)
 
     @property
     def messages(self) -> list[Message]:
@@ -246,7 +249,9 @@ class TurnContext:
         outage = self._outage
         while True:
             try:
-                response = await self._ask_once(messages, tools, stream)
+                with self._trace.chat(messages) as answered:
+                    response = await self._ask_once(messages, tools, stream)
+                    answered(response)
             except ModelError as exc:
                 if self._health is not None:
                     self._health.failed(exc.transient)
@@ -305,20 +310,9 @@ class TurnContext:
             {"call_id": call.id, "name": call.name, "arguments": call.arguments},
             self.turn_id,
         )
-        try:
-            if call.name == SPAWN_TOOL and self._spawner is not None:
-                outcome = await self._spawner.call(call.arguments, self.turn_id, call.id)
-            elif call.name == TASK_TOOL and self._starter is not None:
-                outcome = await self._starter.call(call.arguments, self.turn_id, call.id)
-            elif call.name == RESTART_TOOL and self._requester is not None:
-                outcome = await self._requester.call(call.arguments, self.turn_id, call.id)
-            else:
-                outcome = await self._toolbox.call(call.name, call.arguments)
-        except (asyncio.CancelledError, TurnReleased, LeaseLost, StorageUnavailable):
-            raise
-        except BaseException as exc:  # a tool bug (SystemExit included) must not end the worker
-            logger.bind(subsystem="worker").exception("tool {} raised", call.name)
-            outcome = ToolOutcome(f"the tool failed: {_describe(exc)}", is_error=True)
+        with self._trace.tool(call) as result:
+            outcome = await self._run_tool(call)
+            result(outcome.content, outcome.is_error)
         tokens = context.estimate(outcome.content)
         await self._commit(
             EventType.TOOL_RESULT,
@@ -333,6 +327,22 @@ class TurnContext:
         )
         self._messages.append(Message("tool", outcome.content, tool_call_id=call.id, tokens=tokens))
         return outcome
+
+    async def _run_tool(self, call: ToolCall) -> ToolOutcome:
+        """Run the tool `call` names to its outcome; a tool's error is an outcome."""
+        try:
+            if call.name == SPAWN_TOOL and self._spawner is not None:
+                return await self._spawner.call(call.arguments, self.turn_id, call.id)
+            if call.name == TASK_TOOL and self._starter is not None:
+                return await self._starter.call(call.arguments, self.turn_id, call.id)
+            if call.name == RESTART_TOOL and self._requester is not None:
+                return await self._requester.call(call.arguments, self.turn_id, call.id)
+            return await self._toolbox.call(call.name, call.arguments)
+        except (asyncio.CancelledError, TurnReleased, LeaseLost, StorageUnavailable):
+            raise
+        except BaseException as exc:  # a tool bug (SystemExit included) must not end the worker
+            logger.bind(subsystem="worker").exception("tool {} raised", call.name)
+            return ToolOutcome(f"the tool failed: {_describe(exc)}", is_error=True)
 
     async def notice(self, text: str) -> None:
         """Commit a `notice` for the user."""

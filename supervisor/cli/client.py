@@ -1,4 +1,4 @@
-"""A client of the daemon's HTTP API (the README's "HTTP API"), for the command line.
+"""A client of the daemon's HTTP API (docs/reference/http.md), for the command line.
 
 Synchronous httpx over TCP or the unix socket of `http.listen`. Every failure becomes a
 `ClientError` whose message is one line naming what to fix: a daemon that is not

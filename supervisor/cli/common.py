@@ -39,8 +39,10 @@ if TYPE_CHECKING:
 P = ParamSpec("P")
 R = TypeVar("R")
 
-# Exit codes, as the README's table gives them (systemctl's and sysexits' conventions).
-EX_OK = 0
+# Exit codes (systemctl's and sysexits' conventions); docs/reference/exit-codes.md is
+# generated from these lines, comments included.
+
+EX_OK = 0  # success
 EX_FAILURE = 1  # the command ran and failed, or found a failure (doctor, a tripped breaker)
 EX_USAGE = 2  # a usage error (click's own)
 EX_NOT_RUNNING = 3  # the daemon is not running, as `systemctl is-active` says
@@ -323,7 +325,10 @@ def emit_json(data: object) -> None:
 
 
 json_option = click.option(
-    "--json", "as_json", is_flag=True, help="Print JSON (shape in the README) instead of text."
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print JSON (shapes in the docs: the command line) instead of text.",
 )
 
 

@@ -4,7 +4,7 @@ interrupt, status and grant.
 `supervisor.cli.main` registers them with `register(main)`. The client is imported inside
 the functions, so that httpx does not slow down every other command.
 
-Exit codes (the README's table): 0 success; 1 a failure (an API error, a turn that failed
+Exit codes (docs/reference/exit-codes.md): 0 success; 1 a failure (an API error, a turn that failed
 or was interrupted under `send --wait`); 2 a usage error; 3 the daemon is not running
 (none found, nothing listens where it was, or a stream without reconnection lost it); 4
 this user cannot tell (it may not read the daemon's directories or its token).
@@ -367,7 +367,7 @@ def status(ctx: click.Context, as_json: bool) -> None:
     MCP servers, restarts, sessions, attach streams, its host id and the other hosts on the
     database, if any (--json: the /v1/status document).
 
-    The daemon is found where it published itself (README: "How the command line finds
+    The daemon is found where it published itself (docs: "How the command line finds
     the daemon"). Exit 3 if none runs, 4 if this user cannot tell (it may not read the
     daemon's directories or token)."""
     with connect(ctx) as client:

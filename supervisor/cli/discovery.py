@@ -1,6 +1,6 @@
 """Finding the running daemon: the one place every command that talks to it looks.
 
-The places, in order (the README's "How the command line finds the daemon"):
+The places, in order (docs/reference/command-line.md, "How the command line finds the daemon"):
 
 1. the state directory the configuration names: `--state-dir`, $TURNKEEPER_STATE_DIR,
    `daemon.state_dir` or `daemon.runtime_dir` (file or variable), or systemd's

@@ -121,7 +121,7 @@ def run(ctx: click.Context) -> None:
 def stop(ctx: click.Context, drain: float | None, timeout: float) -> None:
     """Stop the daemon (SIGTERM) and wait until it has exited.
 
-    The daemon is found as every command finds it (README, "How the command line finds
+    The daemon is found as every command finds it (docs: "How the command line finds
     the daemon"). A daemon that is not running is not an error (exit 0, as `systemctl
     stop`); one this user cannot see or signal is exit 4, naming what is lacking. Under
     systemd or supervisord this refuses (exit 1) and names the command to use instead:

@@ -11,11 +11,17 @@ worker -> supervisor (every one also names its `worker`, `w<slot>.<generation>`)
                                                sessions
     heartbeat   {sessions, turns,              alive; sent from the worker's event loop,
                  turns_served, mcp,            with its turns in flight, the turns it
-                 append_latency}               ended since it started, each MCP server's
-                                               state by name, and the append latencies
-                                               since the last one
-    committed   {session, seq, event_type}     an event was committed (a signal: readers
-                                               read the event from the database)
+                 append_latency,               ended since it started, each MCP server's
+                 spans_dropped}                state by name, and the append latencies
+                                               and spans it could not export since the
+                                               last one
+    committed   {session, seq, event_type,     an event was committed (a signal: readers
+                 turn, follows, attempt}       read the event from the database); a turn's
+                                               `turn_started`, `continuation` and
+                                               `turn_ended` name the turn, and the event
+                                               that opened the run a continuation follows
+                                               and its attempt (the run's trace: see
+                                               `supervisor.core.traces`)
     released    {session}                      stopped at an event boundary, lease released
     delta       {session, turn, index, text,   live output of a turn in flight: text the
                  tool_call, elapsed}           model streamed since the last delta, or the
@@ -27,10 +33,13 @@ worker -> supervisor (every one also names its `worker`, `w<slot>.<generation>`)
 
 supervisor -> worker:
     assign      {sessions: [{session, token,   own these sessions, each with its lease
-                 reason, cause}]}              token; reason: an AssignReason; cause:
-                                               what stopped the turn (a Cause), for the
-                                               continuation note. One message per worker
-                                               and dispatch pass, at most MAX_ASSIGN
+                 reason, cause,                token; reason: an AssignReason; cause:
+                 traceparent}]}                what stopped the turn (a Cause), for the
+                                               continuation note; traceparent: the
+                                               assignment's span (W3C), which the next run
+                                               links to (one that does not parse is
+                                               None). One message per worker and dispatch
+                                               pass, at most MAX_ASSIGN
     release     {session}                      stop at the next event boundary, release
     wake        {session}                      re-read the session: there may be work
     interrupt   {session}                      cancel the turn in flight (operator)
@@ -56,6 +65,7 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     StringConstraints,
@@ -67,6 +77,7 @@ from supervisor.contract.clock import SYSTEM
 from supervisor.contract.limits import MAX_NAME as MAX_NAME
 from supervisor.contract.limits import MAX_SERVERS as MAX_SERVERS
 from supervisor.contract.limits import PRINTABLE
+from supervisor.core.traces import parse_traceparent
 from supervisor.core.vocabulary import (
     MCP_REPORTED,
     AssignReason,
@@ -147,6 +158,12 @@ EventTypeWord = Annotated[str, Word, _one_of(EventType)]
 McpStateWord = Annotated[str, Word, _one_of(MCP_REPORTED)]
 ReasonWord = Annotated[str, Word, _one_of(AssignReason)]
 CauseWord = Annotated[str, Word, _one_of(Cause)]
+# Trace context from the other side: a value that is no traceparent is None, never an
+# error (tracing must not stop a turn).
+TraceParent = Annotated[
+    str | None, BeforeValidator(lambda value: value if parse_traceparent(value) else None)
+]
+Attempt = Annotated[int, Field(ge=1, le=1_000_000)]
 
 
 class _Message(BaseModel):
@@ -196,6 +213,8 @@ class Heartbeat(_FromWorker):
     model_errors: Annotated[dict[ModelErrorKind, Total], Field(max_length=2)] = {}
     # It was told to drain: it starts no turn, and `turns` counts the ones still to end.
     draining: bool = False
+    # Spans it could not export (queue full, collector down) since the last heartbeat.
+    spans_dropped: Total = 0
 
 
 class _AboutSession(_FromWorker):
@@ -210,6 +229,11 @@ class Committed(_AboutSession):
     type: Literal["committed"] = "committed"
     seq: Seq
     event_type: EventTypeWord
+    # A turn's own events: which turn; a continuation also the seq of the event that
+    # opened the run it continues, and the attempt it is (`supervisor.core.traces`).
+    turn: Id | None = None
+    follows: Seq | None = None
+    attempt: Attempt | None = None
 
 
 class Released(_AboutSession):
@@ -240,6 +264,7 @@ class Assignment(_ToSession):
     token: Seq
     reason: ReasonWord
     cause: CauseWord | None = None
+    traceparent: TraceParent = None
 
 
 class Assign(_Message):

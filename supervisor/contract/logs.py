@@ -11,6 +11,10 @@ since journald adds its own. A `JOURNAL_STREAM` inherited by a process whose std
 goes elsewhere (a file of supervisord's, say) is ignored. Each process (supervisor, every worker)
 configures its own logger; a loguru logger cannot be handed to a spawned child.
 
+With tracing on (`supervisor.contract.telemetry`), a line written while a span is current
+carries its `trace_id` and `span_id` (hex) as fields of its own: in JSON they are keys, so
+a log line leads to its turn's trace and back.
+
 The password in any URL is masked in every line written, tracebacks included: a database
 driver or HTTP client may echo the URL it was given, with `user:password@` in it. Control
 characters in a message are escaped (`supervisor.contract.printable`): a message is one
@@ -23,6 +27,7 @@ import json
 import os
 import sys
 import traceback
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TextIO
 
 from loguru import logger
@@ -55,6 +60,10 @@ _JOURNAL = "<{extra[priority]}>{level: <7} [{extra[subsystem]}]{extra[where]} {m
 _SHOWN = ("worker", "server", "session")
 _INTERNAL = frozenset({"where", "priority", "process"})
 
+# The current span's (trace id, span id) in hex, or None; set by the telemetry once it
+# is on (this module imports no OpenTelemetry).
+span_ids: Callable[[], tuple[str, str] | None] | None = None
+
 
 def _patch(record: Record) -> None:
     # A message may quote what others wrote (a title, a webhook's reason phrase): no
@@ -67,6 +76,8 @@ def _patch(record: Record) -> None:
         extra.setdefault("worker", process)
     extra["where"] = "".join(f" {name}={extra[name]}" for name in _SHOWN if extra.get(name))
     extra["priority"] = _PRIORITY.get(record["level"].name, 6)
+    if span_ids is not None and (ids := span_ids()) is not None:
+        extra["trace_id"], extra["span_id"] = ids
 
 
 def json_line(record: Record) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 from typing import Annotated, Literal
+from urllib.parse import urlsplit
 
 from pydantic import (
     BaseModel,
@@ -306,6 +307,42 @@ class LogConfig(_Section):
     ] = "INFO"
 
 
+def check_endpoint(value: str) -> str | None:
+    """Why `value` is not an OTLP/HTTP endpoint (an http or https URL with a host), or
+    None when it is one."""
+    try:
+        parts = urlsplit(value)
+        parts.port  # noqa: B018 - a port that is not a number raises here
+    except ValueError as exc:
+        return f"not a URL ({exc})"
+    if parts.scheme not in ("http", "https"):
+        return "must be an http:// or https:// URL (OTLP over HTTP)"
+    if not parts.hostname:
+        return "must name a host"
+    if parts.query or parts.fragment:
+        return "must have no query or fragment"
+    return None
+
+
+class TelemetryConfig(_Section):
+    # Traces over OTLP/HTTP: the collector's base URL ("": off, unless the standard
+    # OTEL_EXPORTER_OTLP_ENDPOINT is set); spans go to its /v1/traces.
+    otlp_endpoint: str = ""
+    # Messages, tool arguments and tool results in the spans; off: only their sizes.
+    capture_content: bool = False
+    service_name: Annotated[str, StringConstraints(min_length=1, max_length=100)] = "turnkeeper"
+    # Spans a process queues for export at most; past it, spans are dropped and counted.
+    queue_size: Annotated[int, Field(ge=1, le=1_000_000)] = 2048
+
+    @field_validator("otlp_endpoint")
+    @classmethod
+    def _check_endpoint(cls, value: str) -> str:
+        problem = check_endpoint(value) if value else None
+        if problem is not None:
+            raise PydanticCustomError("otlp_endpoint", "{reason}", {"reason": problem})
+        return value
+
+
 class Config(_Section):
     """The whole configuration; sections in the order of the documentation."""
 
@@ -328,6 +365,7 @@ class Config(_Section):
     schedules: SchedulesConfig = Field(default_factory=SchedulesConfig)
     delivery: DeliveryConfig = Field(default_factory=DeliveryConfig)
     restart: RestartConfig = Field(default_factory=RestartConfig)
+    telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
     log: LogConfig = Field(default_factory=LogConfig)
 
     # The file it was read from (None: built-in defaults), set by `load_config`.

@@ -44,6 +44,8 @@ EFFECTS: dict[str, Effect] = {
     "lease.stale_after": "restart",  # the host row's time to live, fixed at the start
     "shutdown.kill_grace": "restart",  # the stop's cap, fixed at the start
     "tasks.work_dir": "restart",  # judged against the state directory at the start
+    # The supervisor's exporter is made at its start; its workers and it export alike.
+    "telemetry": "restart",
     # Read anew at each use by the supervisor's parts (the reload swaps them a new one).
     "auth": "live",  # tokens file re-read and judged as at a start; metrics_public
     "pool.workers": "live",  # slots added or retired

@@ -1,4 +1,4 @@
-"""The HTTP API (the README's "HTTP API"): intake, attach, status, health and metrics.
+"""The HTTP API (docs/reference/http.md): intake, attach, status, health and metrics.
 
 JSON in and out; errors are `{"error": {"code", "message"}}`. A caller sees only the
 sessions its principal may read (others are 404, as if they did not exist); `admin` is the
@@ -20,6 +20,7 @@ from supervisor import __version__
 from supervisor.contract.clock import SYSTEM, Clock
 from supervisor.contract.config import Config
 from supervisor.contract.logs import log
+from supervisor.core.traces import Trigger
 from supervisor.core.vocabulary import EventType, Permission, Rejection, SessionStatus, Writer
 from supervisor.deliveries.routes import DeliveryRoutes, Stirrer
 from supervisor.http import answers, attach, auth, follow, hosts, openapi, pages
@@ -67,6 +68,7 @@ from supervisor.store import (
 from supervisor.store.reading import EventRows
 from supervisor.subagents import routes as subagents
 from supervisor.tasks import routes as tasks
+from supervisor.tracing import TurnTraces
 
 SESSION_ID = re.compile(r"^[0-9a-f]{32}$")
 PUBLIC = frozenset({"/healthz", "/readyz", "/openapi.json"})
@@ -115,6 +117,7 @@ class Api:
         bus: Bus | None = None,
         host_id: str = "",
         clock: Clock = SYSTEM,
+        traces: TurnTraces | None = None,
     ) -> None:
         self.config = config
         self.clock = clock
@@ -131,6 +134,7 @@ class Api:
         self.reloader = reloader  # taken once the daemon is ready (a 503 before)
         self.configured: list[Any] = []  # the route objects that read the configuration
         self.restarts = restarts
+        self.traces = traces if traces is not None else TurnTraces(None)  # request spans
         self.ready = False
         self.stopping = False  # intake refuses (a stop)
         self.restarting = False  # a restart's drain: not ready, intake still takes messages
@@ -321,20 +325,34 @@ class Api:
                 f"(or `turnkeeper sessions release {info.id}`); then send the message again",
             )
         principal = request[PRINCIPAL]
-        seq = await self.store.events.append_async(
+        # The request's span: the next run of the session links to it (`supervisor.tracing`).
+        span = self.traces.request(
+            "POST /v1/sessions/{id}/inject",
             info.id,
-            EventType.USER_MESSAGE,
-            {"text": body.text, "by": principal},
-            writer=Writer.INTAKE,
-            # A key is the client's own: scoped to its principal, bound to this body.
-            idempotency_key=None if key is None else scoped_key(principal, key),
-            idempotency_digest=None if key is None else request_digest(body.model_dump_json()),
+            {"http.request.method": "POST", "http.route": "/v1/sessions/{id}/inject"},
         )
+        try:
+            seq = await self.store.events.append_async(
+                info.id,
+                EventType.USER_MESSAGE,
+                {"text": body.text, "by": principal},
+                writer=Writer.INTAKE,
+                # A key is the client's own: scoped to its principal, bound to this body.
+                idempotency_key=None if key is None else scoped_key(principal, key),
+                idempotency_digest=None if key is None else request_digest(body.model_dump_json()),
+            )
+            if span is not None:
+                span.set_attribute("turnkeeper.event.seq", int(seq))
+        finally:
+            if span is not None:
+                span.end()
         self.storage.worked()
         if isinstance(seq, ReplayedSeq):  # committed before: nothing new to count
             self.metrics.intake_replays.labels(EventType.USER_MESSAGE).inc()
             return answer(Injected(seq=int(seq)), 202, {"Idempotent-Replayed": "true"})
         self.publish(info.id, {"seq": seq, "type": EventType.USER_MESSAGE})
+        if span is not None:
+            self.traces.arrived(info.id, Trigger.INTAKE, span)
         if self.pool is not None:
             self.pool.wake(info.id)
         return answer(Injected(seq=seq), 202)
@@ -344,6 +362,7 @@ class Api:
         info = await self._session(request, Permission.WRITE)
         refuse_closed(info)
         await asyncio.to_thread(self.store.sessions.request_turn, info.id)
+        self.traces.arrived(info.id, Trigger.INTAKE)
         if self.pool is not None:
             self.pool.wake(info.id)
         return answer(Woken(pending=True), 202)

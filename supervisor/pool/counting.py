@@ -14,6 +14,7 @@ class Counts(Protocol):
     append_latency: Any  # the workers' append latency, added from heartbeats
     first_delta: Any  # Histogram: a model call's time to its first delta
     deltas_dropped: Any  # Counter{where}
+    spans_dropped: Any  # the spans the workers could not export, added from heartbeats
     breaker_tripped: Any  # Gauge
     recovery: Any  # Counter{action, cause, outcome}
     recovery_age: Any  # Histogram

@@ -36,6 +36,7 @@ from supervisor.runtime.loops import QUIET, PassObserver
 from supervisor.runtime.service import Service
 from supervisor.store import Grant, SessionInfo, Store
 from supervisor.store import Granted as GrantedLease
+from supervisor.tracing import TurnTraces
 
 Send = Callable[..., bool]  # (worker, type, **fields) -> sent
 FULL_PASS = 5.0  # seconds between passes that read every session with work
@@ -89,8 +90,10 @@ class Ownership(Service):
         announce: Callable[[str], None] | None = None,
         bus: Bus | None = None,
         observer: PassObserver = QUIET,
+        traces: TurnTraces | None = None,
     ) -> None:
         self.config = config
+        self.traces = traces if traces is not None else TurnTraces(None)  # assignment spans
         self.store = store
         self.recovery = recovery
         self.workers = workers  # the live workers, by name (the control plane's)
@@ -407,14 +410,17 @@ class Ownership(Service):
                 self.tokens[p.info.id] = granted.lease.token
                 self.woken[p.info.id] = p.info.last_seq
                 cause = p.judged.decision.cause if p.judged is not None else None
-                by_worker.setdefault(target, []).append(
-                    {
-                        "session": p.info.id,
-                        "token": granted.lease.token,
-                        "reason": p.reason.value,
-                        "cause": cause,
-                    }
-                )
+                assignment = {
+                    "session": p.info.id,
+                    "token": granted.lease.token,
+                    "reason": p.reason.value,
+                    "cause": cause,
+                }
+                if self.traces.on:
+                    assignment["traceparent"] = self.traces.assigning(
+                        p.info.id, target.identity, p.reason.value, cause
+                    )
+                by_worker.setdefault(target, []).append(assignment)
             for worker, assigned in by_worker.items():
                 self.send(worker, "assign", sessions=assigned)
             # Recovery's books and the log lines after the messages: a dead worker's k

@@ -90,6 +90,7 @@ from supervisor.runtime.bus import (
 from supervisor.runtime.service import Service, Steps
 from supervisor.store import Store
 from supervisor.teardown import REAP_BOUND
+from supervisor.tracing import TurnTraces
 from workers.entry import run_worker
 
 POLL = 0.05  # seconds between looks at a worker being replaced or retired
@@ -132,9 +133,11 @@ class Pool(Service):
         bus: Bus,
         reaped_elsewhere: dict[str, int] | None = None,
         clock: Clock = SYSTEM,
+        traces: TurnTraces | None = None,
     ) -> None:
         self.config = config
         self.bus = bus
+        self.traces = traces if traces is not None else TurnTraces(None)  # the runs' roots
         # Children whose exit status another service reads (the task keeper's runners).
         self.reaped_elsewhere = reaped_elsewhere if reaped_elsewhere is not None else {}
         self.store = store
@@ -482,7 +485,10 @@ class Pool(Service):
                     self.metrics.model_errors.labels(failed).inc(count)
                 latency = message.append_latency
                 self.metrics.append_latency.add(latency.counts, latency.sum)
+                if message.spans_dropped:
+                    self.metrics.spans_dropped.add(message.spans_dropped)
             case control.Committed():
+                self.traces.said(worker.identity, message)
                 if message.event_type == EventType.TURN_ENDED:
                     self.delta_indexes.forget(message.session)
                 if message.event_type in (EventType.TURN_ENDED, EventType.MODEL_RESPONSE):
@@ -491,6 +497,7 @@ class Pool(Service):
             case control.Delta():
                 self._delta(worker, message)
             case control.Released() | control.LeaseLost():
+                self.traces.stopped(message.session, message.type)
                 self.delta_indexes.forget(message.session)
                 self.streamed.forget(message.session)
                 owned = self.ownership.let_go(worker, message.session)

@@ -1,4 +1,4 @@
-"""Requested restarts (the README's "Restart in place"): admitted as a row, begun when due,
+"""Requested restarts (docs/how-to/restart.md): admitted as a row, begun when due,
 carried out by a re-exec in place, settled once by the next boot.
 
 - Admitted: an operator's `POST /v1/restart` through `Restarter.request`, an agent's turn

@@ -61,7 +61,7 @@ def schedules() -> None:
     \b
     A schedule injects its TEXT into a session at every time of its cron
     expression: 5 fields (minute hour day-of-month month day-of-week), or 6
-    with seconds first (`*/2 * * * * *` is every 2 seconds). Each time fires
+    with seconds first (`30 */5 * * * *` is 30 s past every fifth minute). Each time fires
     once, across restarts and daemons. Without --session each run gets a new
     session of kind `scheduled`, which the schedule's owner can read.
     """

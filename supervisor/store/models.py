@@ -1,4 +1,4 @@
-"""The tables, shared by the supervisor and the workers (the README's "The store").
+"""The tables, shared by the supervisor and the workers (docs/explanation/store.md).
 
 Times are epoch seconds as floats, portable across SQLite, PostgreSQL and MySQL. Lease
 expiry is written from the database clock; `created_at`/`updated_at` are informational.

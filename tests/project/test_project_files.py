@@ -29,8 +29,7 @@ def test_the_changelog_opens_with_unreleased_then_the_packages_version() -> None
     assert released, "the version's heading has no date"
 
 
-def test_the_readme_says_how_to_upgrade_and_roll_back() -> None:
-    readme = (REPO / "README.md").read_text()
-    section = readme.split("\n## Upgrading\n", 1)[1].split("\n## ", 1)[0]
+def test_the_docs_say_how_to_upgrade_and_roll_back() -> None:
+    section = (REPO / "docs" / "how-to" / "upgrade.md").read_text()
     for needed in ("turnkeeper db migrate", "pg_dump", "mysqldump", "admin.token", "Roll back"):
         assert needed in section, needed

@@ -1,4 +1,5 @@
-"""The README's promises that code can check: its example agent runs as documented."""
+"""The docs' promises that code can check: the example agent of the tutorial (docs/tutorial/
+agent.md) runs as documented."""
 
 from __future__ import annotations
 
@@ -13,12 +14,11 @@ from workers.turns import TurnContext, run_agent
 
 
 def example_agent() -> Any:
-    readme = (REPO / "README.md").read_text()
-    section = readme.split("## Plug in your agent", 1)[1]
-    code = re.search(r"```python\n(.*?)```", section, re.S)
-    assert code, "the README has no example agent"
+    page = (REPO / "docs" / "tutorial" / "agent.md").read_text()
+    code = re.search(r"```python\n(.*?)```", page, re.S)
+    assert code, "docs/tutorial/agent.md has no example agent"
     namespace: dict[str, Any] = {}
-    exec(compile(code.group(1), "README.md", "exec"), namespace)
+    exec(compile(code.group(1), "docs/tutorial/agent.md", "exec"), namespace)
     return namespace["CarefulAgent"]()
 
 

@@ -96,7 +96,9 @@ EXPECTED: dict[str, str] = {
         store.max_event_bytes store.connect_timeout
         http.listen http.max_body http.read_timeout http.max_connections http.write_timeout
         lease.stale_after
-        shutdown.kill_grace attach.shutdown_timeout tasks.work_dir""",
+        shutdown.kill_grace attach.shutdown_timeout tasks.work_dir
+        telemetry.otlp_endpoint telemetry.capture_content telemetry.service_name
+        telemetry.queue_size""",
     "live": """http.max_streams_per_principal auth.tokens_file auth.metrics_public
         auth.max_open_sessions_per_principal pool.workers
         pool.spare pool.hang_timeout shutdown.drain_budget shutdown.subagent_drain
