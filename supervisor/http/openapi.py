@@ -29,6 +29,7 @@ from supervisor.http.schemas import (
     TASK_ID_PATTERN,
     AclEntries,
     Closed,
+    ErrorBody,
     EventList,
     Health,
     Injected,
@@ -54,7 +55,7 @@ ERRORS = {
     401: "No valid bearer token.",
     403: "The caller may see the session but not do this, or only the admin token may.",
     404: "No such session, task, schedule, delivery or restart request (or the caller may not "
-    "read its session), or no such console page or file.",
+    "read its session).",
     409: "The session is closed or quarantined (`error.code` says which and the message "
     "how to go on), the Idempotency-Key was used for another request, a task's output "
     "is on another host, schedules are off or at schedules.max_schedules, or a delivery "
@@ -340,12 +341,16 @@ PATHS: list[tuple[str, str, str, str, list[Any], str | None, dict[int, Answer], 
     ("get", "/ui/{path}", "consolePage",
      "A page of the operator console (http.console): its HTML, which reads everything "
      "through this API with the token the operator signs in with. Needs no token.",
-     [CONSOLE_PAGE], None, {200: ("text/html", "The console's page.")}, "404", PUBLIC),
+     [CONSOLE_PAGE], None,
+     {200: ("text/html", "The console's page."), 404: (ErrorBody, "No such console page.")},
+     "", PUBLIC),
     ("get", "/ui/assets/{name}", "consoleAsset",
      "A script, style sheet or icon of the console, by a name carrying its content's hash "
      "(cached for a year).",
      [CONSOLE_ASSET], None,
-     {200: (("text/javascript", "text/css", "image/svg+xml"), "The file.")}, "404", PUBLIC),
+     {200: (("text/javascript", "text/css", "image/svg+xml"), "The file."),
+      404: (ErrorBody, "No such file of the console.")},
+     "", PUBLIC),
 ]  # fmt: skip
 
 
