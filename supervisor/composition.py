@@ -253,6 +253,7 @@ def build(
         restarts=restarter,
         bus=bus,
         host_id=host,
+        clock=clock,
         traces=traces,
     )
     state = metrics.state

@@ -37,6 +37,7 @@ from supervisor.core.vocabulary import (
     MCP_REPORTED,
     AttemptOutcome,
     DeliveryStatus,
+    EventType,
     FireOutcome,
     RestartState,
     SessionCount,
@@ -253,6 +254,33 @@ class _Deltas(Collector):
         yield family
 
 
+class TurnClock:
+    """Times turns from the commits this daemon hears of, into `turnkeeper_turn_seconds`.
+
+    A turn is timed from its `turn_started` (or a `continuation`) to its `turn_ended`; one
+    whose start this boot never heard of (it began before a restart, or on another host)
+    is not timed. At most `cap` turns are followed at once: a start whose end never comes
+    (its session moved to another host) cannot grow the map for good.
+    """
+
+    def __init__(self, metrics: Metrics, cap: int = 10000) -> None:
+        self.metrics = metrics
+        self.cap = cap
+        self.began: dict[str, float] = {}
+
+    def heard(self, session_id: str, kind: str, now: float) -> None:
+        """An event of `kind` was committed for the session at `now` (monotonic)."""
+        if kind in (EventType.TURN_STARTED, EventType.CONTINUATION):
+            self.began.pop(session_id, None)
+            if len(self.began) >= self.cap:
+                del self.began[next(iter(self.began))]  # the oldest start
+            self.began[session_id] = now
+        elif kind == EventType.TURN_ENDED:
+            began = self.began.pop(session_id, None)
+            if began is not None:
+                self.metrics.turn_seconds.observe(max(0.0, now - began))
+
+
 class _SpansDropped(Collector):
     """Spans that could not be exported (a full queue, a collector down or slow), by
     process: the workers' added from their heartbeats, the supervisor's read at scrape."""
@@ -406,6 +434,13 @@ class Metrics:
         )
         for where in ("stream", "worker"):
             self.deltas_dropped.labels(where)
+        self.turn_seconds = Histogram(
+            "turnkeeper_turn_seconds",
+            "From a turn's start (or continuation) to its end, as this daemon heard of their "
+            "commits: how long a user waits for a whole turn.",
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900),
+            registry=r,
+        )
         self.spans_dropped = _SpansDropped()
         r.register(self.spans_dropped)
         self.breaker_tripped = Gauge(

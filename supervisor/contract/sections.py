@@ -84,6 +84,8 @@ class HttpConfig(_Section):
     # A client that reads none of what it is sent (an answer, an attach stream) for this
     # long is disconnected.
     write_timeout: PositiveSeconds = 30.0
+    # The operator console's pages at /ui/ (files only: it reads through the API).
+    console: bool = True
 
     @field_validator("listen")
     @classmethod

@@ -16,6 +16,8 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
+from supervisor import __version__
+from supervisor.contract.clock import SYSTEM, Clock
 from supervisor.contract.config import Config
 from supervisor.contract.logs import log
 from supervisor.core.traces import Trigger
@@ -33,6 +35,7 @@ from supervisor.http.answers import (
     whole,
 )
 from supervisor.http.auth import ADMIN, Tokens
+from supervisor.http.console import Console
 from supervisor.http.lifecycle import Lifecycle, refuse_closed
 from supervisor.http.operators import OperatorRoutes
 from supervisor.http.reload_route import ReloaderView, ReloadRoutes, config_state
@@ -49,7 +52,7 @@ from supervisor.http.schemas import (
 )
 from supervisor.http.session_routes import SessionRoutes
 from supervisor.http.storage import StorageHealth
-from supervisor.metrics import CONTENT_TYPE, Metrics
+from supervisor.metrics import CONTENT_TYPE, Metrics, TurnClock
 from supervisor.restarts.routes import RestartDesk, RestartRoutes
 from supervisor.runtime.bus import Bus, Delta, Published, Stopping
 from supervisor.schedules.routes import ScheduleRoutes
@@ -113,9 +116,11 @@ class Api:
         restarts: RestartDesk | None = None,
         bus: Bus | None = None,
         host_id: str = "",
+        clock: Clock = SYSTEM,
         traces: TurnTraces | None = None,
     ) -> None:
         self.config = config
+        self.clock = clock
         self.store = store
         self.hub = hub
         self.tokens = tokens
@@ -134,6 +139,9 @@ class Api:
         self.stopping = False  # intake refuses (a stop)
         self.restarting = False  # a restart's drain: not ready, intake still takes messages
         self.storage = StorageHealth(store.probe_write, metrics)
+        self.started_at = clock.time()  # this boot's, for the status (uptime)
+        self.turn_clock = TurnClock(metrics)
+        self.console = Console() if config.http.console else None
         self.lifecycle = Lifecycle(store, self._session, self.publish, pool)
         self.pages = pages.Pages(EventRows(store.db).batches)  # replays, /events: off the loop
         self.log = log("intake")
@@ -192,6 +200,8 @@ class Api:
         r.add_get("/readyz", self.readyz)
         r.add_get("/metrics", self.metrics_text)
         r.add_get("/openapi.json", self.openapi_document)
+        if self.console is not None:
+            self.console.add(app)  # /ui: the operator console's files (no data)
         app.on_shutdown.append(self._on_shutdown)
         app.on_cleanup.append(self.pages.cleanup)  # after the streams ended
         return app
@@ -241,12 +251,15 @@ class Api:
         if not isinstance(seq, int) or isinstance(seq, bool):
             return
         self.metrics.events_committed.labels(kind).inc()
+        self.turn_clock.heard(session_id, kind, self.clock.monotonic())
         if kind == EventType.COMPACTION:
             self.metrics.compactions.inc()
         self.hub.publish(session_id, {"seq": seq, "type": kind})
 
     def _public(self, path: str) -> bool:
-        return path in PUBLIC or (path == "/metrics" and self.config.auth.metrics_public)
+        if path in PUBLIC or (self.console is not None and self.console.public(path)):
+            return True
+        return path == "/metrics" and self.config.auth.metrics_public
 
     # --- helpers --------------------------------------------------------------------
 
@@ -423,7 +436,11 @@ class Api:
         return answer(
             Status(
                 boot=BootState(
-                    id=self.boot_id, ready=self.ready, stopping=self.stopping or self.restarting
+                    id=self.boot_id,
+                    ready=self.ready,
+                    stopping=self.stopping or self.restarting,
+                    started_at=self.started_at,
+                    version=__version__,
                 ),
                 config=config_state(self.reloader, self.config),
                 breaker=breaker,

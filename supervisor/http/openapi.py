@@ -19,7 +19,7 @@ from supervisor import __version__
 from supervisor.core.vocabulary import SessionStatus, TaskStatus
 from supervisor.deliveries import routes as deliveries
 from supervisor.deliveries.routes import DeliveryList, DeliveryOut, TargetRetried
-from supervisor.http import operators, reload_route
+from supervisor.http import console, operators, reload_route
 from supervisor.http.operators import BootList, BreakerReset
 from supervisor.http.reload_route import ReloadOut, ReloadRefused
 from supervisor.http.schemas import (
@@ -29,6 +29,7 @@ from supervisor.http.schemas import (
     TASK_ID_PATTERN,
     AclEntries,
     Closed,
+    ErrorBody,
     EventList,
     Health,
     Injected,
@@ -157,9 +158,24 @@ LAST_EVENT_ID = {
     "schema": {"type": "string", "pattern": "^[0-9]+$"},
 }
 
+CONSOLE_PAGE = {
+    "name": "path",
+    "in": "path",
+    "required": True,
+    "schema": {"type": "string", "pattern": "^[a-z0-9/]*$"},
+    "description": "overview, sessions, sessions/{id}, deliveries, tasks, schedules, boots "
+    "(or empty: the overview)",
+}
+CONSOLE_ASSET = {
+    "name": "name",
+    "in": "path",
+    "required": True,
+    "schema": {"type": "string", "pattern": f"^{console.ASSET_NAME}$"},
+}
+
 # The paths: (method, path, operationId, summary, parameters, request body model,
 # {status: (answer model or media type, description)}, error statuses, security).
-Answer = tuple[type[BaseModel] | str, str]
+Answer = tuple[type[BaseModel] | str | tuple[str, ...], str]
 PATHS: list[tuple[str, str, str, str, list[Any], str | None, dict[int, Answer], str, Any]] = [
     ("post", "/v1/sessions", "createSession", "Create a session; the caller gets admin on it.",
      [], "CreateSession", {201: (SessionDetail, "Created.")}, "400 401 413 422 429 503", AUTH),
@@ -320,6 +336,21 @@ PATHS: list[tuple[str, str, str, str, list[Any], str | None, dict[int, Answer], 
      [], None, {200: ("text/plain", "Metrics.")}, "401", [{}, {"bearer": []}]),
     ("get", "/openapi.json", "openapi", "This document.",
      [], None, {200: ("application/json", "The document.")}, "", PUBLIC),
+    ("get", "/ui", "consoleRoot", "The operator console (http.console): to /ui/.",
+     [], None, {308: ("text/plain", "Moved to /ui/.")}, "", PUBLIC),
+    ("get", "/ui/{path}", "consolePage",
+     "A page of the operator console (http.console): its HTML, which reads everything "
+     "through this API with the token the operator signs in with. Needs no token.",
+     [CONSOLE_PAGE], None,
+     {200: ("text/html", "The console's page."), 404: (ErrorBody, "No such console page.")},
+     "", PUBLIC),
+    ("get", "/ui/assets/{name}", "consoleAsset",
+     "A script, style sheet or icon of the console, by a name carrying its content's hash "
+     "(cached for a year).",
+     [CONSOLE_ASSET], None,
+     {200: (("text/javascript", "text/css", "image/svg+xml"), "The file."),
+      404: (ErrorBody, "No such file of the console.")},
+     "", PUBLIC),
 ]  # fmt: skip
 
 
@@ -327,7 +358,9 @@ def _ref(model: type[BaseModel]) -> dict[str, str]:
     return {"$ref": f"#/components/schemas/{model.__name__}"}
 
 
-def _content(answer: type[BaseModel] | str) -> dict[str, Any]:
+def _content(answer: type[BaseModel] | str | tuple[str, ...]) -> dict[str, Any]:
+    if isinstance(answer, tuple):  # one of several media types
+        return {media: {"schema": {"type": "string"}} for media in answer}
     if isinstance(answer, str):
         schema = {"type": "object"} if answer == "application/json" else {"type": "string"}
         return {answer: {"schema": schema}}

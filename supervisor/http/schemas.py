@@ -313,6 +313,10 @@ class BootState(BaseModel):
     id: str
     ready: bool
     stopping: bool
+    started_at: float | None = Field(
+        default=None, description="when this boot started (Unix time, the daemon's clock)"
+    )
+    version: str = Field(default="", description="the daemon's turnkeeper version")
 
 
 class McpServerOut(BaseModel):
