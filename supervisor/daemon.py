@@ -35,7 +35,7 @@ from supervisor.contract.limits import DB_THREADS
 from supervisor.contract.logs import SUPERVISOR, log
 from supervisor.contract.origins import source_name
 from supervisor.contract.reaper import become_subreaper
-from supervisor.contract.telemetry import FLUSH_CAP, Tracing, start_tracing
+from supervisor.contract.telemetry import Tracing, start_tracing
 from supervisor.http.app import Api
 from supervisor.notify import Notifier
 from supervisor.pool.membership import Membership
@@ -55,7 +55,7 @@ from supervisor.runtime.bus import Bus, Stopping
 from supervisor.runtime.root import Drains
 from supervisor.stopping import READY_TIMEOUT, STOP_REQUEST, StepLog
 from supervisor.store import RestartInfo, Store
-from supervisor.teardown import TELEMETRY_FLUSH, teardown_budget
+from supervisor.teardown import FLUSH_CAP, TELEMETRY_FLUSH, teardown_budget
 
 __all__ = ["Daemon", "PluginError", "StartupError"]
 

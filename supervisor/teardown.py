@@ -37,7 +37,6 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from supervisor.contract.config import Config
-from supervisor.contract.telemetry import FLUSH_CAP
 
 LISTENER_MARGIN = 1.0  # beyond attach.shutdown_timeout: the HTTP listener's close
 COURIER = 1.0  # deliveries in flight cancelled, their claims given back
@@ -48,7 +47,8 @@ REAP_BOUND = 1.5  # beyond shutdown.kill_grace: SIGKILL and reaping
 WAKE_LISTENER = 2.0  # PostgreSQL's wake listener (a thread) joined
 PEER_DEREGISTRATION = 2.0  # this host's row left: the others adopt its sessions at once
 BOOT_ROW = 5.0  # the boot row ended with the outcome and the step durations
-TELEMETRY_FLUSH = "telemetry flush"  # its cap is `supervisor.contract.telemetry.FLUSH_CAP`
+TELEMETRY_FLUSH = "telemetry flush"
+FLUSH_CAP = 3.0  # seconds: the stop's telemetry flush
 
 # systemd/turnkeeper.service's TimeoutStopSec and etc/supervisord/turnkeeper.conf's
 # stopwaitsecs (tests/lifecycle/test_deploy.py holds them to it).

@@ -12,7 +12,7 @@ a span that finds the queue full (the SDK drops the oldest silently; the count i
 and the spans of a batch the collector refused or did not answer within
 `EXPORT_TIMEOUT`. Workers report their count in their heartbeats, and the supervisor
 serves the sum as `turnkeeper_spans_dropped`. The supervisor's stop flushes what is
-queued as a capped step (`FLUSH_CAP`); a worker flushes on its own clean exit
+queued as a capped step (`supervisor.teardown.FLUSH_CAP`); a worker flushes on its own clean exit
 (`WORKER_FLUSH`); a SIGKILL loses what its process had queued.
 
 The OpenTelemetry standard variables for the batch processor (`OTEL_BSP_SCHEDULE_DELAY`,
@@ -42,7 +42,6 @@ if TYPE_CHECKING:
 ENDPOINT_VARIABLE = "OTEL_EXPORTER_OTLP_ENDPOINT"
 TRACES_PATH = "/v1/traces"
 EXPORT_TIMEOUT = 2.0  # seconds an export of one batch may take, its retries included
-FLUSH_CAP = 3.0  # the stop's "telemetry flush" step
 WORKER_FLUSH = 1.0  # a worker's flush on its clean exit
 
 

@@ -1,4 +1,4 @@
-"""The operator console (the README's "Console"): a few static files, served at /ui/.
+"""The operator console (docs/how-to/console.md): a few static files, served at /ui/.
 
 The console is a page in the browser that reads and acts through the HTTP API only, with
 the token the operator signs in with (kept in the tab's `sessionStorage`, sent in the
