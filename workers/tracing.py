@@ -210,9 +210,16 @@ class RunTrace:
                 output = [{"role": "assistant", "content": response.text}]
                 span.set_attribute("gen_ai.output.messages", _content(output))
 
+        with self._ending(span):
+            yield answered
+
+    @contextlib.contextmanager
+    def _ending(self, span: Any) -> Iterator[None]:
+        """`span` is current in the block, failed by what the block raises, and ended."""
+        assert self.tracing is not None
         try:
             with self.tracing.current(span):
-                yield answered
+                yield
         except BaseException as exc:
             Tracing.fail(span, type(exc).__name__)
             raise
@@ -251,14 +258,8 @@ class RunTrace:
             if self.tracing is not None and self.tracing.capture_content:
                 span.set_attribute("gen_ai.tool.call.result", _content(content))
 
-        try:
-            with self.tracing.current(span):
-                yield result
-        except BaseException as exc:
-            Tracing.fail(span, type(exc).__name__)
-            raise
-        finally:
-            span.end()
+        with self._ending(span):
+            yield result
 
 
 def _ignore(response: ModelResponse) -> None:

@@ -154,12 +154,7 @@ def remove_command(ctx: click.Context, schedule_id: str, as_json: bool) -> None:
 @reports_errors
 def pause_command(ctx: click.Context, schedule_id: str, as_json: bool) -> None:
     """Hold schedule ID: it does not fire until `schedules resume ID`."""
-    with connect(ctx) as client:
-        changed = set_held(client, schedule_id, True)
-    if as_json:
-        emit_json(changed)
-    else:
-        click.echo(f"schedule {schedule_id} held: it does not fire until resumed")
+    _hold(ctx, schedule_id, as_json, held=True)
 
 
 @schedules.command("resume")
@@ -169,10 +164,16 @@ def pause_command(ctx: click.Context, schedule_id: str, as_json: bool) -> None:
 @reports_errors
 def resume_command(ctx: click.Context, schedule_id: str, as_json: bool) -> None:
     """Let held schedule ID fire again, from now on (no missed time is caught up)."""
+    _hold(ctx, schedule_id, as_json, held=False)
+
+
+def _hold(ctx: click.Context, schedule_id: str, as_json: bool, held: bool) -> None:
     with connect(ctx) as client:
-        changed = set_held(client, schedule_id, False)
+        changed = set_held(client, schedule_id, held)
     if as_json:
         emit_json(changed)
+    elif held:
+        click.echo(f"schedule {schedule_id} held: it does not fire until resumed")
     else:
         click.echo(f"schedule {schedule_id} resumed; next run: {when(changed['next_fire_at'])}")
 

@@ -10,9 +10,8 @@ it forges one, and user text that looks like HTML shown as text.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -21,25 +20,12 @@ from tests.console.conftest import WAIT_S, Browser
 from tests.daemon import Daemon, daemons, wait_until
 from tests.deliveries_harness import delivering, receivers, rows, settled
 from tests.deliveries_receiver import Receiver
-from tests.http.test_api import Api, create_session, grant, inject, start_api
+from tests.http.test_api import Api, create_session, grant, inject, start
 from tests.support import free_port
 
-__all__ = ["daemons", "receivers"]  # the fixtures
+__all__ = ["daemons", "receivers", "start"]  # the fixtures
 
 pytestmark = [pytest.mark.daemon, pytest.mark.timeout(180)]
-
-
-@pytest.fixture
-def start(daemons: Callable[..., Daemon], tmp_path: Path) -> Iterator[Callable[..., Api]]:
-    made: list[Api] = []
-
-    def make(**sections: dict[str, Any]) -> Api:
-        made.append(start_api(daemons, tmp_path / f"api{len(made)}", **sections))
-        return made[-1]
-
-    yield make
-    for api in made:
-        api.close()
 
 
 def forged(browser: Browser, method: str, path: str) -> int:

@@ -13,34 +13,17 @@ import fnmatch
 import gzip
 import re
 import tomllib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from importlib import resources
-from pathlib import Path
-from typing import Any
-
-import pytest
 
 from supervisor.http import console
 from tests.conftest import REPO
-from tests.daemon import Daemon, daemons
-from tests.http.test_api import Api, assert_error, start_api
+from tests.daemon import daemons
+from tests.http.test_api import Api, assert_error, start
 
-__all__ = ["daemons"]  # the fixture
+__all__ = ["daemons", "start"]  # the fixtures
 
 SESSION = "0123456789abcdef0123456789abcdef"
-
-
-@pytest.fixture
-def start(daemons: Callable[..., Daemon], tmp_path: Path) -> Iterator[Callable[..., Api]]:
-    made: list[Api] = []
-
-    def make(**sections: dict[str, Any]) -> Api:
-        made.append(start_api(daemons, tmp_path / f"api{len(made)}", **sections))
-        return made[-1]
-
-    yield make
-    for api in made:
-        api.close()
 
 
 def test_the_package_ships_every_file_of_the_console() -> None:

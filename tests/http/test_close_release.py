@@ -9,32 +9,16 @@ next message is answered by a new turn.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
-
-import pytest
 
 from supervisor.store import EventRecord, Store
-from tests.daemon import Daemon, daemons, events, turn_ended, wait_until
-from tests.http.test_api import Api, assert_error, create_session, grant, inject, start_api
+from tests.daemon import daemons, events, turn_ended, wait_until
+from tests.http.test_api import Api, assert_error, create_session, grant, inject, start
 
-__all__ = ["daemons"]  # the fixture
+__all__ = ["daemons", "start"]  # the fixtures
 
 RETRY_INTERVAL = 0.5  # recovery's retry timer, so that a few of its rounds pass quickly
-
-
-@pytest.fixture
-def start(daemons: Callable[..., Daemon], tmp_path: Path) -> Iterator[Callable[..., Api]]:
-    made: list[Api] = []
-
-    def make(**sections: dict[str, Any]) -> Api:
-        made.append(start_api(daemons, tmp_path / f"api{len(made)}", **sections))
-        return made[-1]
-
-    yield make
-    for api in made:
-        api.close()
 
 
 def started(store: Store, session_id: str, after: int = 0) -> str:
