@@ -95,6 +95,7 @@ EXPECTED: dict[str, str] = {
     "restart": """daemon.state_dir daemon.runtime_dir daemon.host_id store.url store.synchronous
         store.max_event_bytes store.connect_timeout
         http.listen http.max_body http.read_timeout http.max_connections http.write_timeout
+        http.console
         lease.stale_after
         shutdown.kill_grace attach.shutdown_timeout tasks.work_dir
         telemetry.otlp_endpoint telemetry.capture_content telemetry.service_name
