@@ -117,12 +117,12 @@ class Daemon:
         loop.add_signal_handler(signal.SIGHUP, self._reloads.put_nowait, None)
         # The pre-checks first: a configuration they refuse is one line and exit 78.
         check_plugins(self.config)
-        try:
+        become_subreaper()
+        start_resource_tracker()  # while this process has one thread: see its docstring
+        try:  # after it: the span exporter starts a thread
             self.tracing = start_tracing(self.config, SUPERVISOR)
         except ValueError as exc:  # OTEL_EXPORTER_OTLP_ENDPOINT is no URL
             raise PluginError(str(exc)) from None
-        become_subreaper()
-        start_resource_tracker()  # while this process has one thread: see its docstring
         tokens = take_files(self.config, self.paths)
         (self.paths.runtime_dir / STOP_REQUEST).unlink(missing_ok=True)  # an earlier boot's
         self._announce()

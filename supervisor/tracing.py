@@ -81,15 +81,21 @@ class TurnTraces:
         found = self.sessions.get(session_id)
         if found is None:
             found = self.sessions[session_id] = _Session()
-            while len(self.sessions) > MAX_SESSIONS:
-                oldest, dropped = self.sessions.popitem(last=False)
-                if dropped.run is not None:  # in flight still: keep it, drop another
-                    self.sessions[oldest] = dropped
-                    self.sessions.move_to_end(oldest, last=False)
-                    break
+            if len(self.sessions) > MAX_SESSIONS:
+                self._forget(len(self.sessions) - MAX_SESSIONS)
         else:
             self.sessions.move_to_end(session_id)
         return found
+
+    def _forget(self, count: int) -> None:
+        """Forget the `count` least recently seen sessions with no run in flight (a run in
+        flight is kept: its root ends when its turn does). Past twice MAX_SESSIONS, the
+        oldest go whatever they hold: their roots are never ended, and never exported."""
+        idle = [sid for sid, held in self.sessions.items() if held.run is None][:count]
+        for sid in idle:
+            del self.sessions[sid]
+        while len(self.sessions) > 2 * MAX_SESSIONS:
+            self.sessions.popitem(last=False)
 
     # --- what leads to a run ----------------------------------------------------------
 

@@ -163,7 +163,9 @@ class SessionOut(BaseModel):
     )
     deliver_to: str | None = Field(description="the delivery target it is bound to, if any")
     owner: str | None = Field(
-        default=None, description="the worker that holds its lease (host, boot, slot), if any"
+        default=None,
+        description="the worker that holds its lease (host, boot, slot), if any; shown to "
+        "the admin token only (null for every other caller)",
     )
     quarantined_at: float | None = Field(
         default=None, description="when recovery quarantined it (its turns kept killing workers)"

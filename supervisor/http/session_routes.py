@@ -48,14 +48,18 @@ ORDERS = ("created", "activity")
 
 
 def session_out(
-    info: SessionInfo, permission: str | None = None, waiting: str | None = None
+    info: SessionInfo,
+    permission: str | None = None,
+    waiting: str | None = None,
+    operator: bool = False,
 ) -> SessionOut:
     """A session as the API answers it, with the caller's permission on it and what it
-    waits for, when known."""
+    waits for, when known; the worker holding its lease (host, boot, slot) only for the
+    admin token, which alone sees hosts and boots."""
     return SessionOut.model_validate(
         {
             **info.to_dict(),
-            "owner": info.owner,
+            "owner": info.owner if operator else None,
             "quarantined_at": info.quarantined_at,
             "quarantine_reason": info.quarantine_reason,
             "waiting": waiting,
@@ -191,6 +195,7 @@ class SessionRoutes:
                     info,
                     Permission.ADMIN if admin else held,
                     waiting_for(self.store, info, delays) if may_wait(info, now) else None,
+                    operator=admin,
                 )
                 for info, held in found
             ], more
@@ -219,7 +224,7 @@ class SessionRoutes:
             return use, waiting, held
 
         use, waiting, held = await asyncio.to_thread(read)
-        out = session_out(info, held, waiting)
+        out = session_out(info, held, waiting, operator=principal == ADMIN)
         return SessionDetail.model_validate({**out.model_dump(), "context": use})
 
     async def update(self, request: web.Request) -> web.Response:
@@ -253,7 +258,7 @@ class SessionRoutes:
             if principal == ADMIN
             else await asyncio.to_thread(self.store.acl.permission, info.id, principal)
         )
-        return answer(session_out(bound, held))
+        return answer(session_out(bound, held, operator=principal == ADMIN))
 
     def target(self, name: str, principal: str) -> DeliveryTarget:
         """The configured target called `name`, else a 422 naming those there are; a 403

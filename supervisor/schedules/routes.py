@@ -13,8 +13,8 @@
   its own).
 - `POST /v1/schedules/{id}/pause` and `.../resume` (write access, as a delete): a held
   schedule does not fire until resumed; resumed, it is armed from now (no time it was
-  held for is caught up). A schedule paused because its owner's token was revoked, or
-  ended, is a 409: neither is a user's to resume.
+  held for is caught up). A schedule paused because its owner's token was revoked is
+  resumed only once the owner is in the tokens file again; an ended one is a 409.
 
 Schedules follow their session's ACL: one the caller may not read is a 404, as if it did
 not exist. The rules of firing are `supervisor.schedules.rules`'s; the bodies are here with
@@ -241,17 +241,19 @@ class ScheduleRoutes:
 
     async def resume(self, request: web.Request) -> web.Response:
         """Let a held schedule fire again, from now on: no time it was held for is caught
-        up. Resuming an active one is no error."""
+        up. Resuming an active one is no error. A schedule paused for its owner's revoked
+        token resumes too, once the owner is back in the tokens file (a reload resumes it
+        by itself; a start while the owner was restored does not)."""
         self.refuse()
         info = await self._schedule(request, Permission.WRITE)
-        if info.status not in (ScheduleStatus.ACTIVE, ScheduleStatus.HELD):
+        if info.status == ScheduleStatus.ENDED:
             raise ApiError(409, "conflict", self._why_not(info, "resumed"))
         if info.owner is not None and not self.known(info.owner):
             raise ApiError(
                 409,
                 "conflict",
                 f"schedule {info.id} is not resumed: its owner {info.owner!r} is not in the "
-                "tokens file (it resumes by itself when the owner's token is back)",
+                "tokens file; resume it once the owner's token is back",
             )
         await asyncio.to_thread(self.store.schedules.release, info.id)
         return await self.get(request)

@@ -216,16 +216,22 @@ class Schedules:
         return self._set_one(schedule_id, ScheduleStatus.ACTIVE, ScheduleStatus.HELD)
 
     def release(self, schedule_id: str) -> bool:
-        """Let a held schedule fire again, armed from now: no time it was held for is
-        caught up. False if it was not held."""
-        return self._set_one(schedule_id, ScheduleStatus.HELD, ScheduleStatus.ACTIVE)
+        """Let a held schedule fire again, or a paused one whose owner's token is back (the
+        caller checked), armed from now: no time it did not fire for is caught up. False
+        if it was neither."""
+        return self._set_one(
+            schedule_id, (ScheduleStatus.HELD, ScheduleStatus.PAUSED), ScheduleStatus.ACTIVE
+        )
 
-    def _set_one(self, schedule_id: str, was: ScheduleStatus, status: ScheduleStatus) -> bool:
+    def _set_one(
+        self, schedule_id: str, was: ScheduleStatus | tuple[ScheduleStatus, ...], status: str
+    ) -> bool:
         changes: dict[Any, Any] = {Schedule.status: status}
         if status is ScheduleStatus.ACTIVE:
             changes[Schedule.armed_from] = SYSTEM.time()
+        states = list(was) if isinstance(was, tuple) else [was]
         query = Schedule.update(changes).where(
-            (Schedule.id == schedule_id) & (Schedule.status == was)
+            (Schedule.id == schedule_id) & Schedule.status.in_(states)
         )
         changed = bool(run_write(self._db, query.execute))
         if changed:
@@ -308,10 +314,13 @@ class Schedules:
     ) -> list[FireInfo]:
         """Commit fires (scheduled_for, outcome, reason), oldest first, in one transaction:
         those after the schedule's newest fire. Returns the rows written; none when the
-        schedule is gone or every time was decided already (by another daemon, say)."""
+        schedule is gone or no longer active (held, paused or ended since the times were
+        planned), or every time was decided already (by another daemon, say)."""
 
         def work() -> list[FireInfo]:
-            query = Schedule.select(Schedule.id).where(Schedule.id == schedule_id)
+            query = Schedule.select(Schedule.id).where(
+                (Schedule.id == schedule_id) & (Schedule.status == ScheduleStatus.ACTIVE)
+            )
             if self._db.for_update:  # two daemons deciding one schedule take turns
                 query = query.for_update()
             if query.first() is None:

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import pytest
 
-from tests.daemon import daemons, turnkeeper
+from tests.daemon import daemons, turnkeeper, wait_until
 from tests.http.test_api import Api, create_session, grant, start
 
 __all__ = ["daemons", "start"]
@@ -64,6 +64,11 @@ def test_sessions_are_found_by_text_and_state_a_page_at_a_time(start: Callable[.
     assert admin.get(f"/v1/sessions/{made[0]}").json()["permission"] == "admin"
     assert bob.post(f"/v1/sessions/{made[0]}/inject", json={"text": "x"}).status_code == 403
     assert seen["waiting"] is None and seen["quarantined_at"] is None
+    # The worker holding its lease (host, boot, slot) is the admin token's to see only.
+    held = wait_until(lambda: admin.get(f"/v1/sessions/{made[0]}").json()["owner"], 30, "its lease")
+    assert held.count("/") == 2, held
+    assert alice.get(f"/v1/sessions/{made[0]}").json()["owner"] is None
+    assert seen["owner"] is None
 
     for params, field in (
         ({"status": "sleeping"}, "status"),

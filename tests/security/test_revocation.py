@@ -117,6 +117,11 @@ def test_revoking_a_principal_stops_what_it_set_in_motion(daemons: Daemons, tmp_
         time.sleep(5)  # two of its times pass
         assert fired(daemon, schedule) == last
         assert schedule_of(daemon, schedule)["next_fire_at"] is None
+        with daemon.client() as admin:  # not even the admin resumes it for a revoked owner
+            refused = admin.post(f"/v1/schedules/{schedule}/resume")
+        assert refused.status_code == 409, refused.text
+        assert "'bob' is not in the tokens file" in refused.json()["error"]["message"]
+        assert schedule_of(daemon, schedule)["status"] == "paused"
 
         # Bob back: his schedule resumes; taken out again through the API, which says so.
         tokens_file(tokens, TOKENS)

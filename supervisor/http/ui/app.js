@@ -205,8 +205,12 @@
   function takeTokenFromAddress() {
     const found = /^#token=(.+)$/.exec(location.hash);
     if (!found) return;
-    sessionStorage.setItem(KEY, decodeURIComponent(found[1]));
     history.replaceState(history.state, "", location.pathname + location.search);
+    try {
+      sessionStorage.setItem(KEY, decodeURIComponent(found[1]));
+    } catch (error) {
+      // A malformed %-escape: no token from the address; the form asks for one.
+    }
   }
 
   // Who the token is: any principal reads sessions; only the admin reads the status.
@@ -271,17 +275,25 @@
     signal = null;
   }
 
+  // Run `run` every `ms` while the tab is shown, one run at a time, until the page is left
+  // (or the token refused: signing out leaves the page too).
   function every(ms, run) {
     let timer = null;
+    let running = false;
+    let stopped = false;
     const tick = async () => {
+      timer = null;
+      if (stopped || running) return;
+      running = true;
       if (!document.hidden) {
         try {
           await run();
         } catch (error) {
-          if (error.name !== "AbortError") flash(error.message, true);
+          if (error.name !== "AbortError" && !stopped) flash(error.message, true);
         }
       }
-      timer = setTimeout(tick, ms);
+      running = false;
+      if (!stopped) timer = setTimeout(tick, ms);
     };
     const wake = () => {
       if (!document.hidden && timer !== null) {
@@ -291,6 +303,7 @@
     };
     document.addEventListener("visibilitychange", wake);
     leave.push(() => {
+      stopped = true;
       clearTimeout(timer);
       timer = null;
       document.removeEventListener("visibilitychange", wake);
@@ -555,7 +568,7 @@
           { title: "title", cell: (s) => link(`/ui/sessions/${s.id}`, s.title || `(untitled ${short(s.id)})`, { "data-session": s.id }) },
           { title: "kind", class: "wide", cell: (s) => s.kind },
           { title: "status", cell: (s) => [badge(s.status), s.active_turn_id ? " turn in flight" : ""] },
-          { title: "owner", class: "wide", cell: (s) => s.owner || "-" },
+          { title: "lease held by", class: "wide", cell: (s) => s.owner || "-" },
           { title: "last activity", cell: (s) => when(s.updated_at) },
           { title: "waiting for", class: "wide", cell: (s) => s.waiting || (s.pending ? "a turn" : "-") },
         ],
@@ -779,7 +792,7 @@
           ["kind", session.kind],
           ["id", el("code", {}, session.id)],
           ["agent", session.agent || "default"],
-          ["owner", session.owner || "-"],
+          ["lease held by", session.owner || "-"],
           ["your access", me.admin ? "admin (operator)" : session.permission || "-"],
           ["waiting for", session.waiting || (session.pending ? "a turn" : "-")],
           ["created", when(session.created_at)],
@@ -839,12 +852,14 @@
     }
 
     let pending = null;
+    let treeDue = false; // a subagent event came: the tree is read again
     async function refresh() {
       session = await get(base);
       drawHead();
-      await drawSide();
+      await drawSide(treeDue);
     }
-    function soon() {
+    function soon(subagents) {
+      treeDue = treeDue || subagents;
       if (pending) return;
       pending = setTimeout(async () => {
         pending = null;
@@ -871,12 +886,15 @@
       );
     }
 
-    async function drawSide() {
-      const [tree, taskList, sent] = await Promise.all([
-        subagentTree(id, 1),
+    let tree = null; // the subagent tree as last read: only a subagent event changes it
+    async function drawSide(withTree) {
+      if (withTree) treeDue = false;
+      const [read, taskList, sent] = await Promise.all([
+        withTree ? subagentTree(id, 1) : tree,
         get(`${base}/tasks?limit=100`),
         get(`/v1/deliveries${query({ session: id, limit: 100 })}`).catch(() => ({ deliveries: [] })),
       ]);
+      tree = read;
       fill(side,
         el("h2", {}, "Subagents"),
         tree || el("p", { class: "muted" }, "None."),
@@ -892,7 +910,7 @@
     }
 
     drawHead();
-    await drawSide();
+    await drawSide(true);
     let from = Math.max(0, session.last_seq - TRANSCRIPT);
     const start = (after) =>
       follow(
@@ -900,7 +918,7 @@
         after,
         (e) => {
           transcript.event(e);
-          if (e.type !== "tool_call" && e.type !== "model_response") soon();
+          if (e.type !== "tool_call" && e.type !== "model_response") soon(e.type.startsWith("subagent_"));
         },
         (d) => transcript.delta(d),
         (s) => {
