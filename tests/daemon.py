@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import signal
 import subprocess
 import threading
@@ -48,6 +49,16 @@ def tokens_file(path: Path, tokens: dict[str, str]) -> Path:
     )
     path.chmod(0o600)
     return path
+
+
+def answer_json(handler: BaseHTTPRequestHandler, status: int, document: Any) -> None:
+    """Answer a test server's request with `document` as JSON."""
+    body = json.dumps(document).encode()
+    handler.send_response(status)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(body)))
+    handler.end_headers()
+    handler.wfile.write(body)
 
 
 class LoopbackServer:

@@ -5,7 +5,6 @@ error once the budget is spent, never a fresh budget."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -15,7 +14,15 @@ from http.server import BaseHTTPRequestHandler
 import pytest
 
 from supervisor.store import Store
-from tests.daemon import Daemon, LoopbackServer, daemons, events, turn_ended, wait_until
+from tests.daemon import (
+    Daemon,
+    LoopbackServer,
+    answer_json,
+    daemons,
+    events,
+    turn_ended,
+    wait_until,
+)
 
 __all__ = ["daemons"]
 
@@ -26,12 +33,7 @@ BUDGET = 20.0
 class Down(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         self.rfile.read(int(self.headers.get("Content-Length") or 0))
-        body = json.dumps({"error": {"message": "overloaded, try later"}}).encode()
-        self.send_response(503)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+        answer_json(self, 503, {"error": {"message": "overloaded, try later"}})
 
     def log_message(self, *args: object) -> None:
         pass

@@ -4,7 +4,6 @@ database taking writes, the state directory's free space, the model's failed cal
 
 from __future__ import annotations
 
-import json
 import shutil
 import threading
 from collections.abc import Callable, Iterator
@@ -14,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from supervisor.store import Store
-from tests.daemon import Daemon, LoopbackServer, daemons, turn_ended, wait_until
+from tests.daemon import Daemon, LoopbackServer, answer_json, daemons, turn_ended, wait_until
 from tests.observability.promql import missing, value
 from tests.observability.shipped import dashboard, dashboard_queries, rules
 from tests.security.test_storage import BIG, _fill, small_disk
@@ -90,12 +89,7 @@ class Failing(BaseHTTPRequestHandler):
         with Failing.lock:
             Failing.calls += 1
             status = 503 if Failing.calls <= 2 else 400
-        body = json.dumps({"error": {"message": f"refused with {status}"}}).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+        answer_json(self, status, {"error": {"message": f"refused with {status}"}})
 
     def log_message(self, *args: object) -> None:
         pass

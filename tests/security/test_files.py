@@ -21,7 +21,7 @@ from supervisor import trust
 from supervisor.http.auth import digest
 from supervisor.store import Store
 from tests.conftest import PYTHON, REPO, python_env
-from tests.daemon import Daemon, daemons, turn_ended, wait_until
+from tests.daemon import Daemon, answer_json, daemons, turn_ended, wait_until
 
 __all__ = ["daemons"]  # the fixture
 
@@ -361,12 +361,7 @@ class _RefusingModel(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         self.rfile.read(int(self.headers.get("Content-Length", "0")))
         type(self).authorizations.append(self.headers.get("Authorization", ""))
-        body = json.dumps({"error": {"message": "model 'm' is not loaded"}}).encode()
-        self.send_response(400)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+        answer_json(self, 400, {"error": {"message": "model 'm' is not loaded"}})
 
     def log_message(self, format: str, *args: object) -> None:
         pass
