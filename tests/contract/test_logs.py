@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -18,7 +17,7 @@ from supervisor.contract.logs import to_journal
 from supervisor.http.auth import digest
 from supervisor.store import Store
 from tests.conftest import PYTHON, REPO, python_env
-from tests.daemon import Daemon, daemons, turn_ended, wait_until
+from tests.daemon import Daemon, answer_json, daemons, turn_ended, wait_until
 from tests.support import plain
 
 __all__ = ["daemons"]  # the fixture
@@ -47,7 +46,9 @@ class _Model(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         self.rfile.read(int(self.headers.get("Content-Length", "0")))
         type(self).keys.append(self.headers.get("Authorization", ""))
-        body = json.dumps(
+        answer_json(
+            self,
+            200,
             {
                 "choices": [
                     {
@@ -56,13 +57,8 @@ class _Model(BaseHTTPRequestHandler):
                     }
                 ],
                 "usage": {"prompt_tokens": 3, "completion_tokens": 4},
-            }
-        ).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+            },
+        )
 
     def log_message(self, format: str, *args: object) -> None:
         pass

@@ -23,7 +23,16 @@ from typing import Any
 import pytest
 
 from supervisor.store import EventRecord, Store
-from tests.daemon import Daemon, daemons, events, inject, outcome_of, turn_ended, wait_until
+from tests.daemon import (
+    Daemon,
+    answer_json,
+    daemons,
+    events,
+    inject,
+    outcome_of,
+    turn_ended,
+    wait_until,
+)
 
 __all__ = ["daemons"]  # the fixture
 
@@ -60,19 +69,11 @@ class FakeModel:
                     step = script[min(model.calls[text], len(script) - 1)]
                     model.calls[text] += 1
                 if isinstance(step, int):
-                    self._send(step, {"error": {"message": f"scripted {step}"}})
+                    answer_json(self, step, {"error": {"message": f"scripted {step}"}})
                     return
                 answer, finish = step
                 message = {"role": "assistant", "content": answer}
-                self._send(200, {"choices": [{"message": message, "finish_reason": finish}]})
-
-            def _send(self, status: int, payload: dict[str, Any]) -> None:
-                data = json.dumps(payload).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                answer_json(self, 200, {"choices": [{"message": message, "finish_reason": finish}]})
 
             def log_message(self, format: str, *args: Any) -> None:
                 pass
